@@ -1,0 +1,43 @@
+//! Typed errors of the library. Every variant names the file or stage and what would be valid.
+use std::path::PathBuf;
+
+pub type Result<T, E = KleinError> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum KleinError {
+    /// A file could not be read or written.
+    #[error("{path}: {action} failed")]
+    Io {
+        path: PathBuf,
+        action: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The bundle is not one this runtime can use (missing file, bad manifest, wrong version...).
+    #[error("bundle {path}: {reason}")]
+    Bundle { path: PathBuf, reason: String },
+    /// An image file could not be used as a reference.
+    #[error("image {path}: {reason}")]
+    Image { path: PathBuf, reason: String },
+    /// A generation request that cannot be satisfied (size, steps, references...).
+    #[error("invalid request: {0}")]
+    Request(String),
+    /// The ONNX Runtime library could not be found or loaded.
+    #[error("ONNX Runtime library: {0}")]
+    RuntimeLibrary(String),
+    /// A graph failed to load or run.
+    #[error("{stage}: {message}")]
+    Inference { stage: &'static str, message: String },
+    /// The caller's progress callback asked to stop.
+    #[error("cancelled")]
+    Cancelled,
+}
+
+impl KleinError {
+    /// True when the error comes from what the user gave (files, options), not from the runtime.
+    /// The CLI exits with code 2 for these.
+    pub fn is_user_error(&self) -> bool {
+        !matches!(self, KleinError::Inference { .. } | KleinError::Cancelled)
+    }
+}

@@ -1,0 +1,18 @@
+//! klein: a portable runtime for the FLUX.2-klein image models on ONNX Runtime.
+//!
+//! The pipeline follows diffusers' `Flux2KleinPipeline` stage by stage; each stage lives in its own
+//! module. Only [`runtime`] talks to ONNX Runtime.
+#![warn(clippy::unwrap_used)]
+
+pub mod error;
+pub mod latents;
+pub mod manifest;
+pub mod noise;
+pub mod output;
+pub mod pipeline;
+pub mod reference;
+pub mod runtime;
+pub mod schedule;
+pub mod tokenize;
+
+pub use error::{KleinError, Result};
