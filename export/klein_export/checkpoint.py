@@ -1,0 +1,113 @@
+"""A diffusers-format FLUX.2-klein checkpoint on disk: validation and per-component loading.
+
+Every architecture number comes from the checkpoint's own config files. Components are loaded one at
+a time so that a caller can export and free each before the next (the 4B does not fit otherwise).
+"""
+
+import json
+
+import torch
+from pathlib import Path
+
+EXPECTED_CLASSES = {
+    "text_encoder": ("Qwen3ForCausalLM",),
+    "transformer": ("Flux2Transformer2DModel",),
+    "vae": ("AutoencoderKLFlux2",),
+    "scheduler": ("FlowMatchEulerDiscreteScheduler",),
+    "tokenizer": ("Qwen2Tokenizer", "Qwen2TokenizerFast"),
+}
+
+
+class CheckpointError(Exception):
+    """The checkpoint directory is not a usable FLUX.2-klein checkpoint."""
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (a diffusers FLUX.2-klein checkpoint has this file)")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+
+
+class Checkpoint:
+    """Reads and checks `model_index.json` and every component's config."""
+
+    def __init__(self, root):
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise CheckpointError(f"{self.root}: not a directory (expected a diffusers checkpoint)")
+        self.model_index = _read_json(self.root / "model_index.json")
+        pipeline_class = self.model_index.get("_class_name")
+        if pipeline_class != "Flux2KleinPipeline":
+            raise CheckpointError(
+                f"{self.root / 'model_index.json'}: _class_name is {pipeline_class!r}, expected 'Flux2KleinPipeline'"
+            )
+        for component, classes in EXPECTED_CLASSES.items():
+            entry = self.model_index.get(component)
+            if not entry or entry[1] not in classes:
+                found = entry[1] if entry else None
+                raise CheckpointError(
+                    f"{self.root / 'model_index.json'}: component {component!r} is {found!r}, expected one of {classes}"
+                )
+            if not (self.root / component).is_dir():
+                raise CheckpointError(f"{self.root / component}: missing component directory")
+        self.text_encoder_config = _read_json(self.root / "text_encoder" / "config.json")
+        self.transformer_config = _read_json(self.root / "transformer" / "config.json")
+        self.vae_config = _read_json(self.root / "vae" / "config.json")
+        self.scheduler_config = _read_json(self.root / "scheduler" / "scheduler_config.json")
+        for component in ("text_encoder", "transformer", "vae"):
+            if not any((self.root / component).glob("*.safetensors")):
+                raise CheckpointError(f"{self.root / component}: no *.safetensors weights")
+        if not (self.root / "tokenizer" / "tokenizer.json").is_file():
+            raise CheckpointError(f"{self.root / 'tokenizer' / 'tokenizer.json'}: missing (a fast tokenizer file is required)")
+        self._check_scheduler()
+
+    @property
+    def is_distilled(self) -> bool:
+        return bool(self.model_index.get("is_distilled", False))
+
+    def _check_scheduler(self):
+        cfg = self.scheduler_config
+        path = self.root / "scheduler" / "scheduler_config.json"
+        unsupported = [
+            key
+            for key in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas", "stochastic_sampling")
+            if cfg.get(key)
+        ]
+        if cfg.get("shift_terminal"):
+            unsupported.append("shift_terminal")
+        if cfg.get("time_shift_type", "exponential") not in ("exponential", "linear"):
+            unsupported.append(f"time_shift_type={cfg.get('time_shift_type')}")
+        if unsupported:
+            raise CheckpointError(f"{path}: scheduler options not supported by klein: {', '.join(unsupported)}")
+
+    def load_text_encoder(self):
+        from transformers import Qwen3ForCausalLM
+
+        return self._load(lambda: Qwen3ForCausalLM.from_pretrained(self.root / "text_encoder", dtype=torch.float32), "text_encoder")
+
+    def load_transformer(self):
+        from diffusers import Flux2Transformer2DModel
+
+        return self._load(lambda: Flux2Transformer2DModel.from_pretrained(self.root / "transformer", torch_dtype=torch.float32), "transformer")
+
+    def load_vae(self):
+        from diffusers import AutoencoderKLFlux2
+
+        return self._load(lambda: AutoencoderKLFlux2.from_pretrained(self.root / "vae", torch_dtype=torch.float32), "vae")
+
+    def load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return self._load(lambda: AutoTokenizer.from_pretrained(self.root / "tokenizer"), "tokenizer")
+
+    def _load(self, loader, component):
+        try:
+            model = loader()
+        except Exception as e:  # the libraries raise many types for a bad file; name the component
+            raise CheckpointError(f"{self.root / component}: could not be loaded ({type(e).__name__}: {e})") from e
+        if hasattr(model, "eval"):
+            model.eval()
+        return model

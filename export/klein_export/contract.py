@@ -1,0 +1,80 @@
+"""The I/O contract of every graph in a bundle: names, dtypes and dimensions.
+
+This is the single place that names graph inputs and outputs. The exporter uses it to name the graphs
+and to write `manifest.json["graphs"]`; the Rust runtime checks loaded graphs against that manifest.
+See onnx/README.md.
+"""
+
+from dataclasses import dataclass
+
+# Symbolic dimension names used in the manifest.
+BATCH, SEQ, TOKENS, HEIGHT, WIDTH, LAT_H, LAT_W = "batch", "seq", "tokens", "height", "width", "lat_h", "lat_w"
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dtype: str  # "float32" | "float16" | "int64"
+    shape: tuple  # ints and symbolic dimension names
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class GraphIO:
+    component: str
+    file: str
+    inputs: tuple
+    outputs: tuple
+
+    def input_names(self) -> list:
+        return [t.name for t in self.inputs]
+
+    def output_names(self) -> list:
+        return [t.name for t in self.outputs]
+
+
+def text_encoder_io(embed_dim: int) -> GraphIO:
+    return GraphIO(
+        "text_encoder",
+        "text_encoder.onnx",
+        (Tensor("input_ids", "int64", (BATCH, SEQ)), Tensor("attention_mask", "int64", (BATCH, SEQ))),
+        (Tensor("prompt_embeds", "float32", (BATCH, SEQ, embed_dim)),),
+    )
+
+
+def transformer_io(in_channels: int, joint_dim: int, n_axes: int) -> GraphIO:
+    return GraphIO(
+        "transformer",
+        "transformer.onnx",
+        (
+            Tensor("latents", "float32", (BATCH, TOKENS, in_channels)),
+            Tensor("prompt_embeds", "float32", (BATCH, SEQ, joint_dim)),
+            Tensor("timestep", "float32", (BATCH,)),
+            Tensor("img_ids", "int64", (TOKENS, n_axes)),
+            Tensor("txt_ids", "int64", (SEQ, n_axes)),
+        ),
+        (Tensor("velocity", "float32", (BATCH, TOKENS, in_channels)),),
+    )
+
+
+def vae_encoder_io(latent_channels: int) -> GraphIO:
+    return GraphIO(
+        "vae_encoder",
+        "vae_encoder.onnx",
+        (Tensor("image", "float32", (BATCH, 3, HEIGHT, WIDTH)),),
+        (Tensor("latents", "float32", (BATCH, latent_channels, LAT_H, LAT_W)),),
+    )
+
+
+def vae_decoder_io(latent_channels: int) -> GraphIO:
+    return GraphIO(
+        "vae_decoder",
+        "vae_decoder.onnx",
+        (Tensor("latents", "float32", (BATCH, latent_channels, LAT_H, LAT_W)),),
+        (Tensor("image", "float32", (BATCH, 3, HEIGHT, WIDTH)),),
+    )
+
+
+COMPONENTS = ("text_encoder", "transformer", "vae_encoder", "vae_decoder")

@@ -1,0 +1,110 @@
+"""`klein-export convert`: a diffusers FLUX.2-klein checkpoint -> a klein bundle directory.
+
+Components are exported one at a time and freed before the next one is loaded. The bundle is
+written to a sibling temporary directory and renamed into place only when complete, so a failed
+export leaves nothing half-written behind.
+"""
+
+import gc
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from torch.export import Dim
+
+from . import contract
+from .checkpoint import Checkpoint
+from .manifest import HIDDEN_LAYERS, build_manifest, write_manifest
+from .onnx_export import export_graph
+from .tokenizer_facts import tokenizer_facts
+from .wrappers import TextEncoder, Transformer, VaeDecoder, VaeEncoder
+
+
+class BundleExistsError(FileExistsError):
+    """The output bundle exists and `force` was not given."""
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _export_text_encoder(ckpt, out):
+    lm = ckpt.load_text_encoder()
+    module = TextEncoder(lm, HIDDEN_LAYERS).eval()
+    io = contract.text_encoder_io(lm.config.hidden_size * len(HIDDEN_LAYERS))
+    # Example batch 2 (a size-1 example dimension is specialised to 1), one row padded.
+    ids = torch.randint(0, lm.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 12, dtype=torch.int64)
+    mask[1, 7:] = 0
+    batch, seq = Dim("batch"), Dim("seq")
+    export_graph(module, (ids, mask), {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}, io, out)
+    return io
+
+
+def _export_transformer(ckpt, out):
+    model = ckpt.load_transformer()
+    cfg = model.config
+    io = contract.transformer_io(cfg.in_channels, cfg.joint_attention_dim, len(cfg.axes_dims_rope))
+    g = torch.Generator().manual_seed(0)
+    tokens, seq = 20, 10
+    args = (
+        torch.randn(2, tokens, cfg.in_channels, generator=g),
+        torch.randn(2, seq, cfg.joint_attention_dim, generator=g),
+        torch.tensor([0.9, 0.9]),
+        torch.randint(0, 8, (tokens, len(cfg.axes_dims_rope)), generator=g),
+        torch.randint(0, 8, (seq, len(cfg.axes_dims_rope)), generator=g),
+    )
+    b, t, s = Dim("batch"), Dim("tokens"), Dim("seq")
+    shapes = {"latents": {0: b, 1: t}, "prompt_embeds": {0: b, 1: s}, "timestep": {0: b}, "img_ids": {0: t}, "txt_ids": {0: s}}
+    export_graph(Transformer(model).eval(), args, shapes, io, out)
+    return io
+
+
+def _export_vae(ckpt, out):
+    vae = ckpt.load_vae()
+    latent_ch = vae.config.latent_channels * 4
+    lat_h, lat_w = Dim("lat_h", min=1, max=1024), Dim("lat_w", min=1, max=1024)
+    enc_io = contract.vae_encoder_io(latent_ch)
+    image = torch.rand(2, 3, 48, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    export_graph(VaeEncoder(vae).eval(), (image,), {"image": {0: Dim("batch"), 2: 16 * lat_h, 3: 16 * lat_w}}, enc_io, out)
+    dec_io = contract.vae_decoder_io(latent_ch)
+    latents = torch.randn(2, latent_ch, 3, 4, generator=torch.Generator().manual_seed(0))
+    export_graph(VaeDecoder(vae).eval(), (latents,), {"latents": {0: Dim("batch"), 2: lat_h, 3: lat_w}}, dec_io, out)
+    return enc_io, dec_io
+
+
+def convert(checkpoint, out, force=False, name=None, variant="custom", log=print):
+    """Export every component of `checkpoint` into the bundle directory `out`."""
+    ckpt = Checkpoint(checkpoint)
+    out = Path(out)
+    if out.exists() and not force:
+        raise BundleExistsError(f"{out}: already exists; pass --force to overwrite it")
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        tokenizer = ckpt.load_tokenizer()
+        facts = tokenizer_facts(tokenizer)
+        shutil.copyfile(ckpt.root / "tokenizer" / "tokenizer.json", tmp / "tokenizer.json")
+        del tokenizer
+        graphs = {}
+        for label, step in (("text_encoder", _export_text_encoder), ("transformer", _export_transformer), ("vae", _export_vae)):
+            start = time.perf_counter()
+            result = step(ckpt, tmp)
+            for io in result if isinstance(result, tuple) else (result,):
+                graphs[io.component] = (io, "fp32", None)
+            gc.collect()
+            log(f"exported {label} in {time.perf_counter() - start:.1f} s (peak RSS {_peak_rss_mb():.0f} MB)")
+        manifest = build_manifest(ckpt, facts, graphs, tmp, name or out.name, variant)
+        write_manifest(manifest, tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

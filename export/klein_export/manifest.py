@@ -1,0 +1,122 @@
+"""Builds and checks `manifest.json` (schema in onnx/README.md)."""
+
+import hashlib
+import json
+from pathlib import Path
+
+from . import FORMAT_VERSION, __version__
+from .contract import COMPONENTS
+from .onnx_export import OPSET
+
+MIN_ONNXRUNTIME_VERSION = "1.31.0"
+HIDDEN_LAYERS = (9, 18, 27)  # Flux2KleinPipeline text_encoder_out_layers default
+
+# diffusers pipelines/flux2/pipeline_flux2_klein.py compute_empirical_mu
+EMPIRICAL_MU = {"a1": 8.73809524e-05, "b1": 1.89833333, "a2": 0.00016927, "b2": 0.45666666, "seq_len_threshold": 4300}
+# diffusers pipelines/flux2/image_processor.py Flux2ImageProcessor.check_image_input / _resize_to_target_area
+REFERENCES = {"min_side": 64, "max_aspect_ratio": 8, "max_area": 1024 * 1024, "time_offset_scale": 10}
+
+
+def file_entry(path: Path) -> dict:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def _versions() -> dict:
+    import diffusers
+    import onnx
+    import torch
+    import transformers
+
+    return {
+        "name": "klein-export",
+        "version": __version__,
+        "opset": OPSET,
+        "torch": torch.__version__.split("+")[0],
+        "diffusers": diffusers.__version__,
+        "transformers": transformers.__version__,
+        "onnx": onnx.__version__,
+    }
+
+
+def build_manifest(ckpt, tokenizer_facts: dict, graphs: dict, bundle_dir: Path, name: str, variant: str) -> dict:
+    te, tr, vae, sch = ckpt.text_encoder_config, ckpt.transformer_config, ckpt.vae_config, ckpt.scheduler_config
+    hidden = te["hidden_size"]
+    distilled = ckpt.is_distilled
+    spatial = 2 ** (len(vae["block_out_channels"]) - 1)
+    patch = vae.get("patch_size", [2, 2])
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "model": {
+            "name": name,
+            "variant": variant,
+            "is_distilled": distilled,
+            "default_steps": 4 if distilled else 50,
+            "default_guidance": 1.0 if distilled else 4.0,
+            "default_width": 128 * spatial,  # Flux2KleinPipeline.default_sample_size * vae_scale_factor
+            "default_height": 128 * spatial,
+        },
+        "tokenizer": tokenizer_facts,
+        "text_encoder": {
+            "hidden_size": hidden,
+            "num_hidden_layers": te["num_hidden_layers"],
+            "layers_in_graph": max(HIDDEN_LAYERS),
+            "hidden_layers": list(HIDDEN_LAYERS),
+            "embed_dim": hidden * len(HIDDEN_LAYERS),
+        },
+        "transformer": {
+            key: tr[key]
+            for key in (
+                "in_channels",
+                "num_layers",
+                "num_single_layers",
+                "num_attention_heads",
+                "attention_head_dim",
+                "joint_attention_dim",
+                "axes_dims_rope",
+                "rope_theta",
+                "guidance_embeds",
+            )
+        },
+        "vae": {
+            "latent_channels": vae["latent_channels"],
+            "patch_size": patch[0],
+            "spatial_factor": spatial,
+            "batch_norm_eps": vae["batch_norm_eps"],
+            "block_out_channels": vae["block_out_channels"],
+        },
+        "latents": {"channels": vae["latent_channels"] * patch[0] * patch[1], "pixel_multiple": spatial * patch[0]},
+        "references": dict(REFERENCES),
+        "scheduler": {
+            "class": "FlowMatchEulerDiscreteScheduler",
+            "num_train_timesteps": sch.get("num_train_timesteps", 1000),
+            "shift": sch.get("shift", 1.0),
+            "use_dynamic_shifting": sch.get("use_dynamic_shifting", False),
+            "time_shift_type": sch.get("time_shift_type", "exponential"),
+            "empirical_mu": dict(EMPIRICAL_MU),
+        },
+        "graphs": {},
+        "files": {},
+        "exporter": _versions(),
+        "min_onnxruntime_version": MIN_ONNXRUNTIME_VERSION,
+    }
+    for component in COMPONENTS:
+        io, precision, quantization = graphs[component]
+        manifest["graphs"][component] = {
+            "file": io.file,
+            "precision": precision,
+            "quantization": quantization,
+            "inputs": [t.to_json() for t in io.inputs],
+            "outputs": [t.to_json() for t in io.outputs],
+        }
+    for path in sorted(Path(bundle_dir).iterdir()):
+        if path.is_file() and path.name != "manifest.json":
+            manifest["files"][path.name] = file_entry(path)
+    return manifest
+
+
+def write_manifest(manifest: dict, bundle_dir: Path):
+    (Path(bundle_dir) / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
