@@ -1,0 +1,126 @@
+"""convert + verify on the tiny checkpoint, the manifest and metadata, and export safety."""
+
+import hashlib
+import json
+import shutil
+
+import onnx
+import pytest
+
+from klein_export import FORMAT_VERSION
+from klein_export.checkpoint import CheckpointError
+from klein_export.cli import main
+from klein_export.contract import COMPONENTS
+from klein_export.convert import BundleExistsError, convert
+from klein_export.verify import verify
+
+
+def test_every_component_matches_torch(tiny_checkpoint, tiny_bundle):
+    results = list(verify(tiny_checkpoint, tiny_bundle))
+    assert {r.component for r in results} == set(COMPONENTS)
+    assert all(sum(r.component == c for r in results) >= 3 for c in COMPONENTS), "three shapes or more per component"
+    failed = [r.line() for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+
+
+def test_manifest_schema_and_hashes(tiny_bundle):
+    manifest = json.loads((tiny_bundle / "manifest.json").read_text())
+    assert manifest["format_version"] == FORMAT_VERSION
+    assert manifest["model"] == {
+        "name": "klein-tiny",
+        "variant": "tiny",
+        "is_distilled": True,
+        "default_steps": 4,
+        "default_guidance": 1.0,
+        "default_width": 1024,
+        "default_height": 1024,
+    }
+    tok = manifest["tokenizer"]
+    assert tok["prompt_prefix"] == "<|im_start|>user\n"
+    assert tok["prompt_suffix"] == "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert (tok["pad_token"], tok["pad_token_id"], tok["padding_side"], tok["max_sequence_length"]) == ("<|endoftext|>", 151643, "right", 512)
+    te = manifest["text_encoder"]
+    assert (te["hidden_layers"], te["layers_in_graph"], te["embed_dim"], te["num_hidden_layers"]) == ([9, 18, 27], 27, 48, 28)
+    assert manifest["transformer"]["joint_attention_dim"] == 48
+    assert manifest["scheduler"]["time_shift_type"] == "exponential" and manifest["scheduler"]["use_dynamic_shifting"]
+    assert manifest["latents"] == {"channels": 128, "pixel_multiple": 16}
+    files = {p.name for p in tiny_bundle.iterdir()} - {"manifest.json"}
+    assert set(manifest["files"]) == files
+    for name, entry in manifest["files"].items():
+        data = (tiny_bundle / name).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+    for component in COMPONENTS:
+        spec = manifest["graphs"][component]
+        assert (spec["precision"], spec["quantization"]) == ("fp32", None)
+        model = onnx.load(str(tiny_bundle / spec["file"]))
+        meta = {p.key: p.value for p in model.metadata_props}
+        assert meta == {
+            "klein.component": component,
+            "klein.precision": "fp32",
+            "klein.quantization": "none",
+            "klein.format_version": str(FORMAT_VERSION),
+        }
+        assert [i.name for i in model.graph.input] == [t["name"] for t in spec["inputs"]]
+        assert [o.name for o in model.graph.output] == [t["name"] for t in spec["outputs"]]
+        assert not any(n.metadata_props for n in model.graph.node), "exporter debug metadata is stripped"
+
+
+def test_text_encoder_graph_stops_at_last_layer(tiny_bundle):
+    model = onnx.load(str(tiny_bundle / "text_encoder.onnx"))
+    norms = {i.name.split(".")[2] for i in model.graph.initializer if i.name.endswith("input_layernorm.weight")}
+    # The tiny Qwen3 has 28 layers; the graph holds the 27 it needs and not the final norm.
+    assert norms == {str(k) for k in range(27)}
+    assert not any(i.name.startswith("model.norm") for i in model.graph.initializer)
+
+
+def test_refuses_to_overwrite(tiny_checkpoint, tiny_bundle, capsys):
+    before = (tiny_bundle / "manifest.json").read_bytes()
+    with pytest.raises(BundleExistsError, match="--force"):
+        convert(tiny_checkpoint, tiny_bundle)
+    assert main(["convert", "--checkpoint", str(tiny_checkpoint), "--out", str(tiny_bundle)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert (tiny_bundle / "manifest.json").read_bytes() == before
+
+
+def _copy(ckpt, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(ckpt, dst)
+    return dst
+
+
+def test_missing_component_is_a_clear_error(tiny_checkpoint, tmp_path, capsys):
+    ckpt = _copy(tiny_checkpoint, tmp_path)
+    shutil.rmtree(ckpt / "vae")
+    with pytest.raises(CheckpointError, match=r"vae: missing component directory"):
+        convert(ckpt, tmp_path / "out")
+    assert main(["convert", "--checkpoint", str(ckpt), "--out", str(tmp_path / "out")]) == 2
+    assert "vae" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_wrong_component_class_is_a_clear_error(tiny_checkpoint, tmp_path):
+    ckpt = _copy(tiny_checkpoint, tmp_path)
+    index = json.loads((ckpt / "model_index.json").read_text())
+    index["transformer"] = ["diffusers", "FluxTransformer2DModel"]
+    (ckpt / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="'transformer' is 'FluxTransformer2DModel'"):
+        convert(ckpt, tmp_path / "out")
+
+
+def test_corrupt_weights_leave_no_partial_bundle(tiny_checkpoint, tmp_path):
+    ckpt = _copy(tiny_checkpoint, tmp_path)
+    weights = next((ckpt / "transformer").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="transformer: could not be loaded"):
+        convert(ckpt, tmp_path / "out")
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"], "no bundle and no temporary directory left behind"
+
+
+def test_unsupported_scheduler_option_is_refused(tiny_checkpoint, tmp_path):
+    ckpt = _copy(tiny_checkpoint, tmp_path)
+    path = ckpt / "scheduler" / "scheduler_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["use_karras_sigmas"] = True
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="use_karras_sigmas"):
+        convert(ckpt, tmp_path / "out")
