@@ -28,10 +28,22 @@ pub enum KleinError {
     RuntimeLibrary(String),
     /// A graph failed to load or run.
     #[error("{stage}: {message}")]
-    Inference { stage: &'static str, message: String },
+    Inference {
+        stage: &'static str,
+        message: String,
+    },
     /// The caller's progress callback asked to stop.
     #[error("cancelled")]
     Cancelled,
+    /// A scheduler setting (from the bundle's manifest) that this runtime does not implement.
+    #[error("scheduler setting {setting}: {reason}")]
+    Scheduler {
+        setting: &'static str,
+        reason: String,
+    },
+    /// The device the user asked for (an ONNX Runtime execution provider) cannot be used.
+    #[error("device {device}: {message}")]
+    Device { device: String, message: String },
 }
 
 impl KleinError {

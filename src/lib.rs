@@ -10,6 +10,7 @@ pub mod manifest;
 pub mod noise;
 pub mod output;
 pub mod pipeline;
+pub mod prompt_cache;
 pub mod reference;
 pub mod runtime;
 pub mod schedule;

@@ -1,1 +1,829 @@
+//! The bundle's `manifest.json`: what is in a bundle and how to use it.
+//!
+//! The schema is the bundle contract in `onnx/README.md` (format version 1), written by
+//! `klein-export convert`. Loading is forward compatible: fields this runtime does not know are
+//! ignored, but every field it uses is required. [`Manifest::load`] refuses a bundle whose format
+//! version it does not know, whose manifest is not valid, whose numbers contradict each other, or
+//! whose files are missing or have the wrong size; [`Manifest::verify_hashes`] also checks their
+//! SHA-256 (slow on multi-GB bundles, so it is separate).
+//!
+//! The I/O contract of each graph ([`GraphSpec`]) is checked against the loaded ONNX graph by
+//! `runtime::Graph::check_io`, and the graph's `klein.*` metadata by [`GraphSpec::check_metadata`].
 
+use std::collections::BTreeMap;
+use std::fmt;
+use std::fs::File;
+use std::io::Read;
+use std::path::{Component, Path, PathBuf};
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::error::{KleinError, Result};
+use crate::reference::ReferenceLimits;
+use crate::schedule::{EmpiricalMu, ShiftConfig};
+
+/// The bundle format version this runtime writes and reads (`format_version` in the manifest).
+pub const FORMAT_VERSION: u32 = 1;
+/// Every bundle format version this runtime can read.
+pub const SUPPORTED_FORMAT_VERSIONS: &[u32] = &[FORMAT_VERSION];
+/// File name of the manifest inside a bundle directory.
+pub const MANIFEST_FILE: &str = "manifest.json";
+
+/// Metadata key naming the component a graph implements (`text_encoder`, `transformer`, ...).
+pub const META_COMPONENT: &str = "klein.component";
+/// Metadata key holding the graph's weight precision (`fp32`, `fp16`, `bf16`).
+pub const META_PRECISION: &str = "klein.precision";
+/// Metadata key holding the quantization scheme (`none`, or the scheme as JSON).
+pub const META_QUANTIZATION: &str = "klein.quantization";
+/// Metadata key holding the bundle format version the graph was exported for.
+pub const META_FORMAT_VERSION: &str = "klein.format_version";
+
+/// Read buffer for hashing: large enough that hashing, not system calls, sets the pace.
+const HASH_BUFFER_BYTES: usize = 1 << 20;
+
+/// The whole `manifest.json` of a bundle.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Bundle format version; only [`SUPPORTED_FORMAT_VERSIONS`] are accepted.
+    pub format_version: u32,
+    /// Which model this is and its generation defaults.
+    pub model: ModelInfo,
+    /// How prompts become token ids.
+    pub tokenizer: TokenizerSpec,
+    /// Architecture numbers of the text encoder (Qwen3).
+    pub text_encoder: TextEncoderSpec,
+    /// Architecture numbers of the transformer (Flux2 MM-DiT).
+    pub transformer: TransformerSpec,
+    /// Architecture numbers of the VAE.
+    pub vae: VaeSpec,
+    /// Layout of the packed latents the transformer works on.
+    pub latents: LatentsSpec,
+    /// Limits and position offsets of reference images.
+    pub references: ReferencesSpec,
+    /// The flow-matching scheduler's configuration.
+    pub scheduler: SchedulerSpec,
+    /// The four ONNX graphs and their I/O contracts.
+    pub graphs: GraphsSpec,
+    /// Every file of the bundle (relative path) with its size and SHA-256.
+    pub files: BTreeMap<String, FileEntry>,
+    /// What wrote the bundle.
+    pub exporter: ExporterInfo,
+    /// Oldest ONNX Runtime the graphs were checked with, e.g. `"1.31.0"`.
+    pub min_onnxruntime_version: String,
+}
+
+/// `model`: identity of the checkpoint and its generation defaults.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ModelInfo {
+    /// Free text, e.g. `"FLUX.2-klein-4B"`.
+    pub name: String,
+    /// Which published model (or a tiny test model) this is.
+    pub variant: ModelVariant,
+    /// Step-distilled (4 steps, no guidance) rather than a base checkpoint.
+    pub is_distilled: bool,
+    /// Default number of denoising steps (4 distilled, 50 base).
+    pub default_steps: u32,
+    /// Default guidance scale (1.0 distilled: no classifier-free guidance; 4.0 base).
+    pub default_guidance: f64,
+    /// Default output width in pixels.
+    pub default_width: u32,
+    /// Default output height in pixels.
+    pub default_height: u32,
+}
+
+/// `model.variant`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ModelVariant {
+    /// FLUX.2-klein 4B.
+    #[serde(rename = "4b")]
+    Klein4B,
+    /// FLUX.2-klein 9B.
+    #[serde(rename = "9b")]
+    Klein9B,
+    /// A tiny random-weight model for tests.
+    #[serde(rename = "tiny")]
+    Tiny,
+    /// Any other checkpoint with this architecture.
+    #[serde(rename = "custom")]
+    Custom,
+}
+
+/// `tokenizer`: how a prompt becomes `input_ids` and `attention_mask` (see `tokenize`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TokenizerSpec {
+    /// Hugging Face `tokenizers` file inside the bundle.
+    pub file: String,
+    /// Chat-template text before the user's prompt.
+    pub prompt_prefix: String,
+    /// Chat-template text after the user's prompt.
+    pub prompt_suffix: String,
+    /// The padding token's text (`<|endoftext|>` for Qwen3).
+    pub pad_token: String,
+    /// The padding token's id (151643 for Qwen3).
+    pub pad_token_id: u32,
+    /// Which side padding goes on.
+    pub padding_side: PaddingSide,
+    /// Every prompt is truncated and padded to exactly this many tokens (512 for klein).
+    pub max_sequence_length: usize,
+    /// Whether the tokenizer's post-processor adds its special tokens (false for klein).
+    pub add_special_tokens: bool,
+}
+
+/// `tokenizer.padding_side`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PaddingSide {
+    /// Pads before the prompt.
+    Left,
+    /// Pads after the prompt (the Qwen3 default).
+    Right,
+}
+
+/// `text_encoder`: Qwen3 numbers.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TextEncoderSpec {
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Decoder layers of the full checkpoint.
+    pub num_hidden_layers: usize,
+    /// Decoder layers kept in the graph (the last one used).
+    pub layers_in_graph: usize,
+    /// 1-based decoder layers whose outputs are concatenated, e.g. `[9, 18, 27]`.
+    pub hidden_layers: Vec<usize>,
+    /// Width of `prompt_embeds`: `hidden_size * hidden_layers.len()`.
+    pub embed_dim: usize,
+}
+
+/// `transformer`: Flux2 MM-DiT numbers.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TransformerSpec {
+    /// Channels of a packed latent token (128).
+    pub in_channels: usize,
+    /// Double-stream blocks.
+    pub num_layers: usize,
+    /// Single-stream blocks.
+    pub num_single_layers: usize,
+    /// Attention heads.
+    pub num_attention_heads: usize,
+    /// Width of one head.
+    pub attention_head_dim: usize,
+    /// Width of `prompt_embeds` the transformer expects.
+    pub joint_attention_dim: usize,
+    /// RoPE widths of the (T, H, W, L) position axes; they sum to `attention_head_dim`.
+    pub axes_dims_rope: Vec<usize>,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// Whether the model takes a guidance embedding (false for klein).
+    pub guidance_embeds: bool,
+}
+
+/// `vae`: AutoencoderKLFlux2 numbers.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VaeSpec {
+    /// Channels of the VAE latent before patchifying (32).
+    pub latent_channels: usize,
+    /// Side of the square patch folded into channels (2).
+    pub patch_size: usize,
+    /// Pixels per VAE latent cell along one side (8).
+    pub spatial_factor: usize,
+    /// Epsilon of the latent BatchNorm statistics.
+    pub batch_norm_eps: f64,
+    /// Channel widths of the VAE blocks.
+    pub block_out_channels: Vec<usize>,
+}
+
+/// `latents`: the packed latent layout.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LatentsSpec {
+    /// Channels of a packed latent token (`latent_channels * patch_size^2`).
+    pub channels: usize,
+    /// Output sides are floored to a multiple of this (`spatial_factor * patch_size`).
+    pub pixel_multiple: u32,
+}
+
+/// `references`: limits on reference images and their position-id offsets.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReferencesSpec {
+    /// Smallest accepted side in pixels.
+    pub min_side: u32,
+    /// Largest accepted ratio of the long side to the short side.
+    pub max_aspect_ratio: f64,
+    /// Larger images are resized down to this many pixels, keeping the aspect.
+    pub max_area: u64,
+    /// Reference `i` (0-based) gets time coordinate `scale + scale * i`.
+    pub time_offset_scale: i64,
+}
+
+impl ReferencesSpec {
+    /// The size limits, in the form `reference` uses.
+    pub fn limits(&self) -> ReferenceLimits {
+        ReferenceLimits {
+            min_side: self.min_side,
+            max_aspect_ratio: self.max_aspect_ratio,
+            max_area: self.max_area,
+        }
+    }
+}
+
+/// `scheduler`: FlowMatchEulerDiscreteScheduler configuration.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SchedulerSpec {
+    /// Scheduler class name, `FlowMatchEulerDiscreteScheduler`.
+    #[serde(rename = "class")]
+    pub class_name: String,
+    /// `num_train_timesteps`, `shift`, `use_dynamic_shifting`, `time_shift_type`, and the options
+    /// this runtime refuses when they are on (`shift_terminal`, `use_karras_sigmas`, ...).
+    #[serde(flatten)]
+    pub shift: ShiftConfig,
+    /// Coefficients of `compute_empirical_mu`.
+    pub empirical_mu: EmpiricalMuSpec,
+}
+
+impl SchedulerSpec {
+    /// The settings that shape the sigmas, in the form `schedule` uses.
+    pub fn shift_config(&self) -> ShiftConfig {
+        self.shift.clone()
+    }
+}
+
+/// `scheduler.empirical_mu`: the piecewise-linear fit of `mu` against the token count.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EmpiricalMuSpec {
+    /// Slope of the 10-step line.
+    pub a1: f64,
+    /// Intercept of the 10-step line.
+    pub b1: f64,
+    /// Slope of the 200-step line.
+    pub a2: f64,
+    /// Intercept of the 200-step line.
+    pub b2: f64,
+    /// Above this many image tokens, the 200-step line is used alone.
+    pub seq_len_threshold: usize,
+}
+
+impl EmpiricalMuSpec {
+    /// The constants, in the form `schedule::compute_empirical_mu` uses.
+    pub fn to_constants(&self) -> EmpiricalMu {
+        EmpiricalMu {
+            a1: self.a1,
+            b1: self.b1,
+            a2: self.a2,
+            b2: self.b2,
+            seq_len_threshold: self.seq_len_threshold,
+        }
+    }
+}
+
+/// `graphs`: the four graphs of a bundle.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GraphsSpec {
+    /// Prompt tokens to `prompt_embeds`.
+    pub text_encoder: GraphSpec,
+    /// One velocity prediction.
+    pub transformer: GraphSpec,
+    /// Reference image to normalised, patchified latents.
+    pub vae_encoder: GraphSpec,
+    /// Normalised, patchified latents to image.
+    pub vae_decoder: GraphSpec,
+}
+
+impl GraphsSpec {
+    /// Every graph with its component name (the `klein.component` it must carry), in pipeline
+    /// order.
+    pub fn iter(&self) -> impl Iterator<Item = (&'static str, &GraphSpec)> {
+        [
+            ("text_encoder", &self.text_encoder),
+            ("transformer", &self.transformer),
+            ("vae_encoder", &self.vae_encoder),
+            ("vae_decoder", &self.vae_decoder),
+        ]
+        .into_iter()
+    }
+}
+
+/// One graph: its file, precision and I/O contract.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GraphSpec {
+    /// The `.onnx` file inside the bundle.
+    pub file: String,
+    /// Precision of the weights.
+    pub precision: Precision,
+    /// Weight quantization, if any.
+    pub quantization: Option<QuantizationSpec>,
+    /// Inputs the runtime feeds, by name.
+    pub inputs: Vec<TensorSpec>,
+    /// Outputs the runtime reads, by name.
+    pub outputs: Vec<TensorSpec>,
+}
+
+/// `graphs.*.precision`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// 32-bit float.
+    Fp32,
+    /// IEEE half precision.
+    Fp16,
+    /// bfloat16.
+    Bf16,
+}
+
+impl Precision {
+    /// The name used in the manifest and in `klein.precision` metadata.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Fp16 => "fp16",
+            Precision::Bf16 => "bf16",
+        }
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// `graphs.*.quantization` when not null, e.g. `{"method": "MatMulNBits", "bits": 8, ...}`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct QuantizationSpec {
+    /// Quantizer used, e.g. `MatMulNBits` or `QDQ`.
+    pub method: String,
+    /// Bits per weight.
+    pub bits: u32,
+    /// Weights per quantization block.
+    #[serde(default)]
+    pub block_size: Option<u32>,
+    /// Symmetric (no zero point) quantization.
+    #[serde(default)]
+    pub symmetric: Option<bool>,
+    /// ORT's `accuracy_level` for MatMulNBits.
+    #[serde(default)]
+    pub accuracy_level: Option<u32>,
+    /// Operator types that were quantized.
+    #[serde(default)]
+    pub op_types: Option<Vec<String>>,
+    /// Any other field the exporter wrote, kept as is.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// One input or output of a graph.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TensorSpec {
+    /// Tensor name in the graph.
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Dimensions: fixed sizes or named dynamic ones (`batch`, `seq`, `tokens`...).
+    pub shape: Vec<DimSpec>,
+}
+
+/// Element type of a graph input or output, with the names the manifest uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    /// 32-bit float.
+    Float32,
+    /// IEEE half precision.
+    Float16,
+    /// bfloat16.
+    Bfloat16,
+    /// 64-bit float.
+    Float64,
+    /// 64-bit signed integer.
+    Int64,
+    /// 32-bit signed integer.
+    Int32,
+    /// 8-bit signed integer.
+    Int8,
+    /// 8-bit unsigned integer.
+    Uint8,
+    /// Boolean.
+    Bool,
+}
+
+impl Dtype {
+    /// The name used in the manifest (`float32`, `int64`...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dtype::Float32 => "float32",
+            Dtype::Float16 => "float16",
+            Dtype::Bfloat16 => "bfloat16",
+            Dtype::Float64 => "float64",
+            Dtype::Int64 => "int64",
+            Dtype::Int32 => "int32",
+            Dtype::Int8 => "int8",
+            Dtype::Uint8 => "uint8",
+            Dtype::Bool => "bool",
+        }
+    }
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One dimension of a [`TensorSpec`] shape.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum DimSpec {
+    /// A size fixed at export time, e.g. `128`.
+    Fixed(u64),
+    /// A dynamic size, by its contract name (`batch`, `seq`, `tokens`, `height`...).
+    Named(String),
+}
+
+impl fmt::Display for DimSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DimSpec::Fixed(n) => write!(f, "{n}"),
+            DimSpec::Named(name) => f.write_str(name),
+        }
+    }
+}
+
+/// `files.<name>`: size and hash of one bundle file.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FileEntry {
+    /// Exact size in bytes.
+    pub bytes: u64,
+    /// SHA-256 of the contents, 64 hex digits.
+    pub sha256: String,
+}
+
+/// `exporter`: the tool and library versions that wrote the bundle.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ExporterInfo {
+    /// `klein-export`.
+    pub name: String,
+    /// Its version.
+    pub version: String,
+    /// ONNX opset of the graphs.
+    pub opset: u32,
+    /// torch version used for export.
+    pub torch: String,
+    /// diffusers version used for export.
+    pub diffusers: String,
+    /// transformers version used for export.
+    pub transformers: String,
+    /// onnx version used for export.
+    pub onnx: String,
+}
+
+/// Only the version field, read first so that a manifest from a newer format gets a version error
+/// rather than a confusing one about a field that format renamed.
+#[derive(Deserialize)]
+struct VersionProbe {
+    format_version: Option<serde_json::Value>,
+}
+
+impl Manifest {
+    /// Reads and checks `<bundle_dir>/manifest.json`, then checks that every file it lists exists
+    /// with the listed size. Hashes are not checked here: see [`Manifest::verify_hashes`].
+    pub fn load(bundle_dir: &Path) -> Result<Manifest> {
+        let bundle_error = |path: &Path, reason: String| KleinError::Bundle {
+            path: path.to_path_buf(),
+            reason,
+        };
+        if !bundle_dir.is_dir() {
+            let reason = if bundle_dir.exists() {
+                "is not a directory; pass the bundle directory (the one holding manifest.json)"
+            } else {
+                "does not exist; pass the directory written by `klein-export convert`"
+            };
+            return Err(bundle_error(bundle_dir, reason.to_string()));
+        }
+        let manifest_path = bundle_dir.join(MANIFEST_FILE);
+        if !manifest_path.is_file() {
+            return Err(bundle_error(
+                bundle_dir,
+                format!("has no {MANIFEST_FILE}; is this a klein bundle written by `klein-export convert`?"),
+            ));
+        }
+        let text = std::fs::read_to_string(&manifest_path).map_err(|source| KleinError::Io {
+            path: manifest_path.clone(),
+            action: "reading the manifest",
+            source,
+        })?;
+
+        let probe: VersionProbe = serde_json::from_str(&text)
+            .map_err(|e| bundle_error(&manifest_path, format!("not valid JSON: {e}")))?;
+        let supported = supported_versions();
+        match probe.format_version {
+            None => {
+                return Err(bundle_error(
+                    &manifest_path,
+                    format!("has no `format_version`; this runtime reads format version {supported}"),
+                ))
+            }
+            Some(v) if v.as_u64().is_some_and(|v| SUPPORTED_FORMAT_VERSIONS.iter().any(|&s| u64::from(s) == v)) => {}
+            Some(v) => {
+                return Err(bundle_error(
+                    &manifest_path,
+                    format!(
+                        "format_version {v} is not supported; this runtime reads format version {supported}. \
+                         Use a klein release that reads it, or re-export the bundle with a matching klein-export"
+                    ),
+                ))
+            }
+        }
+
+        let manifest: Manifest = serde_json::from_str(&text).map_err(|e| {
+            bundle_error(
+                &manifest_path,
+                format!("does not match the format version 1 schema: {e}"),
+            )
+        })?;
+        manifest
+            .check_consistency()
+            .map_err(|reason| bundle_error(&manifest_path, reason))?;
+        manifest.check_files(bundle_dir, &manifest_path)?;
+        Ok(manifest)
+    }
+
+    /// Checks the SHA-256 of every file in `files` against the manifest. Files are hashed in
+    /// parallel with a streaming reader; every mismatch is reported, not only the first.
+    pub fn verify_hashes(&self, bundle_dir: &Path) -> Result<()> {
+        let mismatches: Vec<String> = self
+            .files
+            .par_iter()
+            .map(|(name, entry)| {
+                let path = bundle_dir.join(name);
+                let found = sha256_file(&path)?;
+                Ok((!found.eq_ignore_ascii_case(&entry.sha256)).then(|| {
+                    format!(
+                        "{name}: sha256 is {found}, manifest.json says {}",
+                        entry.sha256
+                    )
+                }))
+            })
+            .collect::<Result<Vec<Option<String>>>>()?
+            .into_iter()
+            .flatten()
+            .collect();
+        if mismatches.is_empty() {
+            Ok(())
+        } else {
+            Err(KleinError::Bundle {
+                path: bundle_dir.to_path_buf(),
+                reason: format!(
+                    "{} file(s) do not match manifest.json (corrupted or modified; copy or export the bundle again): {}",
+                    mismatches.len(),
+                    mismatches.join("; ")
+                ),
+            })
+        }
+    }
+
+    /// Numbers that must agree with each other for the pipeline's arithmetic to be right.
+    fn check_consistency(&self) -> std::result::Result<(), String> {
+        let te = &self.text_encoder;
+        let tr = &self.transformer;
+        let vae = &self.vae;
+        let mut problems = Vec::new();
+        if self.tokenizer.max_sequence_length == 0 {
+            problems.push("tokenizer.max_sequence_length is 0".to_string());
+        }
+        if self.model.default_steps == 0 {
+            problems.push("model.default_steps is 0".to_string());
+        }
+        if te.hidden_layers.is_empty() {
+            problems.push("text_encoder.hidden_layers is empty".to_string());
+        }
+        if let Some(bad) = te
+            .hidden_layers
+            .iter()
+            .find(|&&k| k == 0 || k > te.layers_in_graph)
+        {
+            problems.push(format!(
+                "text_encoder.hidden_layers has layer {bad}, outside 1..={} (layers_in_graph)",
+                te.layers_in_graph
+            ));
+        }
+        if te.layers_in_graph > te.num_hidden_layers {
+            problems.push(format!(
+                "text_encoder.layers_in_graph {} exceeds num_hidden_layers {}",
+                te.layers_in_graph, te.num_hidden_layers
+            ));
+        }
+        if te.embed_dim != te.hidden_size * te.hidden_layers.len() {
+            problems.push(format!(
+                "text_encoder.embed_dim {} != hidden_size {} x {} hidden layers",
+                te.embed_dim,
+                te.hidden_size,
+                te.hidden_layers.len()
+            ));
+        }
+        if tr.joint_attention_dim != te.embed_dim {
+            problems.push(format!(
+                "transformer.joint_attention_dim {} != text_encoder.embed_dim {}",
+                tr.joint_attention_dim, te.embed_dim
+            ));
+        }
+        let rope_sum: usize = tr.axes_dims_rope.iter().sum();
+        if rope_sum != tr.attention_head_dim {
+            problems.push(format!(
+                "transformer.axes_dims_rope {:?} sums to {rope_sum}, not attention_head_dim {}",
+                tr.axes_dims_rope, tr.attention_head_dim
+            ));
+        }
+        let packed = vae.latent_channels * vae.patch_size * vae.patch_size;
+        if self.latents.channels != tr.in_channels || self.latents.channels != packed {
+            problems.push(format!(
+                "latents.channels {} must equal transformer.in_channels {} and vae.latent_channels x patch_size^2 = {packed}",
+                self.latents.channels, tr.in_channels
+            ));
+        }
+        let multiple = vae.spatial_factor * vae.patch_size;
+        if self.latents.pixel_multiple as usize != multiple {
+            problems.push(format!(
+                "latents.pixel_multiple {} != vae.spatial_factor x patch_size = {multiple}",
+                self.latents.pixel_multiple
+            ));
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("inconsistent numbers: {}", problems.join("; ")))
+        }
+    }
+
+    /// Every listed file exists with its listed size; every file the pipeline reads is listed.
+    fn check_files(&self, bundle_dir: &Path, manifest_path: &Path) -> Result<()> {
+        let bundle_error = |path: PathBuf, reason: String| KleinError::Bundle { path, reason };
+        let needed = std::iter::once(("tokenizer", &self.tokenizer.file))
+            .chain(self.graphs.iter().map(|(name, g)| (name, &g.file)));
+        for (what, file) in needed {
+            if !self.files.contains_key(file) {
+                return Err(bundle_error(
+                    manifest_path.to_path_buf(),
+                    format!(
+                        "{what} file `{file}` is not listed in `files`, so it cannot be checked"
+                    ),
+                ));
+            }
+        }
+        for (name, entry) in &self.files {
+            let relative = Path::new(name);
+            if name.is_empty()
+                || !relative
+                    .components()
+                    .all(|c| matches!(c, Component::Normal(_)))
+            {
+                return Err(bundle_error(
+                    manifest_path.to_path_buf(),
+                    format!("`files` entry `{name}` is not a plain path inside the bundle"),
+                ));
+            }
+            if entry.sha256.len() != 64 || !entry.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(bundle_error(
+                    manifest_path.to_path_buf(),
+                    format!(
+                        "files.{name}.sha256 `{}` is not 64 hex digits",
+                        entry.sha256
+                    ),
+                ));
+            }
+            let path = bundle_dir.join(relative);
+            let meta = match std::fs::metadata(&path) {
+                Ok(meta) => meta,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(bundle_error(
+                        path,
+                        "is listed in manifest.json but missing; copy or export the bundle again"
+                            .to_string(),
+                    ))
+                }
+                Err(source) => {
+                    return Err(KleinError::Io {
+                        path,
+                        action: "reading file metadata",
+                        source,
+                    })
+                }
+            };
+            if !meta.is_file() {
+                return Err(bundle_error(
+                    path,
+                    "is listed in manifest.json but is not a file".to_string(),
+                ));
+            }
+            if meta.len() != entry.bytes {
+                let hint = if meta.len() < entry.bytes {
+                    "truncated: an interrupted copy or download?"
+                } else {
+                    "larger than exported: modified or replaced?"
+                };
+                return Err(bundle_error(
+                    path,
+                    format!(
+                        "is {} bytes, manifest.json says {} ({hint})",
+                        meta.len(),
+                        entry.bytes
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl GraphSpec {
+    /// Checks the `klein.*` metadata of the loaded graph file `path` against this spec:
+    /// `klein.component` must be `component`, `klein.format_version` a supported version, and
+    /// `klein.precision` / `klein.quantization` must agree with the manifest.
+    pub fn check_metadata(
+        &self,
+        component: &str,
+        metadata: &BTreeMap<String, String>,
+        path: &Path,
+    ) -> Result<()> {
+        let bundle_error = |reason: String| KleinError::Bundle {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let get = |key: &str| {
+            metadata.get(key).ok_or_else(|| {
+                bundle_error(format!(
+                    "graph has no `{key}` metadata; it was not written by klein-export (expected the `{component}` graph)"
+                ))
+            })
+        };
+        let found = get(META_COMPONENT)?;
+        if found != component {
+            return Err(bundle_error(format!(
+                "{META_COMPONENT} is `{found}`, expected `{component}` (graph files swapped?)"
+            )));
+        }
+        let version = get(META_FORMAT_VERSION)?;
+        if !SUPPORTED_FORMAT_VERSIONS
+            .iter()
+            .any(|v| v.to_string() == *version)
+        {
+            return Err(bundle_error(format!(
+                "{META_FORMAT_VERSION} is `{version}`; this runtime reads format version {}",
+                supported_versions()
+            )));
+        }
+        let precision = get(META_PRECISION)?;
+        if precision != self.precision.as_str() {
+            return Err(bundle_error(format!(
+                "{META_PRECISION} is `{precision}`, manifest.json says `{}`",
+                self.precision
+            )));
+        }
+        let quantization = get(META_QUANTIZATION)?;
+        let graph_quantized = quantization != "none";
+        if graph_quantized != self.quantization.is_some() {
+            let declared = self
+                .quantization
+                .as_ref()
+                .map_or("none".to_string(), |q| q.method.clone());
+            return Err(bundle_error(format!(
+                "{META_QUANTIZATION} is `{quantization}`, manifest.json says `{declared}`"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// `"1"`, or `"1, 2"` when several versions are readable.
+fn supported_versions() -> String {
+    SUPPORTED_FORMAT_VERSIONS
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Lower-case hex SHA-256 of a file, streamed.
+fn sha256_file(path: &Path) -> Result<String> {
+    let io_error = |source| KleinError::Io {
+        path: path.to_path_buf(),
+        action: "hashing",
+        source,
+    };
+    let mut file = File::open(path).map_err(io_error)?;
+    let mut hasher = Sha256::new();
+    let mut buffer = vec![0u8; HASH_BUFFER_BYTES];
+    loop {
+        let n = match file.read(&mut buffer) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(io_error(e)),
+        };
+        hasher.update(&buffer[..n]);
+    }
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}

@@ -1,1 +1,677 @@
+//! Reference images: decoding and the preprocessing of diffusers' `Flux2KleinPipeline` (step 4 of
+//! `__call__`), reproduced to the bit:
+//!
+//! 1. `load_image`: `PIL.ImageOps.exif_transpose`, then `convert("RGB")` (alpha is dropped, not
+//!    composited; grey is replicated; 16-bit channels keep their high byte, except 16-bit grey,
+//!    which Pillow clips at 255).
+//! 2. `Flux2ImageProcessor.check_image_input`: both sides at least `min_side`, aspect ratio at most
+//!    `max_aspect_ratio`.
+//! 3. If `w*h > max_area`: `_resize_to_target_area`, sides `int(w*s)`, `int(h*s)` with
+//!    `s = sqrt(max_area / (w*h))`, Pillow's LANCZOS (ported below, bit-exact).
+//! 4. Both sides floored to multiples of 16 (`vae_scale_factor * 2`), centre crop (no resize).
+//! 5. `x / 255 * 2 - 1` in float32, layout `[1, 3, H, W]`.
+//!
+//! Not reproduced: JPEG decoding (zune-jpeg, not Pillow's libjpeg-turbo: its IDCT and chroma
+//! upsampling give values up to 3 levels apart); lossy WebP goes through image-webp, not libwebp
+//! (it matched on the test image, but nothing guarantees it); EXIF orientation stored in XMP or in
+//! PNG text chunks (Pillow reads those too); CMYK JPEGs (converted by the decoder, not by Pillow's
+//! rule). PNG and lossless WebP are exact.
+use std::borrow::Cow;
+use std::f64::consts::PI;
+use std::io::BufReader;
+use std::path::Path;
 
+use image::{DynamicImage, ImageDecoder, ImageError, ImageReader, RgbImage};
+use ndarray::Array4;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{KleinError, Result};
+
+/// Largest width or height this runtime decodes, to refuse decompression bombs before allocating.
+pub const MAX_DECODE_SIDE: u32 = 16384;
+/// Largest decoded pixel buffer, in bytes (512 MiB, the image crate's default).
+pub const MAX_DECODE_BYTES: u64 = 512 * 1024 * 1024;
+
+/// The limits of `Flux2ImageProcessor.check_image_input` and the resize threshold of the pipeline.
+/// Mirrors the manifest's `references` section (its other keys are ignored here).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ReferenceLimits {
+    /// Both sides must be at least this many pixels.
+    pub min_side: u32,
+    /// `max(w/h, h/w)` must not exceed this.
+    pub max_aspect_ratio: f64,
+    /// Images with more pixels are downscaled (Lanczos) to about this many.
+    pub max_area: u64,
+}
+
+impl Default for ReferenceLimits {
+    /// diffusers 0.42.1: `check_image_input(max_aspect_ratio=8, min_side_length=64)` and the
+    /// `1024 * 1024` of `Flux2KleinPipeline.__call__`.
+    fn default() -> Self {
+        Self {
+            min_side: 64,
+            max_aspect_ratio: 8.0,
+            max_area: 1024 * 1024,
+        }
+    }
+}
+
+/// A preprocessed reference image, ready for the VAE encoder.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReferenceImage {
+    /// Width after resizing and cropping (a multiple of `pixel_multiple`).
+    pub width: u32,
+    /// Height after resizing and cropping (a multiple of `pixel_multiple`).
+    pub height: u32,
+    /// `[1, 3, height, width]`, RGB in [-1, 1].
+    pub pixels: Array4<f32>,
+}
+
+/// Reads a PNG, JPEG or WebP file, applies its EXIF orientation and preprocesses it
+/// ([`preprocess_reference`]). `pixel_multiple` is the manifest's `latents.pixel_multiple` (16).
+pub fn load_reference(
+    path: &Path,
+    limits: &ReferenceLimits,
+    pixel_multiple: u32,
+) -> Result<ReferenceImage> {
+    let image = decode_oriented(path)?;
+    preprocess_reference(&image, limits, pixel_multiple, path)
+}
+
+/// Preprocesses an already decoded image as the pipeline does (steps 1-5 of the module doc, EXIF
+/// orientation excepted: apply it before, as [`load_reference`] does). `label` names the image in
+/// errors (its path, or any name the caller gives it).
+pub fn preprocess_reference(
+    image: &DynamicImage,
+    limits: &ReferenceLimits,
+    pixel_multiple: u32,
+    label: &Path,
+) -> Result<ReferenceImage> {
+    let fail = |reason: String| KleinError::Image {
+        path: label.to_path_buf(),
+        reason,
+    };
+    if pixel_multiple == 0 {
+        return Err(fail("the pixel multiple must be at least 1".to_string()));
+    }
+    let rgb = to_rgb8_like_pillow(image).map_err(fail)?;
+    let (width, height) = rgb.dimensions();
+    check_image_input(width, height, limits).map_err(fail)?;
+
+    let rgb = if u64::from(width) * u64::from(height) > limits.max_area {
+        let (target_w, target_h) = target_area_size(width, height, limits.max_area);
+        if target_w < pixel_multiple || target_h < pixel_multiple {
+            return Err(fail(format!(
+                "{width}x{height} resized to max_area {} gives {target_w}x{target_h}, smaller than \
+                 {pixel_multiple} px on a side; raise max_area",
+                limits.max_area
+            )));
+        }
+        Cow::Owned(resize_lanczos(&rgb, target_w, target_h))
+    } else {
+        rgb
+    };
+
+    let (full_w, full_h) = rgb.dimensions();
+    let crop_w = full_w / pixel_multiple * pixel_multiple;
+    let crop_h = full_h / pixel_multiple * pixel_multiple;
+    if crop_w == 0 || crop_h == 0 {
+        return Err(fail(format!(
+            "{full_w}x{full_h} is smaller than {pixel_multiple} px on a side"
+        )));
+    }
+    // `_resize_and_crop` of Flux2ImageProcessor: a centre crop, no resize.
+    let left = (full_w - crop_w) / 2;
+    let top = (full_h - crop_h) / 2;
+    // [H, W, 3] uint8 (cropped) -> [1, 3, H, W] float32; numpy `x / 255.0` then torch `2 * x - 1`.
+    let pixels = Array4::from_shape_fn((1, 3, crop_h as usize, crop_w as usize), |(_, c, y, x)| {
+        let value = rgb.get_pixel(left + x as u32, top + y as u32)[c];
+        2.0 * (f32::from(value) / 255.0) - 1.0
+    });
+    Ok(ReferenceImage {
+        width: crop_w,
+        height: crop_h,
+        pixels,
+    })
+}
+
+/// Decodes with size limits and applies the EXIF orientation (`exif_transpose`).
+fn decode_oriented(path: &Path) -> Result<DynamicImage> {
+    let fail = |reason: String| KleinError::Image {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let io_error = |action: &'static str| {
+        move |source: std::io::Error| KleinError::Io {
+            path: path.to_path_buf(),
+            action,
+            source,
+        }
+    };
+    let file = std::fs::File::open(path).map_err(io_error("open reference image"))?;
+    let size = file
+        .metadata()
+        .map_err(io_error("read reference image metadata"))?
+        .len();
+    if size == 0 {
+        return Err(fail("the file is empty".to_string()));
+    }
+    let mut reader = ImageReader::new(BufReader::new(file))
+        .with_guessed_format()
+        .map_err(io_error("read reference image"))?;
+    if reader.format().is_none() {
+        return Err(fail(
+            "not a PNG, JPEG or WebP image (unrecognised file signature)".to_string(),
+        ));
+    }
+    let mut limits = image::Limits::default();
+    limits.max_image_width = Some(MAX_DECODE_SIDE);
+    limits.max_image_height = Some(MAX_DECODE_SIDE);
+    limits.max_alloc = Some(MAX_DECODE_BYTES);
+    reader.limits(limits.clone());
+    let decode_error = |error: ImageError| match error {
+        ImageError::Limits(_) => fail(format!(
+            "the image is larger than this runtime decodes (at most {MAX_DECODE_SIDE} px per side \
+             and {} MiB of pixels); downscale it first",
+            MAX_DECODE_BYTES / (1024 * 1024)
+        )),
+        ImageError::Unsupported(e) => {
+            fail(format!("unsupported image ({e}); use PNG, JPEG or WebP"))
+        }
+        e => fail(format!(
+            "cannot decode ({e}); the file may be corrupt or truncated"
+        )),
+    };
+    let mut decoder = reader.into_decoder().map_err(decode_error)?;
+    let orientation = decoder.orientation().map_err(decode_error)?;
+    limits
+        .reserve(decoder.total_bytes())
+        .map_err(decode_error)?;
+    let mut image = DynamicImage::from_decoder(decoder).map_err(decode_error)?;
+    image.apply_orientation(orientation);
+    Ok(image)
+}
+
+/// `Image.convert("RGB")` as Pillow does it for the modes these decoders produce.
+fn to_rgb8_like_pillow(image: &DynamicImage) -> std::result::Result<Cow<'_, RgbImage>, String> {
+    let (width, height) = (image.width(), image.height());
+    let rgb = match image {
+        DynamicImage::ImageRgb8(rgb) => return Ok(Cow::Borrowed(rgb)),
+        // RGBA/LA: alpha discarded without compositing; L: grey replicated. The image crate's
+        // conversions do exactly this.
+        DynamicImage::ImageRgba8(_)
+        | DynamicImage::ImageLuma8(_)
+        | DynamicImage::ImageLumaA8(_) => image.to_rgb8(),
+        // Pillow opens 16-bit RGB(A) and grey+alpha PNGs through 8-bit raw modes that keep the
+        // high byte of each sample.
+        DynamicImage::ImageRgb16(rgb) => RgbImage::from_fn(width, height, |x, y| {
+            let p = rgb.get_pixel(x, y).0;
+            image::Rgb([(p[0] >> 8) as u8, (p[1] >> 8) as u8, (p[2] >> 8) as u8])
+        }),
+        DynamicImage::ImageRgba16(rgba) => RgbImage::from_fn(width, height, |x, y| {
+            let p = rgba.get_pixel(x, y).0;
+            image::Rgb([(p[0] >> 8) as u8, (p[1] >> 8) as u8, (p[2] >> 8) as u8])
+        }),
+        DynamicImage::ImageLumaA16(la) => RgbImage::from_fn(width, height, |x, y| {
+            let grey = (la.get_pixel(x, y).0[0] >> 8) as u8;
+            image::Rgb([grey; 3])
+        }),
+        // Pillow opens 16-bit grey as mode "I;16", whose conversion to RGB clips at 255.
+        DynamicImage::ImageLuma16(luma) => RgbImage::from_fn(width, height, |x, y| {
+            let grey = luma.get_pixel(x, y).0[0].min(255) as u8;
+            image::Rgb([grey; 3])
+        }),
+        other => {
+            return Err(format!(
+                "unsupported pixel format {:?}; use 8- or 16-bit RGB, RGBA or greyscale",
+                other.color()
+            ))
+        }
+    };
+    Ok(Cow::Owned(rgb))
+}
+
+/// `Flux2ImageProcessor.check_image_input`, with its messages.
+fn check_image_input(
+    width: u32,
+    height: u32,
+    limits: &ReferenceLimits,
+) -> std::result::Result<(), String> {
+    if width < limits.min_side || height < limits.min_side {
+        return Err(format!(
+            "image too small: {width}x{height}. Both dimensions must be at least {}px",
+            limits.min_side
+        ));
+    }
+    let (w, h) = (f64::from(width), f64::from(height));
+    let aspect_ratio = (w / h).max(h / w);
+    if aspect_ratio > limits.max_aspect_ratio {
+        return Err(format!(
+            "aspect ratio too extreme: {width}x{height} (ratio: {aspect_ratio:.1}:1). Maximum \
+             allowed ratio is {}:1",
+            limits.max_aspect_ratio
+        ));
+    }
+    Ok(())
+}
+
+/// `_resize_to_target_area`'s size: `s = sqrt(target / (w*h))`, `(int(w*s), int(h*s))` in f64.
+fn target_area_size(width: u32, height: u32, target_area: u64) -> (u32, u32) {
+    let scale = (target_area as f64 / (u64::from(width) * u64::from(height)) as f64).sqrt();
+    (
+        (f64::from(width) * scale) as u32,
+        (f64::from(height) * scale) as u32,
+    )
+}
+
+/// Pillow's LANCZOS filter (`Resample.c`): a 3-lobe windowed sinc.
+const LANCZOS_SUPPORT: f64 = 3.0;
+/// `PRECISION_BITS` of `Resample.c`: 8 bits for the result, 2 for overshoot, in an int32.
+const PRECISION_BITS: u32 = 32 - 8 - 2;
+
+fn sinc(x: f64) -> f64 {
+    if x == 0.0 {
+        return 1.0;
+    }
+    let x = x * PI;
+    x.sin() / x
+}
+
+fn lanczos(x: f64) -> f64 {
+    if (-LANCZOS_SUPPORT..LANCZOS_SUPPORT).contains(&x) {
+        sinc(x) * sinc(x / LANCZOS_SUPPORT)
+    } else {
+        0.0
+    }
+}
+
+/// The filter taps of one axis (`precompute_coeffs` + `normalize_coeffs_8bpc` of `Resample.c`):
+/// output pixel `i` reads `count[i]` input pixels from `first[i]` with fixed-point `weights`.
+struct Taps {
+    /// Weights per output pixel (`ksize` of `Resample.c`); unused tail entries are 0.
+    stride: usize,
+    first: Vec<usize>,
+    count: Vec<usize>,
+    weights: Vec<i32>,
+}
+
+impl Taps {
+    /// For the whole input (`box` = `(0, in_size)`), as `Image.resize` without a box uses.
+    fn new(in_size: u32, out_size: u32) -> Self {
+        // `in1 - in0` is computed in float in Pillow; exact for image sizes.
+        let scale = f64::from(in_size) / f64::from(out_size);
+        let filter_scale = scale.max(1.0);
+        let support = LANCZOS_SUPPORT * filter_scale;
+        let stride = support.ceil() as usize * 2 + 1;
+        let out_size = out_size as usize;
+        let mut taps = Taps {
+            stride,
+            first: Vec::with_capacity(out_size),
+            count: Vec::with_capacity(out_size),
+            weights: vec![0; out_size * stride],
+        };
+        let mut k = vec![0.0f64; stride];
+        for xx in 0..out_size {
+            let center = (xx as f64 + 0.5) * scale;
+            let ss = 1.0 / filter_scale;
+            // C `(int)` truncates toward zero, as `as` does.
+            let xmin = ((center - support + 0.5) as i64).max(0);
+            let xmax = ((center + support + 0.5) as i64).min(i64::from(in_size)) - xmin;
+            let count = xmax.max(0) as usize;
+            let mut total = 0.0;
+            for (x, w) in k.iter_mut().enumerate().take(count) {
+                *w = lanczos(((x as i64 + xmin) as f64 - center + 0.5) * ss);
+                total += *w;
+            }
+            let row = &mut taps.weights[xx * stride..(xx + 1) * stride];
+            for (w, fixed) in k.iter().take(count).zip(row.iter_mut()) {
+                let w = if total != 0.0 { w / total } else { *w };
+                let scaled = w * f64::from(1u32 << PRECISION_BITS);
+                *fixed = if w < 0.0 {
+                    (-0.5 + scaled) as i32
+                } else {
+                    (0.5 + scaled) as i32
+                };
+            }
+            taps.first.push(xmin as usize);
+            taps.count.push(count);
+        }
+        taps
+    }
+
+    /// `clip8(sum)` over the taps of output `i`, reading input samples through `sample(j)`.
+    fn apply(&self, i: usize, sample: impl Fn(usize) -> u8) -> u8 {
+        let weights = &self.weights[i * self.stride..i * self.stride + self.count[i]];
+        let mut sum: i64 = 1 << (PRECISION_BITS - 1);
+        for (j, &w) in weights.iter().enumerate() {
+            sum += i64::from(sample(self.first[i] + j)) * i64::from(w);
+        }
+        (sum >> PRECISION_BITS).clamp(0, 255) as u8
+    }
+}
+
+/// `Image.resize((width, height), LANCZOS)` on an RGB image: Pillow's `ImagingResample`, horizontal
+/// pass over the rows the vertical pass needs, then vertical pass, in 8-bit fixed point.
+fn resize_lanczos(src: &RgbImage, width: u32, height: u32) -> RgbImage {
+    let (in_w, in_h) = src.dimensions();
+    let vertical = Taps::new(in_h, height);
+    let horizontal = (width != in_w).then(|| Taps::new(in_w, width));
+    // Rows of the source the vertical pass reads.
+    let first_row = vertical.first.first().copied().unwrap_or(0);
+    let last_row = match (vertical.first.last(), vertical.count.last()) {
+        (Some(first), Some(count)) => first + count,
+        _ => 0,
+    };
+    // [in_h, in_w, 3] -> [last_row - first_row, width, 3] (or the source when the width is kept)
+    let temp = match &horizontal {
+        Some(taps) => Cow::Owned(RgbImage::from_fn(
+            width,
+            (last_row - first_row) as u32,
+            |x, y| {
+                let row = first_row as u32 + y;
+                image::Rgb(std::array::from_fn(|c| {
+                    taps.apply(x as usize, |j| src.get_pixel(j as u32, row)[c])
+                }))
+            },
+        )),
+        None => Cow::Borrowed(src),
+    };
+    if height == in_h {
+        return temp.into_owned();
+    }
+    // Rows of `temp` are counted from `first_row` when the horizontal pass made it.
+    let row_offset = if horizontal.is_some() { first_row } else { 0 };
+    // [rows, width, 3] -> [height, width, 3]
+    RgbImage::from_fn(width, height, |x, y| {
+        image::Rgb(std::array::from_fn(|c| {
+            vertical.apply(y as usize, |j| {
+                temp.get_pixel(x, (j - row_offset) as u32)[c]
+            })
+        }))
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may unwrap: a failure is a test failure
+mod tests {
+    use super::*;
+    use safetensors::{Dtype, SafeTensors};
+    use std::path::PathBuf;
+
+    const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/reference");
+    const MULTIPLE: u32 = 16;
+
+    fn fixture(name: &str) -> PathBuf {
+        Path::new(DIR).join(name)
+    }
+
+    /// Fails with the count of differing bytes and the first few, expected vs got.
+    fn assert_same_bytes(what: &str, expected: &[u8], got: &[u8]) {
+        assert_eq!(expected.len(), got.len(), "{what}: length");
+        let diffs: Vec<(usize, &u8, &u8)> = expected
+            .iter()
+            .zip(got)
+            .enumerate()
+            .filter(|(_, (e, g))| e != g)
+            .map(|(i, (e, g))| (i, e, g))
+            .collect();
+        assert!(
+            diffs.is_empty(),
+            "{what}: {} of {} values differ; first (index, expected, got): {:?}",
+            diffs.len(),
+            expected.len(),
+            &diffs[..diffs.len().min(8)]
+        );
+    }
+
+    /// diffusers' tensor for a fixture (tests/fixtures/make_reference_fixtures.py) and ours, made
+    /// with the max_area recorded for it; checks that the shapes agree.
+    fn load_fixture(name: &str) -> (Vec<f32>, Vec<f32>) {
+        let bytes = std::fs::read(fixture("expected.safetensors")).unwrap();
+        let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
+        let max_area: u64 = header.metadata().as_ref().unwrap()[name].parse().unwrap();
+        let tensors = SafeTensors::deserialize(&bytes).unwrap();
+        let view = tensors.tensor(name).unwrap();
+        assert_eq!(view.dtype(), Dtype::F32);
+        let expected: Vec<f32> = view
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+
+        let limits = ReferenceLimits {
+            max_area,
+            ..ReferenceLimits::default()
+        };
+        let got = load_reference(&fixture(name), &limits, MULTIPLE).unwrap();
+        assert_eq!(got.pixels.shape(), view.shape(), "{name}: shape");
+        assert_eq!(
+            [got.height as usize, got.width as usize],
+            view.shape()[2..],
+            "{name}: size"
+        );
+        (expected, got.pixels.iter().copied().collect())
+    }
+
+    /// Against diffusers' own preprocessing of the fixture, tolerance 0: same shape and
+    /// bit-identical float32 values.
+    fn check_fixture(name: &str) {
+        let (expected, got) = load_fixture(name);
+        let diffs: Vec<(usize, f32, f32)> = expected
+            .iter()
+            .zip(&got)
+            .enumerate()
+            .filter(|(_, (e, g))| e.to_bits() != g.to_bits())
+            .map(|(i, (e, g))| (i, *e, *g))
+            .collect();
+        assert!(
+            diffs.is_empty(),
+            "{name}: {} of {} values differ; first (index, expected, got): {:?}",
+            diffs.len(),
+            expected.len(),
+            &diffs[..diffs.len().min(8)]
+        );
+    }
+
+    #[test]
+    fn rgba_png_drops_alpha_without_compositing() {
+        check_fixture("rgba.png");
+    }
+
+    /// zune-jpeg's IDCT and chroma upsampling are not libjpeg-turbo's (Pillow's): decoded values
+    /// differ by up to 3 levels (measured on 4:2:0 and 4:4:4 test images; greyscale by 1). So JPEG
+    /// is compared with a tolerance of 4/255*2 in [-1, 1]; a wrong orientation would be far off.
+    #[test]
+    fn jpeg_exif_orientation_6_is_applied() {
+        let (expected, got) = load_fixture("orient6.jpg");
+        let tolerance = 4.0 / 255.0 * 2.0;
+        let worst = expected
+            .iter()
+            .zip(&got)
+            .map(|(e, g)| (e - g).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            worst <= tolerance,
+            "orient6.jpg: largest difference {worst} over {tolerance}; expected starts {:?}, got {:?}",
+            &expected[..8],
+            &got[..8]
+        );
+    }
+
+    #[test]
+    fn webp_exif_orientation_8_is_applied() {
+        check_fixture("orient8.webp");
+    }
+
+    /// image-webp is not libwebp; on this image it matches Pillow bit for bit all the same.
+    #[test]
+    fn lossy_webp_matches() {
+        check_fixture("lossy.webp");
+    }
+
+    #[test]
+    fn grayscale_png_is_replicated() {
+        check_fixture("gray.png");
+    }
+
+    #[test]
+    fn palette_png_uses_its_palette_colours() {
+        check_fixture("palette.png");
+    }
+
+    #[test]
+    fn sixteen_bit_pngs_convert_as_pillow() {
+        check_fixture("rgb16.png");
+        check_fixture("gray16.png");
+    }
+
+    #[test]
+    fn images_over_max_area_are_resized_with_lanczos_and_cropped() {
+        check_fixture("large.png");
+        check_fixture("wide.png");
+    }
+
+    /// The Lanczos port against Pillow's `Image.resize(..., LANCZOS)` on uint8 RGB, tolerance 0.
+    #[test]
+    fn lanczos_is_bit_identical_to_pillow() {
+        let source = image::open(fixture("large.png")).unwrap().to_rgb8();
+        let source = image::imageops::crop_imm(&source, 0, 0, 60, 40).to_image();
+        let bytes = std::fs::read(fixture("lanczos.safetensors")).unwrap();
+        let tensors = SafeTensors::deserialize(&bytes).unwrap();
+        let mut names = tensors.names();
+        names.sort();
+        assert_eq!(names.len(), 6);
+        for name in names {
+            let view = tensors.tensor(name).unwrap();
+            assert_eq!(view.dtype(), Dtype::U8);
+            let (w, h) = name.split_once('x').unwrap();
+            let got = resize_lanczos(&source, w.parse().unwrap(), h.parse().unwrap());
+            assert_eq!(
+                [got.height() as usize, got.width() as usize, 3],
+                view.shape(),
+                "{name}"
+            );
+            assert_same_bytes(name, view.data(), got.as_raw());
+        }
+    }
+
+    #[test]
+    fn target_area_size_truncates_like_python() {
+        // int(150 * s), int(110 * s) with s = sqrt(9216 / 16500)
+        assert_eq!(target_area_size(150, 110, 96 * 96), (112, 82));
+        // 4000x3000 -> 1182x886 with the pipeline's 1024*1024
+        assert_eq!(target_area_size(4000, 3000, 1024 * 1024), (1182, 886));
+    }
+
+    fn reason(result: Result<ReferenceImage>) -> String {
+        match result {
+            Err(KleinError::Image { reason, .. }) => reason,
+            other => panic!("expected an image error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn check_image_input_refuses_small_and_extreme_images() {
+        let limits = ReferenceLimits::default();
+        let label = Path::new("test");
+        let small = DynamicImage::new_rgb8(63, 100);
+        let err = reason(preprocess_reference(&small, &limits, MULTIPLE, label));
+        assert!(err.contains("too small: 63x100"), "{err}");
+        let extreme = DynamicImage::new_rgb8(64 * 8 + 1, 64);
+        let err = reason(preprocess_reference(&extreme, &limits, MULTIPLE, label));
+        assert!(err.contains("aspect ratio too extreme: 513x64"), "{err}");
+        let edge = DynamicImage::new_rgb8(64 * 8, 64);
+        let ok = preprocess_reference(&edge, &limits, MULTIPLE, label).unwrap();
+        assert_eq!((ok.width, ok.height), (512, 64));
+        assert!(ok.pixels.iter().all(|&v| v == -1.0));
+    }
+
+    /// A unique scratch path for files a test writes.
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("klein-reference-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir.join(name)
+    }
+
+    #[test]
+    fn unreadable_files_are_refused() {
+        let limits = ReferenceLimits::default();
+        let missing = load_reference(&scratch("missing.png"), &limits, MULTIPLE);
+        assert!(matches!(missing, Err(KleinError::Io { .. })), "{missing:?}");
+
+        let empty = scratch("empty.png");
+        std::fs::write(&empty, b"").unwrap();
+        assert!(reason(load_reference(&empty, &limits, MULTIPLE)).contains("empty"));
+
+        let text = scratch("text.png");
+        std::fs::write(&text, b"this is not an image at all").unwrap();
+        let err = reason(load_reference(&text, &limits, MULTIPLE));
+        assert!(err.contains("not a PNG, JPEG or WebP"), "{err}");
+
+        let truncated = scratch("truncated.png");
+        let png = std::fs::read(fixture("rgba.png")).unwrap();
+        std::fs::write(&truncated, &png[..png.len() / 2]).unwrap();
+        let err = reason(load_reference(&truncated, &limits, MULTIPLE));
+        assert!(err.contains("cannot decode"), "{err}");
+    }
+
+    /// CRC-32 of a PNG chunk (type and data).
+    fn crc32(bytes: &[u8]) -> u32 {
+        let mut crc = !0u32;
+        for &byte in bytes {
+            crc ^= u32::from(byte);
+            for _ in 0..8 {
+                crc = if crc & 1 != 0 {
+                    (crc >> 1) ^ 0xEDB8_8320
+                } else {
+                    crc >> 1
+                };
+            }
+        }
+        !crc
+    }
+
+    /// A PNG whose header claims `width x height` RGBA 16-bit, with an empty IDAT chunk.
+    fn png_header_only(width: u32, height: u32) -> Vec<u8> {
+        let mut ihdr = b"IHDR".to_vec();
+        ihdr.extend(width.to_be_bytes());
+        ihdr.extend(height.to_be_bytes());
+        ihdr.extend([16, 6, 0, 0, 0]);
+        let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+        png.extend(13u32.to_be_bytes());
+        png.extend(&ihdr);
+        png.extend(crc32(&ihdr).to_be_bytes());
+        for empty in [b"IDAT", b"IEND"] {
+            png.extend(0u32.to_be_bytes());
+            png.extend(empty);
+            png.extend(crc32(empty).to_be_bytes());
+        }
+        png
+    }
+
+    #[test]
+    fn absurdly_large_images_are_refused_before_decoding() {
+        let limits = ReferenceLimits::default();
+        for (name, width, height) in [
+            ("wide.png", MAX_DECODE_SIDE + 1, 64),
+            // within the side limit, but 16384 * 4096 * 8 bytes = 512 MiB
+            ("heavy.png", MAX_DECODE_SIDE, 4097),
+        ] {
+            let path = scratch(name);
+            std::fs::write(&path, png_header_only(width, height)).unwrap();
+            let err = reason(load_reference(&path, &limits, MULTIPLE));
+            assert!(
+                err.contains("larger than this runtime decodes"),
+                "{name}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn limits_deserialise_from_the_manifest_section() {
+        let json = r#"{ "min_side": 64, "max_aspect_ratio": 8, "max_area": 1048576,
+                        "time_offset_scale": 10 }"#;
+        let limits: ReferenceLimits = serde_json::from_str(json).unwrap();
+        assert_eq!(limits, ReferenceLimits::default());
+    }
+}

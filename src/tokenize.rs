@@ -1,1 +1,132 @@
+//! Stage 1a: prompt to token ids, as diffusers' `Flux2KleinPipeline._get_qwen3_prompt_embeds`.
+//!
+//! The reference renders the chat template around the prompt, then calls
+//! `tokenizer(text, padding="max_length", truncation=True, max_length=512)`. For one user message
+//! the template is plain concatenation, so the bundle stores it as a prefix and a suffix
+//! (`manifest.json` `tokenizer`, written by the exporter from the checkpoint's own template):
+//!
+//! 1. `text = prompt_prefix + prompt + prompt_suffix`
+//!    (Qwen3: `<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n`).
+//! 2. Tokenise `text` without the post-processor's special tokens (Qwen adds none anyway). Special
+//!    tokens typed in the prompt, such as `<|im_end|>`, become their special ids, as in transformers
+//!    with `split_special_tokens=False` (the Qwen3 default).
+//! 3. Keep the first `max_sequence_length` ids: a long prompt loses the template suffix, exactly as
+//!    the reference does (truncation side is right).
+//! 4. Pad to exactly `max_sequence_length` with `pad_token_id` on `padding_side`; the attention mask
+//!    is 1 for real tokens, 0 for padding.
 
+use std::path::Path;
+
+use tokenizers::Tokenizer;
+
+use crate::error::{KleinError, Result};
+use crate::manifest::{PaddingSide, TokenizerSpec};
+
+/// Token ids of one prompt, exactly `max_sequence_length` long.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Encoded {
+    /// `[max_sequence_length]` token ids, padding included.
+    pub input_ids: Vec<i64>,
+    /// `[max_sequence_length]`: 1 for a real token, 0 for padding.
+    pub attention_mask: Vec<i64>,
+    /// The templated prompt was longer than `max_sequence_length` and was cut.
+    pub truncated: bool,
+}
+
+/// The checkpoint's tokenizer with the bundle's template and padding rules.
+#[derive(Debug, Clone)]
+pub struct PromptTokenizer {
+    tokenizer: Tokenizer,
+    spec: TokenizerSpec,
+}
+
+impl PromptTokenizer {
+    /// Loads a Hugging Face `tokenizer.json` and checks it against the manifest: the pad token must
+    /// exist with the declared id. Any truncation or padding configured inside the file is switched
+    /// off; [`PromptTokenizer::encode`] applies the manifest's.
+    pub fn load(path: &Path, spec: &TokenizerSpec) -> Result<Self> {
+        let bundle_error = |reason: String| KleinError::Bundle {
+            path: path.to_path_buf(),
+            reason,
+        };
+        if !path.is_file() {
+            return Err(bundle_error("tokenizer file is missing".to_string()));
+        }
+        let mut tokenizer = Tokenizer::from_file(path)
+            .map_err(|e| bundle_error(format!("not a valid tokenizer.json: {e}")))?;
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| bundle_error(format!("cannot switch off the file's truncation: {e}")))?;
+        tokenizer.with_padding(None);
+
+        match tokenizer.token_to_id(&spec.pad_token) {
+            Some(id) if id == spec.pad_token_id => {}
+            Some(id) => {
+                return Err(bundle_error(format!(
+                    "pad token `{}` has id {id}, manifest.json says {}",
+                    spec.pad_token, spec.pad_token_id
+                )))
+            }
+            None => {
+                return Err(bundle_error(format!(
+                    "pad token `{}` (manifest.json tokenizer.pad_token) is not in the vocabulary",
+                    spec.pad_token
+                )))
+            }
+        }
+        if spec.max_sequence_length == 0 {
+            return Err(bundle_error(
+                "manifest.json tokenizer.max_sequence_length is 0".to_string(),
+            ));
+        }
+        Ok(PromptTokenizer {
+            tokenizer,
+            spec: spec.clone(),
+        })
+    }
+
+    /// The manifest entry this tokenizer follows.
+    pub fn spec(&self) -> &TokenizerSpec {
+        &self.spec
+    }
+
+    /// Encodes one prompt: template, tokenise, truncate, pad (see the module docs).
+    pub fn encode(&self, prompt: &str) -> Result<Encoded> {
+        let spec = &self.spec;
+        let text = format!("{}{prompt}{}", spec.prompt_prefix, spec.prompt_suffix);
+        let encoding = self
+            .tokenizer
+            .encode_fast(text.as_str(), spec.add_special_tokens)
+            .map_err(|e| KleinError::Request(format!("the prompt could not be tokenised: {e}")))?;
+        let max_len = spec.max_sequence_length;
+        let ids = encoding.get_ids();
+        let truncated = ids.len() > max_len;
+        let kept = &ids[..ids.len().min(max_len)];
+        let pad_len = max_len - kept.len();
+        let pad_id = i64::from(spec.pad_token_id);
+
+        let tokens = kept.iter().map(|&id| i64::from(id));
+        let (input_ids, attention_mask): (Vec<i64>, Vec<i64>) = match spec.padding_side {
+            // [kept ; pad]
+            PaddingSide::Right => tokens
+                .map(|id| (id, 1))
+                .chain(std::iter::repeat_n((pad_id, 0), pad_len))
+                .unzip(),
+            // [pad ; kept]
+            PaddingSide::Left => std::iter::repeat_n((pad_id, 0), pad_len)
+                .chain(tokens.map(|id| (id, 1)))
+                .unzip(),
+        };
+        Ok(Encoded {
+            input_ids,
+            attention_mask,
+            truncated,
+        })
+    }
+
+    /// Encodes several prompts; each is [`PromptTokenizer::encode`]d independently (the reference
+    /// tokenises prompt by prompt), so all results have the same length.
+    pub fn encode_batch<S: AsRef<str>>(&self, prompts: &[S]) -> Result<Vec<Encoded>> {
+        prompts.iter().map(|p| self.encode(p.as_ref())).collect()
+    }
+}

@@ -1,0 +1,125 @@
+//! The committed tiny bundle (`onnx/klein-tiny/`, written by klein-export) against the runtime:
+//! its manifest, hashes, graph I/O contracts and metadata, its tokenizer, and one run of each graph
+//! with the shapes of the contract (values are compared by the pipeline's tests, not here).
+
+use std::path::PathBuf;
+
+use klein::manifest::Manifest;
+use klein::runtime::{self, Device, SessionConfig};
+use klein::tokenize::PromptTokenizer;
+use ndarray::{Array1, Array2, Array3, Array4};
+
+use crate::util::{init_runtime, repo};
+
+fn bundle_dir() -> PathBuf {
+    repo().join("onnx/klein-tiny")
+}
+
+#[test]
+fn tiny_bundle_satisfies_its_manifest() {
+    let dir = bundle_dir();
+    let manifest = Manifest::load(&dir).unwrap();
+    manifest.verify_hashes(&dir).unwrap();
+
+    init_runtime();
+    let config = SessionConfig::default()
+        .with_device(Device::Cpu)
+        .with_intra_threads(1);
+    for (name, spec) in manifest.graphs.iter() {
+        let graph = runtime::load_graph(name, &dir.join(&spec.file), &config).unwrap();
+        graph.check_io(spec).unwrap();
+        spec.check_metadata(name, graph.metadata(), graph.path())
+            .unwrap();
+    }
+
+    let tokenizer =
+        PromptTokenizer::load(&dir.join(&manifest.tokenizer.file), &manifest.tokenizer).unwrap();
+    let encoded = tokenizer.encode("a photo of a cat").unwrap();
+    assert_eq!(
+        encoded.input_ids.len(),
+        manifest.tokenizer.max_sequence_length
+    );
+}
+
+#[test]
+fn every_tiny_graph_runs_with_contract_shapes() {
+    let dir = bundle_dir();
+    let m = Manifest::load(&dir).unwrap();
+    init_runtime();
+    let config = SessionConfig::default()
+        .with_device(Device::Cpu)
+        .with_intra_threads(1);
+    let load = |name: &'static str, file: &str| {
+        runtime::load_graph(name, &dir.join(file), &config).unwrap()
+    };
+    let seq = m.tokenizer.max_sequence_length;
+    let channels = m.latents.channels;
+    let (lat_h, lat_w) = (2usize, 3usize);
+    let (height, width) = (lat_h * 16, lat_w * 16);
+
+    // text_encoder: [1, seq] ids and mask -> [1, seq, embed_dim]
+    let mut text_encoder = load("text_encoder", &m.graphs.text_encoder.file);
+    let encoded = PromptTokenizer::load(&dir.join(&m.tokenizer.file), &m.tokenizer)
+        .unwrap()
+        .encode("a cat")
+        .unwrap();
+    let ids = Array2::from_shape_vec((1, seq), encoded.input_ids).unwrap();
+    let mask = Array2::from_shape_vec((1, seq), encoded.attention_mask).unwrap();
+    let embeds = text_encoder
+        .run(&[
+            ("input_ids", ids.view().into()),
+            ("attention_mask", mask.view().into()),
+        ])
+        .unwrap()
+        .take("prompt_embeds")
+        .unwrap();
+    assert_eq!(embeds.shape(), [1, seq, m.text_encoder.embed_dim]);
+    assert!(embeds.iter().all(|v| v.is_finite()));
+
+    // transformer: [1, tokens, C] latents (+ ids) -> [1, tokens, C] velocity
+    let tokens = lat_h * lat_w;
+    let mut transformer = load("transformer", &m.graphs.transformer.file);
+    let latents = Array3::<f32>::from_shape_fn((1, tokens, channels), |(_, t, c)| {
+        ((t * 7 + c) % 11) as f32 / 11.0 - 0.5
+    });
+    let timestep = Array1::from_elem(1, 1.0f32);
+    let img_ids = Array2::from_shape_fn((tokens, 4), |(t, axis)| match axis {
+        1 => (t / lat_w) as i64,
+        2 => (t % lat_w) as i64,
+        _ => 0,
+    });
+    let txt_ids = Array2::from_shape_fn((seq, 4), |(l, axis)| if axis == 3 { l as i64 } else { 0 });
+    let velocity = transformer
+        .run(&[
+            ("latents", latents.view().into()),
+            ("prompt_embeds", embeds.view().into()),
+            ("timestep", timestep.view().into()),
+            ("img_ids", img_ids.view().into()),
+            ("txt_ids", txt_ids.view().into()),
+        ])
+        .unwrap()
+        .take("velocity")
+        .unwrap();
+    assert_eq!(velocity.shape(), [1, tokens, channels]);
+    assert!(velocity.iter().all(|v| v.is_finite()));
+
+    // vae_decoder: [1, C, lat_h, lat_w] -> [1, 3, H, W]; vae_encoder: back.
+    let mut decoder = load("vae_decoder", &m.graphs.vae_decoder.file);
+    let z = Array4::<f32>::from_shape_fn((1, channels, lat_h, lat_w), |(_, c, y, x)| {
+        ((c + y * 3 + x) % 5) as f32 / 5.0
+    });
+    let image = decoder
+        .run(&[("latents", z.view().into())])
+        .unwrap()
+        .take("image")
+        .unwrap();
+    assert_eq!(image.shape(), [1, 3, height, width]);
+    let mut encoder = load("vae_encoder", &m.graphs.vae_encoder.file);
+    let image = image.mapv(|v| v.clamp(-1.0, 1.0));
+    let back = encoder
+        .run(&[("image", image.view().into())])
+        .unwrap()
+        .take("latents")
+        .unwrap();
+    assert_eq!(back.shape(), [1, channels, lat_h, lat_w]);
+}

@@ -1,0 +1,287 @@
+//! `manifest.json` loading and bundle checks, on bundles built in a temporary folder from
+//! `tests/fixtures/bundle_manifest.json` (the README's example with FLUX.2-klein-4B numbers).
+
+use std::path::{Path, PathBuf};
+
+use klein::manifest::{DimSpec, Dtype, Manifest, ModelVariant, PaddingSide, Precision};
+use klein::schedule::TimeShiftType;
+use klein::KleinError;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use crate::util::{assert_mentions, fixture, temp_dir};
+
+/// Contents of the bundle's files; only sizes and hashes matter to the manifest.
+const FILES: &[(&str, &[u8])] = &[
+    ("tokenizer.json", b"{\"placeholder\": true}"),
+    ("text_encoder.onnx", b"text encoder bytes"),
+    ("transformer.onnx", b"transformer bytes"),
+    (
+        "transformer.onnx.data",
+        b"external weights of the transformer",
+    ),
+    ("vae_encoder.onnx", b"vae encoder bytes"),
+    ("vae_decoder.onnx", b"vae decoder bytes"),
+];
+
+fn template() -> Value {
+    serde_json::from_str(&std::fs::read_to_string(fixture("bundle_manifest.json")).unwrap())
+        .unwrap()
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Writes FILES and a manifest listing them into a fresh folder, after `edit` changes the manifest.
+fn bundle(name: &str, edit: impl FnOnce(&mut Value)) -> PathBuf {
+    let dir = temp_dir(name);
+    let mut manifest = template();
+    for (file, bytes) in FILES {
+        std::fs::write(dir.join(file), bytes).unwrap();
+        manifest["files"][file] = json!({"bytes": bytes.len(), "sha256": sha256_hex(bytes)});
+    }
+    edit(&mut manifest);
+    write_manifest(&dir, &serde_json::to_string_pretty(&manifest).unwrap());
+    dir
+}
+
+fn write_manifest(dir: &Path, text: &str) {
+    std::fs::write(dir.join("manifest.json"), text).unwrap();
+}
+
+/// The error of loading `dir`: the path it names and its reason.
+fn load_error(dir: &Path) -> (PathBuf, String) {
+    match Manifest::load(dir) {
+        Err(KleinError::Bundle { path, reason }) => (path, reason),
+        other => panic!("expected a bundle error, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_valid_bundle_loads_with_every_field() {
+    let dir = bundle("valid", |_| {});
+    let m = Manifest::load(&dir).unwrap();
+    assert_eq!(m.format_version, 1);
+    assert_eq!(m.model.variant, ModelVariant::Klein4B);
+    assert_eq!(m.model.default_steps, 4);
+    assert_eq!(m.tokenizer.pad_token_id, 151643);
+    assert_eq!(m.tokenizer.padding_side, PaddingSide::Right);
+    assert_eq!(m.tokenizer.max_sequence_length, 512);
+    assert_eq!(m.text_encoder.hidden_layers, [9, 18, 27]);
+    assert_eq!(m.transformer.rope_theta, 2000.0);
+    assert_eq!(m.vae.batch_norm_eps, 1e-4);
+    assert_eq!(m.references.time_offset_scale, 10);
+    assert_eq!(m.scheduler.class_name, "FlowMatchEulerDiscreteScheduler");
+    assert_eq!(
+        m.scheduler.shift.time_shift_type,
+        TimeShiftType::Exponential
+    );
+    assert_eq!(m.scheduler.empirical_mu.a1, 8.73809524e-05);
+    assert_eq!(m.scheduler.empirical_mu.seq_len_threshold, 4300);
+
+    let names: Vec<&str> = m.graphs.iter().map(|(name, _)| name).collect();
+    assert_eq!(
+        names,
+        ["text_encoder", "transformer", "vae_encoder", "vae_decoder"]
+    );
+    let tr = &m.graphs.transformer;
+    assert_eq!(tr.precision, Precision::Fp16);
+    assert_eq!(m.graphs.vae_decoder.precision, Precision::Bf16);
+    assert_eq!(tr.inputs[3].name, "img_ids");
+    assert_eq!(tr.inputs[3].dtype, Dtype::Int64);
+    assert_eq!(
+        tr.inputs[3].shape,
+        [DimSpec::Named("tokens".into()), DimSpec::Fixed(4)]
+    );
+    let q = tr.quantization.as_ref().unwrap();
+    assert_eq!(
+        (q.method.as_str(), q.bits, q.block_size),
+        ("MatMulNBits", 8, Some(32))
+    );
+    assert_eq!((q.symmetric, q.accuracy_level), (Some(true), Some(4)));
+    assert_eq!(q.op_types.as_deref(), Some(&["MatMul".to_string()][..]));
+    // Fields the schema does not name are kept, not rejected.
+    assert_eq!(q.extra.get("nodes_excluded"), Some(&json!(["proj_out"])));
+    assert!(m.graphs.text_encoder.quantization.is_none());
+    assert_eq!(m.files.len(), FILES.len());
+
+    m.verify_hashes(&dir).unwrap();
+}
+
+#[test]
+fn scheduler_options_reach_the_schedule_checks() {
+    // An option the runtime does not implement must not be dropped on the way to `schedule`.
+    let dir = bundle("karras", |m| {
+        m["scheduler"]["use_karras_sigmas"] = json!(true)
+    });
+    let m = Manifest::load(&dir).unwrap();
+    assert!(m.scheduler.shift_config().use_karras_sigmas);
+    let limits = m.references.limits();
+    assert_eq!((limits.min_side, limits.max_area), (64, 1048576));
+    assert_eq!(
+        m.scheduler.empirical_mu.to_constants(),
+        klein::schedule::EmpiricalMu::FLUX2
+    );
+}
+
+#[test]
+fn unknown_fields_are_ignored() {
+    let dir = bundle("forward", |m| {
+        m["future_section"] = json!({"anything": [1, 2, 3]});
+        m["model"]["license"] = json!("apache-2.0");
+        m["graphs"]["transformer"]["inputs"][0]["layout"] = json!("NLC");
+    });
+    Manifest::load(&dir).unwrap();
+}
+
+#[test]
+fn a_missing_directory_or_manifest_is_explained() {
+    let missing = temp_dir("gone").join("not-here");
+    let (path, reason) = load_error(&missing);
+    assert_eq!(path, missing);
+    assert_mentions(&reason, &["does not exist"]);
+
+    let empty = temp_dir("empty");
+    let (_, reason) = load_error(&empty);
+    assert_mentions(&reason, &["has no manifest.json"]);
+
+    let file = empty.join("file");
+    std::fs::write(&file, b"x").unwrap();
+    assert_mentions(&load_error(&file).1, &["is not a directory"]);
+}
+
+#[test]
+fn invalid_json_reports_line_and_column() {
+    let dir = bundle("badjson", |_| {});
+    write_manifest(&dir, "{\n  \"format_version\": 1,\n  \"model\": {,\n}\n");
+    let (path, reason) = load_error(&dir);
+    assert_eq!(path, dir.join("manifest.json"));
+    assert_mentions(&reason, &["not valid JSON", "line 3 column"]);
+}
+
+#[test]
+fn only_known_format_versions_are_read() {
+    let dir = bundle("v2", |m| m["format_version"] = json!(2));
+    assert_mentions(
+        &load_error(&dir).1,
+        &[
+            "format_version 2 is not supported",
+            "reads format version 1",
+        ],
+    );
+    let dir = bundle("v-none", |m| {
+        m.as_object_mut().unwrap().remove("format_version");
+    });
+    assert_mentions(
+        &load_error(&dir).1,
+        &["has no `format_version`", "format version 1"],
+    );
+}
+
+#[test]
+fn required_fields_are_required() {
+    let dir = bundle("nopad", |m| {
+        m["tokenizer"]
+            .as_object_mut()
+            .unwrap()
+            .remove("pad_token_id");
+    });
+    assert_mentions(
+        &load_error(&dir).1,
+        &["missing field `pad_token_id`", "line"],
+    );
+    let dir = bundle("badprecision", |m| {
+        m["graphs"]["vae_encoder"]["precision"] = json!("fp8")
+    });
+    assert_mentions(&load_error(&dir).1, &["unknown variant `fp8`", "fp32"]);
+    let dir = bundle("nograph", |m| {
+        m["graphs"].as_object_mut().unwrap().remove("vae_decoder");
+    });
+    assert_mentions(&load_error(&dir).1, &["missing field `vae_decoder`"]);
+}
+
+#[test]
+fn missing_and_truncated_files_are_refused() {
+    let dir = bundle("missing", |_| {});
+    std::fs::remove_file(dir.join("transformer.onnx.data")).unwrap();
+    let (path, reason) = load_error(&dir);
+    assert_eq!(path, dir.join("transformer.onnx.data"));
+    assert_mentions(&reason, &["listed in manifest.json but missing"]);
+
+    let dir = bundle("truncated", |_| {});
+    std::fs::write(dir.join("vae_decoder.onnx"), b"vae dec").unwrap();
+    let (path, reason) = load_error(&dir);
+    assert_eq!(path, dir.join("vae_decoder.onnx"));
+    assert_mentions(&reason, &["is 7 bytes, manifest.json says 17", "truncated"]);
+}
+
+#[test]
+fn hashes_are_verified_on_request() {
+    let dir = bundle("tampered", |_| {});
+    // Same size, different bytes: only the hash can tell.
+    std::fs::write(dir.join("text_encoder.onnx"), b"text encoder BYTES").unwrap();
+    std::fs::write(dir.join("vae_encoder.onnx"), b"VAE encoder bytes").unwrap();
+    let manifest = Manifest::load(&dir).unwrap();
+    match manifest.verify_hashes(&dir) {
+        Err(KleinError::Bundle { reason, .. }) => assert_mentions(
+            &reason,
+            &[
+                "2 file(s) do not match",
+                "text_encoder.onnx: sha256 is",
+                "vae_encoder.onnx",
+            ],
+        ),
+        other => panic!("expected a hash mismatch, got {other:?}"),
+    }
+}
+
+#[test]
+fn files_the_pipeline_reads_must_be_listed_with_safe_paths() {
+    let dir = bundle("unlisted", |m| {
+        m["files"]
+            .as_object_mut()
+            .unwrap()
+            .remove("transformer.onnx");
+    });
+    assert_mentions(
+        &load_error(&dir).1,
+        &["transformer file `transformer.onnx` is not listed in `files`"],
+    );
+
+    let dir = bundle("escape", |m| {
+        m["files"]["../outside.bin"] = json!({"bytes": 1, "sha256": "0".repeat(64)});
+    });
+    assert_mentions(
+        &load_error(&dir).1,
+        &["`../outside.bin` is not a plain path inside the bundle"],
+    );
+
+    let dir = bundle("badhash", |m| {
+        m["files"]["tokenizer.json"]["sha256"] = json!("abc")
+    });
+    assert_mentions(
+        &load_error(&dir).1,
+        &["files.tokenizer.json.sha256 `abc` is not 64 hex digits"],
+    );
+}
+
+#[test]
+fn contradictory_numbers_are_refused() {
+    let dir = bundle("inconsistent", |m| {
+        m["transformer"]["joint_attention_dim"] = json!(3072);
+        m["text_encoder"]["hidden_layers"] = json!([9, 18, 30]);
+        m["latents"]["channels"] = json!(64);
+    });
+    assert_mentions(
+        &load_error(&dir).1,
+        &[
+            "transformer.joint_attention_dim 3072 != text_encoder.embed_dim 7680",
+            "hidden_layers has layer 30, outside 1..=27",
+            "latents.channels 64",
+        ],
+    );
+}

@@ -1,0 +1,65 @@
+//! Helpers shared by the integration tests.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use klein::runtime::{self, RuntimeOptions};
+
+/// The repository root.
+pub fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A file under `tests/fixtures/`.
+pub fn fixture(relative: &str) -> PathBuf {
+    repo().join("tests/fixtures").join(relative)
+}
+
+/// The ONNX Runtime library the tests use: `ORT_DYLIB_PATH`, else the one `scripts/setup-ort.sh`
+/// installs into `<repo>/.ort/`.
+pub fn ort_library() -> PathBuf {
+    if let Some(path) = std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
+        return PathBuf::from(path);
+    }
+    let name = if cfg!(target_os = "macos") {
+        "libonnxruntime.1.31.1.dylib"
+    } else {
+        "libonnxruntime.so.1.31.1"
+    };
+    let path = repo().join(".ort").join(name);
+    assert!(
+        path.is_file(),
+        "{} is missing: run scripts/setup-ort.sh first, or set ORT_DYLIB_PATH",
+        path.display()
+    );
+    path
+}
+
+/// Initialises ONNX Runtime from [`ort_library`] (idempotent).
+pub fn init_runtime() {
+    runtime::init(RuntimeOptions::default().with_library(ort_library())).unwrap();
+}
+
+/// A fresh, empty directory under Cargo's per-target temporary folder.
+pub fn temp_dir(name: &str) -> PathBuf {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let dir =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}-{n}", std::process::id()));
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Asserts that `message` contains every one of `needles`, printing the whole message if not.
+#[track_caller]
+pub fn assert_mentions(message: &str, needles: &[&str]) {
+    for needle in needles {
+        assert!(
+            message.contains(needle),
+            "expected the message to mention `{needle}`; got:\n{message}"
+        );
+    }
+}
