@@ -206,25 +206,11 @@ pub struct LatentsSpec {
 /// `references`: limits on reference images and their position-id offsets.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ReferencesSpec {
-    /// Smallest accepted side in pixels.
-    pub min_side: u32,
-    /// Largest accepted ratio of the long side to the short side.
-    pub max_aspect_ratio: f64,
-    /// Larger images are resized down to this many pixels, keeping the aspect.
-    pub max_area: u64,
+    /// `min_side`, `max_aspect_ratio`, `max_area`, as `reference` uses them.
+    #[serde(flatten)]
+    pub limits: ReferenceLimits,
     /// Reference `i` (0-based) gets time coordinate `scale + scale * i`.
     pub time_offset_scale: i64,
-}
-
-impl ReferencesSpec {
-    /// The size limits, in the form `reference` uses.
-    pub fn limits(&self) -> ReferenceLimits {
-        ReferenceLimits {
-            min_side: self.min_side,
-            max_aspect_ratio: self.max_aspect_ratio,
-            max_area: self.max_area,
-        }
-    }
 }
 
 /// `scheduler`: FlowMatchEulerDiscreteScheduler configuration.
@@ -238,42 +224,7 @@ pub struct SchedulerSpec {
     #[serde(flatten)]
     pub shift: ShiftConfig,
     /// Coefficients of `compute_empirical_mu`.
-    pub empirical_mu: EmpiricalMuSpec,
-}
-
-impl SchedulerSpec {
-    /// The settings that shape the sigmas, in the form `schedule` uses.
-    pub fn shift_config(&self) -> ShiftConfig {
-        self.shift.clone()
-    }
-}
-
-/// `scheduler.empirical_mu`: the piecewise-linear fit of `mu` against the token count.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct EmpiricalMuSpec {
-    /// Slope of the 10-step line.
-    pub a1: f64,
-    /// Intercept of the 10-step line.
-    pub b1: f64,
-    /// Slope of the 200-step line.
-    pub a2: f64,
-    /// Intercept of the 200-step line.
-    pub b2: f64,
-    /// Above this many image tokens, the 200-step line is used alone.
-    pub seq_len_threshold: usize,
-}
-
-impl EmpiricalMuSpec {
-    /// The constants, in the form `schedule::compute_empirical_mu` uses.
-    pub fn to_constants(&self) -> EmpiricalMu {
-        EmpiricalMu {
-            a1: self.a1,
-            b1: self.b1,
-            a2: self.a2,
-            b2: self.b2,
-            seq_len_threshold: self.seq_len_threshold,
-        }
-    }
+    pub empirical_mu: EmpiricalMu,
 }
 
 /// `graphs`: the four graphs of a bundle.

@@ -188,6 +188,29 @@ pub struct PromptEmbeds {
 pub struct ReferenceTokens {
     pub tokens: Array3<f32>,
     pub ids: Array2<i64>,
+    /// How many reference images the tokens come from.
+    pub count: usize,
+}
+
+/// What the transformer sees at every step besides the latents ([`Pipeline::denoise_context`]).
+#[derive(Debug, Clone)]
+pub struct DenoiseContext {
+    /// `[B, L, D]` prompt embeddings, and the negative ones with the guidance scale.
+    text: Array3<f32>,
+    negative: Option<(Array3<f32>, f32)>,
+    /// `[L, 4]` and `[h*w + N, 4]` position ids.
+    txt_ids: Array2<i64>,
+    img_ids: Array2<i64>,
+    /// `[B, N, 128]` reference tokens, appended after the latents at every step.
+    ref_tokens: Array3<f32>,
+    image_tokens: usize,
+    schedule: Schedule,
+}
+
+impl DenoiseContext {
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
+    }
 }
 
 /// The result of [`Pipeline::generate`].
@@ -347,12 +370,12 @@ impl Pipeline {
 
     /// Reads and preprocesses a reference image file (EXIF orientation, alpha, area, crop).
     pub fn load_reference(&self, path: &Path) -> Result<ReferenceImage> {
-        load_reference(path, &self.manifest.references.limits(), self.manifest.latents.pixel_multiple)
+        load_reference(path, &self.manifest.references.limits, self.manifest.latents.pixel_multiple)
     }
 
     /// Preprocesses an already decoded reference image; `label` names it in errors.
     pub fn prepare_reference(&self, image: &image::DynamicImage, label: &Path) -> Result<ReferenceImage> {
-        preprocess_reference(image, &self.manifest.references.limits(), self.manifest.latents.pixel_multiple, label)
+        preprocess_reference(image, &self.manifest.references.limits, self.manifest.latents.pixel_multiple, label)
     }
 
     /// Stage 3: VAE-encodes each reference (one at a time, as diffusers) and packs them in order.
@@ -386,7 +409,7 @@ impl Pipeline {
             concatenate(Axis(1), &views).map_err(|e| internal("reference tokens", e))? // [1, N, 128]
         };
         notify(progress, Progress::StageFinished(Stage::EncodeReferences, start.elapsed()))?;
-        Ok(ReferenceTokens { tokens, ids: prepare_image_ids(&grids, scale) })
+        Ok(ReferenceTokens { tokens, ids: prepare_image_ids(&grids, scale), count: grids.len() })
     }
 
     /// Output size in pixels for a request: explicit, else the first reference's, else the
@@ -418,98 +441,115 @@ impl Pipeline {
 
     /// Stage 5: the flow-matching schedule for an `h x w` latent grid.
     pub fn schedule(&self, steps: usize, lat_h: usize, lat_w: usize) -> Result<Schedule> {
-        let mu = compute_empirical_mu(&self.manifest.scheduler.empirical_mu.to_constants(), lat_h * lat_w, steps);
-        schedule(steps, mu, &self.manifest.scheduler.shift_config())
+        let mu = compute_empirical_mu(&self.manifest.scheduler.empirical_mu, lat_h * lat_w, steps);
+        schedule(steps, mu, &self.manifest.scheduler.shift)
     }
 
-    /// Stage 6: the Euler flow-matching loop. `latents` are packed `[B, h*w, 128]`; `negative`
-    /// embeddings and `guidance > 1` turn on classifier-free guidance (base models).
-    #[allow(clippy::too_many_arguments)]
-    pub fn denoise(
-        &mut self,
-        latents: Array3<f32>,
+    /// Stage 6 set-up: everything the transformer sees besides the latents, built once per
+    /// generation. `batch` images share the prompt; `negative` embeddings and `guidance > 1` turn on
+    /// classifier-free guidance (base models).
+    pub fn denoise_context(
+        &self,
+        batch: usize,
         lat_h: usize,
         lat_w: usize,
         embeds: &PromptEmbeds,
         negative: Option<(&PromptEmbeds, f64)>,
         references: &ReferenceTokens,
-        schedule: &Schedule,
-    ) -> Result<Array3<f32>> {
-        self.denoise_with(latents, lat_h, lat_w, embeds, negative, references, schedule, &mut None)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn denoise_with(
-        &mut self,
-        mut latents: Array3<f32>,
-        lat_h: usize,
-        lat_w: usize,
-        embeds: &PromptEmbeds,
-        negative: Option<(&PromptEmbeds, f64)>,
-        references: &ReferenceTokens,
-        schedule: &Schedule,
-        progress: &mut Option<Callback<'_>>,
-    ) -> Result<Array3<f32>> {
-        let (batch, image_tokens, _) = latents.dim();
-        if image_tokens != lat_h * lat_w {
-            return Err(request_error(format!(
-                "latents hold {image_tokens} tokens, a {lat_h}x{lat_w} grid needs {}",
-                lat_h * lat_w
-            )));
-        }
-        let total_tokens = image_tokens + references.ids.nrows();
-        if total_tokens > MAX_IMAGE_TOKENS {
-            return Err(request_error(format!(
-                "{total_tokens} image tokens ({image_tokens} output + {} reference): at most {MAX_IMAGE_TOKENS} fit; \
-                 use fewer or smaller references or a smaller output",
-                references.ids.nrows()
-            )));
-        }
-        // [B, L, D] for the whole batch: every image of a prompt shares its embeddings.
+        schedule: Schedule,
+    ) -> Result<DenoiseContext> {
+        let image_tokens = lat_h * lat_w;
+        check_token_budget(image_tokens, references.ids.nrows(), references.count)?;
+        // [1, L, D] -> [B, L, D]: every image of a prompt shares its embeddings.
         let repeat = |e: &PromptEmbeds| -> Result<Array3<f32>> {
-            let views = vec![e.embeds.view(); batch];
-            concatenate(Axis(0), &views).map_err(|err| internal("prompt embeddings", err))
+            concatenate(Axis(0), &vec![e.embeds.view(); batch]).map_err(|err| internal("prompt embeddings", err))
         };
         let text = repeat(embeds)?;
-        let negative = negative.map(|(n, g)| repeat(n).map(|t| (t, g))).transpose()?;
-        let txt_ids = prepare_text_ids(text.dim().1); // [L, 4]
+        let negative = negative.map(|(n, g)| repeat(n).map(|t| (t, g as f32))).transpose()?;
         // [h*w + N, 4]: output tokens then reference tokens
         let img_ids = concatenate(Axis(0), &[prepare_latent_ids(lat_h, lat_w).view(), references.ids.view()])
             .map_err(|e| internal("image ids", e))?;
-        let ref_tokens = {
-            let views = vec![references.tokens.view(); batch];
-            concatenate(Axis(0), &views).map_err(|e| internal("reference tokens", e))? // [B, N, 128]
-        };
+        // [1, N, 128] -> [B, N, 128]
+        let ref_tokens = concatenate(Axis(0), &vec![references.tokens.view(); batch])
+            .map_err(|e| internal("reference tokens", e))?;
+        Ok(DenoiseContext {
+            txt_ids: prepare_text_ids(text.dim().1),
+            text,
+            negative,
+            img_ids,
+            ref_tokens,
+            image_tokens,
+            schedule,
+        })
+    }
+
+    /// Stage 6, one Euler step `step` (0-based) on packed latents `[B, h*w, 128]`, in place.
+    pub fn denoise_step(&mut self, latents: &mut Array3<f32>, step: usize, ctx: &DenoiseContext) -> Result<()> {
+        self.denoise_step_with(latents, step, ctx, &mut None)
+    }
+
+    fn denoise_step_with(
+        &mut self,
+        latents: &mut Array3<f32>,
+        step: usize,
+        ctx: &DenoiseContext,
+        progress: &mut Option<Callback<'_>>,
+    ) -> Result<()> {
+        let (batch, image_tokens, _) = latents.dim();
+        if image_tokens != ctx.image_tokens || batch != ctx.text.dim().0 || step >= ctx.schedule.num_steps() {
+            return Err(request_error(format!(
+                "step {step} on latents {:?}: the context is for {} images of {} tokens and {} steps",
+                latents.dim(),
+                ctx.text.dim().0,
+                ctx.image_tokens,
+                ctx.schedule.num_steps()
+            )));
+        }
         let graph = self.graph("transformer", progress)?;
+        // [B, h*w, 128] ; [B, N, 128] -> [B, h*w + N, 128]
+        let input = concatenate(Axis(1), &[latents.view(), ctx.ref_tokens.view()]).map_err(|e| internal("latents", e))?;
+        let timestep = ndarray::Array1::from_elem(batch, ctx.schedule.transformer_timestep(step)); // [B]
+        let mut run = |prompt: &Array3<f32>| -> Result<Array3<f32>> {
+            let mut out = graph.run(&[
+                ("latents", TensorInput::from(input.view())),
+                ("prompt_embeds", TensorInput::from(prompt.view())),
+                ("timestep", TensorInput::from(timestep.view())),
+                ("img_ids", TensorInput::from(ctx.img_ids.view())),
+                ("txt_ids", TensorInput::from(ctx.txt_ids.view())),
+            ])?;
+            let velocity = out.take("velocity")?.into_dimensionality::<Ix3>().map_err(|e| internal("velocity", e))?;
+            // [B, h*w + N, 128] -> [B, h*w, 128]: reference tokens are inputs only
+            Ok(velocity.slice_move(s![.., ..image_tokens, ..]))
+        };
+        let mut velocity = run(&ctx.text)?;
+        if let Some((negative, g)) = &ctx.negative {
+            let uncond = run(negative)?;
+            // v = v_neg + g * (v - v_neg)
+            velocity.zip_mut_with(&uncond, |v, &n| *v = n + g * (*v - n));
+        }
+        let dt = ctx.schedule.dt(step);
+        latents.zip_mut_with(&velocity, |x, &v| *x += dt * v);
+        Ok(())
+    }
+
+    /// Stage 6: the Euler flow-matching loop over every step of the context's schedule.
+    pub fn denoise(&mut self, latents: Array3<f32>, ctx: &DenoiseContext) -> Result<Array3<f32>> {
+        self.denoise_with(latents, ctx, &mut None)
+    }
+
+    fn denoise_with(
+        &mut self,
+        mut latents: Array3<f32>,
+        ctx: &DenoiseContext,
+        progress: &mut Option<Callback<'_>>,
+    ) -> Result<Array3<f32>> {
+        self.graph("transformer", progress)?;
         notify(progress, Progress::StageStarted(Stage::Denoise))?;
         let start = Instant::now();
-        let steps = schedule.num_steps();
-        for step in 0..steps {
-            // [B, h*w, 128] ; [B, N, 128] -> [B, h*w + N, 128]
-            let input = concatenate(Axis(1), &[latents.view(), ref_tokens.view()]).map_err(|e| internal("latents", e))?;
-            let timestep = ndarray::Array1::from_elem(batch, schedule.transformer_timestep(step)); // [B]
-            let mut run = |prompt: &Array3<f32>| -> Result<Array3<f32>> {
-                let mut out = graph.run(&[
-                    ("latents", TensorInput::from(input.view())),
-                    ("prompt_embeds", TensorInput::from(prompt.view())),
-                    ("timestep", TensorInput::from(timestep.view())),
-                    ("img_ids", TensorInput::from(img_ids.view())),
-                    ("txt_ids", TensorInput::from(txt_ids.view())),
-                ])?;
-                let velocity = out.take("velocity")?.into_dimensionality::<Ix3>().map_err(|e| internal("velocity", e))?;
-                // [B, h*w + N, 128] -> [B, h*w, 128]: reference tokens are inputs only
-                Ok(velocity.slice_move(s![.., ..image_tokens, ..]))
-            };
-            let mut velocity = run(&text)?;
-            if let Some((negative, guidance)) = &negative {
-                let uncond = run(negative)?;
-                let g = *guidance as f32;
-                // v = v_neg + g * (v - v_neg)
-                velocity.zip_mut_with(&uncond, |v, &n| *v = n + g * (*v - n));
-            }
-            let dt = schedule.dt(step);
-            latents.zip_mut_with(&velocity, |x, &v| *x += dt * v);
-            notify(progress, Progress::Step { step: step + 1, total: steps })?;
+        let total = ctx.schedule.num_steps();
+        for step in 0..total {
+            self.denoise_step_with(&mut latents, step, ctx, progress)?;
+            notify(progress, Progress::Step { step: step + 1, total })?;
         }
         notify(progress, Progress::StageFinished(Stage::Denoise, start.elapsed()))?;
         Ok(latents)
@@ -583,15 +623,7 @@ impl Pipeline {
         let m = self.manifest.latents.pixel_multiple;
         let (lat_h, lat_w) = ((height / m) as usize, (width / m) as usize);
         let ref_tokens: usize = request.references.iter().map(|r| (r.width / m * (r.height / m)) as usize).sum();
-        if lat_h * lat_w + ref_tokens > MAX_IMAGE_TOKENS {
-            return Err(request_error(format!(
-                "{} image tokens ({} for the {width}x{height} output + {ref_tokens} for {} reference(s)): at most \
-                 {MAX_IMAGE_TOKENS} fit; use fewer or smaller references or a smaller output",
-                lat_h * lat_w + ref_tokens,
-                lat_h * lat_w,
-                request.references.len()
-            )));
-        }
+        check_token_budget(lat_h * lat_w, ref_tokens, request.references.len())?;
         let noise = match &request.initial_latents {
             Some(latents) => {
                 let want = (batch, self.manifest.latents.channels, lat_h, lat_w);
@@ -612,16 +644,17 @@ impl Pipeline {
 
         // 3. References.
         let references = if request.references.is_empty() {
-            ReferenceTokens { tokens: Array3::zeros((1, 0, self.manifest.latents.channels)), ids: Array2::zeros((0, 4)) }
+            ReferenceTokens { tokens: Array3::zeros((1, 0, self.manifest.latents.channels)), ids: Array2::zeros((0, 4)), count: 0 }
         } else {
             self.encode_references_with(&request.references, progress)?
         };
 
         // 4-6. Latents, schedule, denoising.
         let schedule = self.schedule(steps, lat_h, lat_w)?;
-        let packed = pack_latents(noise.view()); // [B, 128, h, w] -> [B, h*w, 128]
         let negative = negative.as_ref().map(|n| (n, guidance));
-        let latents = self.denoise_with(packed, lat_h, lat_w, &embeds, negative, &references, &schedule, progress)?;
+        let ctx = self.denoise_context(batch, lat_h, lat_w, &embeds, negative, &references, schedule)?;
+        let packed = pack_latents(noise.view()); // [B, 128, h, w] -> [B, h*w, 128]
+        let latents = self.denoise_with(packed, &ctx, progress)?;
 
         // 7. Decode.
         let images = self.decode_with(latents.view(), lat_h, lat_w, progress)?;
@@ -636,6 +669,18 @@ impl Pipeline {
             timings: Timings::new(),
         })
     }
+}
+
+/// Output plus reference tokens must fit in one transformer call ([`MAX_IMAGE_TOKENS`]).
+fn check_token_budget(output_tokens: usize, reference_tokens: usize, references: usize) -> Result<()> {
+    let total = output_tokens + reference_tokens;
+    if total > MAX_IMAGE_TOKENS {
+        return Err(request_error(format!(
+            "{total} image tokens ({output_tokens} for the output + {reference_tokens} for {references} reference(s)): \
+             at most {MAX_IMAGE_TOKENS} fit; use fewer or smaller references or a smaller output"
+        )));
+    }
+    Ok(())
 }
 
 fn internal(what: &str, error: impl std::fmt::Display) -> KleinError {

@@ -4,6 +4,7 @@
 //! set `ORT_DYLIB_PATH`.
 
 mod bundle;
+mod diffusers;
 mod manifest;
 mod runtime;
 mod tokenize;

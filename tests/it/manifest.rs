@@ -119,11 +119,11 @@ fn scheduler_options_reach_the_schedule_checks() {
         m["scheduler"]["use_karras_sigmas"] = json!(true)
     });
     let m = Manifest::load(&dir).unwrap();
-    assert!(m.scheduler.shift_config().use_karras_sigmas);
-    let limits = m.references.limits();
+    assert!(m.scheduler.shift.use_karras_sigmas);
+    let limits = &m.references.limits;
     assert_eq!((limits.min_side, limits.max_area), (64, 1048576));
     assert_eq!(
-        m.scheduler.empirical_mu.to_constants(),
+        m.scheduler.empirical_mu,
         klein::schedule::EmpiricalMu::FLUX2
     );
 }
