@@ -22,7 +22,7 @@ def _tiny(args):
 
     if Path(args.out).exists():
         raise FileExistsError(f"{args.out}: already exists (choose a new directory)")
-    print(build_tiny(args.out, seed=args.seed))
+    print(build_tiny(args.out, seed=args.seed, preset=args.preset))
     return 0
 
 
@@ -56,9 +56,15 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--variant", default="custom", choices=["4b", "9b", "tiny", "custom"], help="model variant recorded in the manifest")
     c.set_defaults(func=_convert)
 
-    t = sub.add_parser("tiny", help="write a tiny random-weight checkpoint (real classes, real tokenizer)")
+    t = sub.add_parser("tiny", help="write a random-weight checkpoint (real classes, real tokenizer)")
     t.add_argument("--out", required=True)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--preset",
+        default="tiny",
+        choices=["tiny", "wide", "4b"],
+        help="tiny: the test model; wide: the real 4B widths with 28 Qwen3 layers and 1+2 blocks; 4b: the published 4B architecture",
+    )
     t.set_defaults(func=_tiny)
 
     v = sub.add_parser("verify", help="torch vs ONNX Runtime, per component, at several shapes")

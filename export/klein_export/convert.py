@@ -33,7 +33,7 @@ def _peak_rss_mb() -> float:
 
 
 def _export_text_encoder(ckpt, out):
-    lm = ckpt.load_text_encoder()
+    lm = ckpt.load_text_encoder(num_layers=max(HIDDEN_LAYERS))
     module = TextEncoder(lm, HIDDEN_LAYERS).eval()
     io = contract.text_encoder_io(lm.config.hidden_size * len(HIDDEN_LAYERS))
     # Example batch 2 (a size-1 example dimension is specialised to 1), one row padded.

@@ -10,6 +10,7 @@ and the text projection, and QK-norm weights of 4, so that a wrong hidden layer,
 seed or reference shows in the image.
 """
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -89,42 +90,102 @@ def _init_(module: nn.Module, generator: torch.Generator, gains: dict):
                     sub.bias.copy_(0.1 * torch.randn(sub.bias.shape, generator=generator))
 
 
-def build_tiny(out_dir, seed: int = 0, transformer_overrides=None, vae_overrides=None, qwen_overrides=None):
-    """Write a tiny checkpoint to `out_dir` (which must not exist). Returns the path."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+# The published FLUX.2-klein-4B architecture (Qwen3-4B text encoder, 5 double + 20 single blocks,
+# the default AutoencoderKLFlux2), and "wide": the same widths with fewer blocks, so that one
+# generation takes minutes on 2 cores while each block costs what it costs in the real model.
+FULL_QWEN3 = dict(
+    vocab_size=151936,
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+FULL_TRANSFORMER = dict(
+    TINY_TRANSFORMER,
+    num_layers=5,
+    num_single_layers=20,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=3 * 2560,
+    axes_dims_rope=(32, 32, 32, 32),
+)
+FULL_VAE = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=32, norm_num_groups=32)
 
+PRESETS = {
+    "tiny": (TINY_QWEN3, TINY_TRANSFORMER, TINY_VAE, "float32"),
+    "wide": (dict(FULL_QWEN3, num_hidden_layers=28), dict(FULL_TRANSFORMER, num_layers=1, num_single_layers=2), FULL_VAE, "bfloat16"),
+    "4b": (FULL_QWEN3, FULL_TRANSFORMER, FULL_VAE, "bfloat16"),
+}
+
+
+def build_tiny(out_dir, seed: int = 0, transformer_overrides=None, vae_overrides=None, qwen_overrides=None, preset="tiny"):
+    """Write a random-weight checkpoint of `preset` to `out_dir` (which must not exist).
+
+    Components are built, saved and freed one at a time (the 4B preset does not fit in memory
+    at once); large presets are stored in bfloat16, as the published checkpoints are.
+    """
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    qwen_cfg, transformer_cfg, vae_cfg, storage = PRESETS[preset]
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir}: already exists (choose a new directory)")
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     g = torch.Generator("cpu").manual_seed(seed)
+    dtype = getattr(torch, storage)
 
-    qwen = Qwen3ForCausalLM(Qwen3Config(**{**TINY_QWEN3, **(qwen_overrides or {})})).eval()
+    def save(model, component):
+        if dtype != torch.float32:
+            model.to(dtype)
+        model.save_pretrained(tmp / component)
+
+    qwen = Qwen3ForCausalLM(Qwen3Config(**{**qwen_cfg, **(qwen_overrides or {})})).eval()
     _init_(qwen, g, {"q_norm": 2.0, "k_norm": 2.0})
+    save(qwen, "text_encoder")
+    del qwen
 
-    transformer = Flux2Transformer2DModel(**{**TINY_TRANSFORMER, **(transformer_overrides or {})}).eval()
+    transformer = Flux2Transformer2DModel(**{**transformer_cfg, **(transformer_overrides or {})}).eval()
     _init_(transformer, g, {"norm_q": 4.0, "norm_k": 4.0, "norm_added_q": 4.0, "norm_added_k": 4.0, "modulation": 2.0, "context_embedder": 4.0})
+    save(transformer, "transformer")
+    del transformer
 
-    vae = AutoencoderKLFlux2(**{**TINY_VAE, **(vae_overrides or {})}).eval()
+    vae = AutoencoderKLFlux2(**{**vae_cfg, **(vae_overrides or {})}).eval()
     _init_(vae, g, {})
     with torch.no_grad():
         vae.bn.running_mean.copy_(0.5 * torch.randn(vae.bn.running_mean.shape, generator=g))
         vae.bn.running_var.copy_(0.5 + 1.5 * torch.rand(vae.bn.running_var.shape, generator=g))
+    save(vae, "vae")
+    del vae
 
-    tokenizer = AutoTokenizer.from_pretrained(ASSETS)
-    pipe = Flux2KleinPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
-        vae=vae,
-        text_encoder=qwen,
-        tokenizer=tokenizer,
-        transformer=transformer,
-        is_distilled=True,
-    )
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    pipe.save_pretrained(tmp)
-    # The tokenizer files are copied verbatim (save_pretrained re-serialises them).
+    FlowMatchEulerDiscreteScheduler(**SCHEDULER).save_pretrained(tmp / "scheduler")
+    (tmp / "tokenizer").mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(ASSETS / name, tmp / "tokenizer" / name)
+    (tmp / "model_index.json").write_text(json.dumps(_model_index(), indent=2) + "\n", encoding="utf-8")
     tmp.rename(out_dir)
     return out_dir
+
+
+def _model_index() -> dict:
+    """What `Flux2KleinPipeline.save_pretrained` writes for a distilled klein checkpoint."""
+    import diffusers
+
+    return {
+        "_class_name": "Flux2KleinPipeline",
+        "_diffusers_version": diffusers.__version__,
+        "is_distilled": True,
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen3ForCausalLM"],
+        "tokenizer": ["transformers", "Qwen2Tokenizer"],
+        "transformer": ["diffusers", "Flux2Transformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLFlux2"],
+    }

@@ -88,7 +88,7 @@ def _tokenize(tokenizer, facts, prompts):
 def verify_text_encoder(ckpt, bundle):
     tokenizer = ckpt.load_tokenizer()
     facts = tokenizer_facts(tokenizer)
-    module = TextEncoder(ckpt.load_text_encoder(), HIDDEN_LAYERS).eval()
+    module = TextEncoder(ckpt.load_text_encoder(num_layers=max(HIDDEN_LAYERS)), HIDDEN_LAYERS).eval()
     sess = _session(bundle, "text_encoder.onnx")
     cases = {
         "batch 1, L 512": _tokenize(tokenizer, facts, ["a raccoon astronaut on the moon"]),
