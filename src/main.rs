@@ -12,7 +12,7 @@ use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use klein::manifest::Manifest;
 use klein::output::{encode_png, write_atomic};
-use klein::pipeline::{Generation, Pipeline, PipelineOptions, Progress, Request, MAX_BATCH, MAX_SIDE};
+use klein::pipeline::{Generation, Pipeline, PipelineOptions, Progress, Request, MAX_BATCH};
 use klein::runtime::{Device, RuntimeOptions};
 use klein::KleinError;
 
@@ -20,7 +20,11 @@ use klein::KleinError;
 const BUNDLED_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/onnx/klein-tiny");
 
 #[derive(Parser)]
-#[command(name = "klein", version, about = "Run FLUX.2-klein image models on ONNX Runtime")]
+#[command(
+    name = "klein",
+    version,
+    about = "Run FLUX.2-klein image models on ONNX Runtime"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -29,7 +33,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Generate images: text-to-image, or edit/compose with --ref.
-    Generate(GenerateArgs),
+    Generate(Box<GenerateArgs>),
     /// Show what is in a bundle.
     Info(InfoArgs),
 }
@@ -42,10 +46,10 @@ struct GenerateArgs {
     #[arg(long, short = 'm')]
     model: Option<PathBuf>,
     /// Output width in pixels, floored to a multiple of 16 [default: first reference's width, else the bundle's]
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=MAX_SIDE as i64))]
+    #[arg(long)]
     width: Option<u32>,
     /// Output height in pixels, floored to a multiple of 16 [default: first reference's height, else the bundle's]
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=MAX_SIDE as i64))]
+    #[arg(long)]
     height: Option<u32>,
     /// Denoising steps [default: the bundle's, 4 for distilled models]
     #[arg(long)]
@@ -98,23 +102,62 @@ struct InfoArgs {
 }
 
 fn default_model(model: Option<PathBuf>) -> PathBuf {
-    model.or_else(|| std::env::var_os("KLEIN_MODEL").map(PathBuf::from)).unwrap_or_else(|| PathBuf::from(BUNDLED_MODEL))
+    model
+        .or_else(|| std::env::var_os("KLEIN_MODEL").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from(BUNDLED_MODEL))
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Generate(args) => generate(args),
+        Command::Generate(args) => generate(*args),
         Command::Info(args) => info(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("klein: error: {error:#}");
-            let user_error = error.chain().any(|e| e.downcast_ref::<KleinError>().is_some_and(KleinError::is_user_error));
+            let user_error = error.chain().any(|e| {
+                e.downcast_ref::<KleinError>()
+                    .is_some_and(KleinError::is_user_error)
+                    || e.downcast_ref::<UsageError>().is_some()
+            });
             ExitCode::from(if user_error { 2 } else { 1 })
         }
     }
+}
+
+/// A command-line mistake only the binary can see (the library's checks return [`KleinError`]s).
+/// Exits with code 2, as every user error does.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct UsageError(String);
+
+/// Refuses, before any work, output paths that could not be written once the images are made.
+fn check_output_paths(paths: &[PathBuf]) -> anyhow::Result<()> {
+    for path in paths {
+        if path.is_dir() {
+            return Err(UsageError(format!(
+                "output {} is a directory; give a file name such as {}",
+                path.display(),
+                path.join("klein.png").display()
+            ))
+            .into());
+        }
+        let parent = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        if !parent.is_dir() {
+            return Err(UsageError(format!(
+                "output {}: the directory {} does not exist; create it first",
+                path.display(),
+                parent.display()
+            ))
+            .into());
+        }
+    }
+    Ok(())
 }
 
 /// Output paths: `out.png`, or `out-1.png` ... `out-N.png` for a batch.
@@ -122,14 +165,26 @@ fn output_paths(output: &Path, n: usize) -> Vec<PathBuf> {
     if n == 1 {
         return vec![output.to_path_buf()];
     }
-    let stem = output.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "klein".into());
-    let ext = output.extension().map(|e| e.to_string_lossy().into_owned()).unwrap_or_else(|| "png".into());
-    (1..=n).map(|i| output.with_file_name(format!("{stem}-{i}.{ext}"))).collect()
+    let stem = output
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "klein".into());
+    let ext = output
+        .extension()
+        .map(|e| e.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "png".into());
+    (1..=n)
+        .map(|i| output.with_file_name(format!("{stem}-{i}.{ext}")))
+        .collect()
 }
 
 fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     let model = default_model(args.model);
-    let seed = args.seed.unwrap_or_else(|| RandomState::new().hash_one(std::process::id()));
+    let paths = output_paths(&args.output, usize::from(args.num_images));
+    check_output_paths(&paths)?;
+    let seed = args
+        .seed
+        .unwrap_or_else(|| RandomState::new().hash_one(std::process::id()));
     let attended = !args.quiet && std::io::stderr().is_terminal();
     let say = |line: String| {
         if !args.quiet {
@@ -141,16 +196,22 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     if let Some(lib) = &args.ort_lib {
         runtime = runtime.with_library(lib);
     }
-    let mut options = PipelineOptions::default().with_device(args.device).with_runtime(runtime).with_verify_hashes(args.verify_hashes);
+    let mut options = PipelineOptions::default()
+        .with_device(args.device)
+        .with_runtime(runtime)
+        .with_verify_hashes(args.verify_hashes);
     if let Some(threads) = args.threads {
         options = options.with_threads(threads);
     }
     if let Some(dir) = &args.prompt_cache {
         options = options.with_prompt_cache_dir(dir);
     }
-    let mut pipeline = Pipeline::load(&model, options).with_context(|| format!("loading bundle {}", model.display()))?;
+    // Every error of `Pipeline::load` names the bundle or the file in it.
+    let mut pipeline = Pipeline::load(&model, options)?;
 
-    let mut request = Request::new(args.prompt.clone()).with_seed(seed).with_num_images(args.num_images as usize);
+    let mut request = Request::new(args.prompt.clone())
+        .with_seed(seed)
+        .with_num_images(args.num_images as usize);
     for path in &args.refs {
         request = request.with_reference(pipeline.load_reference(path)?);
     }
@@ -161,15 +222,25 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     let (width, height) = pipeline.output_size(&request)?;
     let manifest = pipeline.manifest();
     if manifest.model.is_distilled && args.guidance.is_some_and(|g| g > 1.0) {
-        eprintln!("klein: warning: --guidance is ignored: {} is a distilled model", manifest.model.name);
+        eprintln!(
+            "klein: warning: --guidance is ignored: {} is a distilled model",
+            manifest.model.name
+        );
     }
     say(format!("seed: {seed}"));
-    say(format!("model: {} ({}), {width}x{height}", manifest.model.name, model.display()));
+    say(format!(
+        "model: {} ({}), {width}x{height}",
+        manifest.model.name,
+        model.display()
+    ));
 
     let bar = ProgressBar::hidden();
     if attended {
         bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
-        bar.set_style(ProgressStyle::with_template("{msg:20} [{bar:30}] {pos}/{len} {elapsed}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+        bar.set_style(
+            ProgressStyle::with_template("{msg:20} [{bar:30}] {pos}/{len} {elapsed}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
     }
     let mut on_progress = |event: Progress| {
         match event {
@@ -195,7 +266,10 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
             pipeline.manifest().tokenizer.max_sequence_length
         );
     }
-    let device = pipeline.device_used().map(|d| d.to_string()).unwrap_or_else(|| "none".to_string());
+    let device = pipeline
+        .device_used()
+        .map(|d| d.to_string())
+        .unwrap_or_else(|| "none".to_string());
     say(format!("device: {device}"));
     if args.timings {
         for (stage, elapsed) in &generation.timings {
@@ -203,7 +277,6 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         }
     }
     let text = png_text(&pipeline, &generation, &args.prompt, &args.refs, &device)?;
-    let paths = output_paths(&args.output, generation.images.len());
     for (image, path) in generation.images.iter().zip(&paths) {
         write_atomic(path, &encode_png(image, &text)?)?;
         println!("{}", path.display());
@@ -211,10 +284,19 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn png_text(pipeline: &Pipeline, g: &Generation, prompt: &str, refs: &[PathBuf], device: &str) -> anyhow::Result<Vec<(String, String)>> {
+fn png_text(
+    pipeline: &Pipeline,
+    g: &Generation,
+    prompt: &str,
+    refs: &[PathBuf],
+    device: &str,
+) -> anyhow::Result<Vec<(String, String)>> {
     let manifest = pipeline.manifest();
     let manifest_path = pipeline.bundle_dir().join(klein::manifest::MANIFEST_FILE);
-    let bundle_hash = sha256_hex(&std::fs::read(&manifest_path).with_context(|| format!("reading {}", manifest_path.display()))?);
+    let bundle_hash = sha256_hex(
+        &std::fs::read(&manifest_path)
+            .with_context(|| format!("reading {}", manifest_path.display()))?,
+    );
     let refs: Vec<String> = refs.iter().map(|r| r.display().to_string()).collect();
     Ok(vec![
         ("prompt".into(), prompt.into()),
@@ -223,17 +305,35 @@ fn png_text(pipeline: &Pipeline, g: &Generation, prompt: &str, refs: &[PathBuf],
         ("guidance".into(), g.guidance.to_string()),
         ("size".into(), format!("{}x{}", g.width, g.height)),
         ("model".into(), manifest.model.name.clone()),
-        ("model_variant".into(), serde_json::to_value(manifest.model.variant)?.as_str().unwrap_or("").to_string()),
+        (
+            "model_variant".into(),
+            variant_name(manifest.model.variant)?,
+        ),
         ("bundle_sha256".into(), bundle_hash),
         ("device".into(), device.into()),
         ("references".into(), serde_json::to_string(&refs)?),
-        ("Software".into(), format!("klein {}", env!("CARGO_PKG_VERSION"))),
+        (
+            "Software".into(),
+            format!("klein {}", env!("CARGO_PKG_VERSION")),
+        ),
     ])
+}
+
+/// The manifest's name of a model variant (`4b`, `9b`, `tiny`, `custom`).
+fn variant_name(variant: klein::manifest::ModelVariant) -> anyhow::Result<String> {
+    let value = serde_json::to_value(variant)?;
+    value
+        .as_str()
+        .map(str::to_string)
+        .with_context(|| format!("model variant {value} is not a string"))
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
-    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 fn info(args: InfoArgs) -> anyhow::Result<()> {
@@ -244,8 +344,16 @@ fn info(args: InfoArgs) -> anyhow::Result<()> {
     }
     let m = &manifest.model;
     println!("bundle:       {}", model.display());
-    println!("model:        {} (variant {}, {})", m.name, serde_json::to_value(m.variant)?, if m.is_distilled { "distilled" } else { "base" });
-    println!("defaults:     {} steps, guidance {}, {}x{}", m.default_steps, m.default_guidance, m.default_width, m.default_height);
+    println!(
+        "model:        {} (variant {}, {})",
+        m.name,
+        variant_name(m.variant)?,
+        if m.is_distilled { "distilled" } else { "base" }
+    );
+    println!(
+        "defaults:     {} steps, guidance {}, {}x{}",
+        m.default_steps, m.default_guidance, m.default_width, m.default_height
+    );
     let te = &manifest.text_encoder;
     println!(
         "text encoder: hidden {}, layers {:?} of {} ({} in the graph), embeddings {}",
@@ -254,20 +362,47 @@ fn info(args: InfoArgs) -> anyhow::Result<()> {
     let tr = &manifest.transformer;
     println!(
         "transformer:  {} double + {} single blocks, {} heads x {}, joint dim {}",
-        tr.num_layers, tr.num_single_layers, tr.num_attention_heads, tr.attention_head_dim, tr.joint_attention_dim
+        tr.num_layers,
+        tr.num_single_layers,
+        tr.num_attention_heads,
+        tr.attention_head_dim,
+        tr.joint_attention_dim
     );
-    println!("tokenizer:    pad {:?} ({}), max {} tokens", manifest.tokenizer.pad_token, manifest.tokenizer.pad_token_id, manifest.tokenizer.max_sequence_length);
+    println!(
+        "tokenizer:    pad {:?} ({}), max {} tokens",
+        manifest.tokenizer.pad_token,
+        manifest.tokenizer.pad_token_id,
+        manifest.tokenizer.max_sequence_length
+    );
     println!("graphs:");
     for (name, spec) in manifest.graphs.iter() {
         let bytes = manifest.files.get(&spec.file).map(|f| f.bytes).unwrap_or(0);
-        let quant = spec.quantization.as_ref().map(|q| serde_json::to_string(q)).transpose()?.unwrap_or_else(|| "none".into());
-        println!("  {name:13} {:>10.1} MB  {}  quantization {quant}", bytes as f64 / 1e6, spec.precision);
+        let quant = spec
+            .quantization
+            .as_ref()
+            .map(serde_json::to_string)
+            .transpose()?
+            .unwrap_or_else(|| "none".into());
+        println!(
+            "  {name:13} {:>10.1} MB  {}  quantization {quant}",
+            bytes as f64 / 1e6,
+            spec.precision
+        );
     }
     let e = &manifest.exporter;
-    println!("exported by:  {} {} (torch {}, diffusers {}, opset {})", e.name, e.version, e.torch, e.diffusers, e.opset);
-    println!("needs:        ONNX Runtime >= {}", manifest.min_onnxruntime_version);
+    println!(
+        "exported by:  {} {} (torch {}, diffusers {}, opset {})",
+        e.name, e.version, e.torch, e.diffusers, e.opset
+    );
+    println!(
+        "needs:        ONNX Runtime >= {}",
+        manifest.min_onnxruntime_version
+    );
     if args.verify {
-        println!("hashes:       all {} files match the manifest", manifest.files.len());
+        println!(
+            "hashes:       all {} files match the manifest",
+            manifest.files.len()
+        );
     }
     Ok(())
 }

@@ -39,6 +39,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use half::{bf16, f16};
 use ndarray::{ArrayD, ArrayView, ArrayViewD, CowArray, Dimension, IxDyn};
 use ort::environment::Environment;
+use ort::error::ErrorCode;
 use ort::session::builder::{GraphOptimizationLevel, SessionBuilder};
 use ort::session::{Session, SessionInputValue};
 use ort::value::{Outlet, TensorElementType, TensorRef, ValueType};
@@ -646,9 +647,13 @@ pub fn load_graph(name: &'static str, path: &Path, config: &SessionConfig) -> Re
             None => builder,
         };
         let mut builder = register_device(builder, device)?;
-        builder
-            .commit_from_file(path)
-            .map_err(|e| LoadFailure::Session(error_chain(&e)))
+        builder.commit_from_file(path).map_err(|e| match e.code() {
+            // The file itself is not a graph ONNX Runtime can read: a bad bundle, not a bad run.
+            ErrorCode::InvalidProtobuf | ErrorCode::InvalidGraph | ErrorCode::NoModel => {
+                LoadFailure::File(error_chain(&e))
+            }
+            _ => LoadFailure::Session(error_chain(&e)),
+        })
     };
 
     let candidates: Vec<Device> = match device {
@@ -681,6 +686,15 @@ pub fn load_graph(name: &'static str, path: &Path, config: &SessionConfig) -> Re
                     device: candidate.to_string(),
                     message: format!(
                         "{message} (choose the cpu device, or auto to fall back to the CPU)"
+                    ),
+                })
+            }
+            Err(LoadFailure::File(message)) => {
+                return Err(KleinError::Bundle {
+                    path: path.to_path_buf(),
+                    reason: format!(
+                        "ONNX Runtime cannot read it as the {name} graph ({message}); the file is corrupt or \
+                         not an ONNX graph: check the bundle with `klein info --verify` and copy or export it again"
                     ),
                 })
             }
@@ -723,16 +737,18 @@ pub fn load_graph(name: &'static str, path: &Path, config: &SessionConfig) -> Re
     })
 }
 
-/// Why building one session failed: the device, or the graph itself.
+/// Why building one session failed: the device, the graph file, or the session itself.
 enum LoadFailure {
     Device(String),
+    /// ONNX Runtime cannot parse the file as a graph (corrupt, or not ONNX).
+    File(String),
     Session(String),
 }
 
 impl LoadFailure {
     fn message(&self) -> &str {
         match self {
-            LoadFailure::Device(m) | LoadFailure::Session(m) => m,
+            LoadFailure::Device(m) | LoadFailure::File(m) | LoadFailure::Session(m) => m,
         }
     }
 }

@@ -1,0 +1,860 @@
+//! The `klein` binary end to end on the bundled tiny model (`onnx/klein-tiny/`): what it writes and
+//! prints on success, and, for every kind of bad input, a clear error on stderr, exit code 2, no
+//! panic and no output file (nor a temporary one).
+//!
+//! Sizes are 64x64 with 2 steps (well under a second a run); the bundle's default 1024x1024 runs
+//! once. Broken bundles are copies of the tiny bundle in a temporary directory, never the bundle.
+
+use std::collections::BTreeMap;
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use sha2::{Digest, Sha256};
+
+use crate::util::{assert_mentions, ort_library, repo, temp_dir};
+
+/// Fast generation flags: 64x64 pixels (4x4 latents), 2 steps.
+const FAST: [&str; 6] = ["--width", "64", "--height", "64", "--steps", "2"];
+
+fn bundle_dir() -> PathBuf {
+    repo().join("onnx/klein-tiny")
+}
+
+/// What one run of the binary did.
+struct Run {
+    args: Vec<String>,
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    fn describe(&self) -> String {
+        format!(
+            "klein {}\nexit code: {:?}\n--- stdout ---\n{}--- stderr ---\n{}",
+            self.args.join(" "),
+            self.code,
+            self.stdout,
+            self.stderr
+        )
+    }
+
+    /// Exit 0, no panic, the output paths (and nothing else) on stdout.
+    #[track_caller]
+    fn assert_success(&self, outputs: &[&Path]) {
+        assert_eq!(self.code, Some(0), "expected success:\n{}", self.describe());
+        assert!(!self.stderr.contains("panicked"), "{}", self.describe());
+        let expected: String = outputs
+            .iter()
+            .map(|p| format!("{}\n", p.display()))
+            .collect();
+        assert_eq!(
+            self.stdout,
+            expected,
+            "stdout should list the outputs:\n{}",
+            self.describe()
+        );
+        for path in outputs {
+            assert!(
+                path.is_file(),
+                "{} was not written:\n{}",
+                path.display(),
+                self.describe()
+            );
+        }
+    }
+
+    /// Exit 2 (a user error), no panic, nothing on stdout, and an error on stderr that mentions
+    /// every one of `needles`.
+    #[track_caller]
+    fn assert_user_error(&self, needles: &[&str]) {
+        assert_eq!(
+            self.code,
+            Some(2),
+            "expected exit code 2:\n{}",
+            self.describe()
+        );
+        assert!(
+            !self.stderr.contains("panicked"),
+            "the binary panicked:\n{}",
+            self.describe()
+        );
+        assert!(
+            self.stdout.is_empty(),
+            "nothing should be on stdout:\n{}",
+            self.describe()
+        );
+        assert!(
+            self.stderr.contains("error"),
+            "no error on stderr:\n{}",
+            self.describe()
+        );
+        assert_mentions(&self.stderr, needles);
+    }
+}
+
+/// Runs the binary with the tests' ONNX Runtime library and no `KLEIN_MODEL` (so that the
+/// bundled tiny model is the default).
+fn klein<S: AsRef<OsStr>>(args: impl IntoIterator<Item = S>) -> Run {
+    let args: Vec<_> = args
+        .into_iter()
+        .map(|a| a.as_ref().to_os_string())
+        .collect();
+    let output = Command::new(env!("CARGO_BIN_EXE_klein"))
+        .args(&args)
+        .env("ORT_DYLIB_PATH", ort_library())
+        .env_remove("KLEIN_MODEL")
+        .output()
+        .unwrap();
+    Run {
+        args: args
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect(),
+        code: output.status.code(),
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+    }
+}
+
+/// `klein generate <prompt> -o <output> <extra...>`.
+fn generate(prompt: &str, output: &Path, extra: &[&str]) -> Run {
+    let mut args: Vec<&OsStr> = vec![
+        "generate".as_ref(),
+        prompt.as_ref(),
+        "-o".as_ref(),
+        output.as_ref(),
+    ];
+    args.extend(extra.iter().map(OsStr::new));
+    klein(args)
+}
+
+/// A generation that must fail with a user error: it writes to an empty directory, and that
+/// directory must still be empty afterwards (no output, no temporary file).
+#[track_caller]
+fn assert_refused(extra: &[&str], needles: &[&str]) -> Run {
+    let out_dir = temp_dir("cli-refused");
+    let run = generate("a cat", &out_dir.join("out.png"), extra);
+    run.assert_user_error(needles);
+    assert_eq!(
+        files_in(&out_dir),
+        Vec::<String>::new(),
+        "files left behind:\n{}",
+        run.describe()
+    );
+    run
+}
+
+fn files_in(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// A decoded output PNG: its pixels and its iTXt metadata.
+struct Png {
+    width: u32,
+    height: u32,
+    pixels: Vec<u8>,
+    text: BTreeMap<String, String>,
+}
+
+fn read_png(path: &Path) -> Png {
+    let file = std::fs::File::open(path).unwrap();
+    let mut reader = png::Decoder::new(std::io::BufReader::new(file))
+        .read_info()
+        .unwrap();
+    let text = reader
+        .info()
+        .utf8_text
+        .iter()
+        .map(|chunk| (chunk.keyword.clone(), chunk.get_text().unwrap()))
+        .collect();
+    let mut pixels = vec![0; reader.output_buffer_size().unwrap()];
+    let frame = reader.next_frame(&mut pixels).unwrap();
+    assert_eq!(
+        (frame.color_type, frame.bit_depth),
+        (png::ColorType::Rgb, png::BitDepth::Eight)
+    );
+    pixels.truncate(frame.buffer_size());
+    Png {
+        width: frame.width,
+        height: frame.height,
+        pixels,
+        text,
+    }
+}
+
+/// Compares two images' pixels, tolerance 0; on failure prints how many bytes differ and where.
+#[track_caller]
+fn assert_same_pixels(what: &str, expected: &Png, got: &Png) {
+    assert_eq!(
+        (expected.width, expected.height),
+        (got.width, got.height),
+        "{what}: size"
+    );
+    let diffs: Vec<usize> = (0..expected.pixels.len())
+        .filter(|&i| expected.pixels[i] != got.pixels[i])
+        .collect();
+    assert!(
+        diffs.is_empty(),
+        "{what}: {} of {} bytes differ; first (index, expected, got): {:?}",
+        diffs.len(),
+        expected.pixels.len(),
+        diffs
+            .iter()
+            .take(8)
+            .map(|&i| (i, expected.pixels[i], got.pixels[i]))
+            .collect::<Vec<_>>()
+    );
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The seed from the `seed: N` line on stderr.
+fn printed_seed(run: &Run) -> u64 {
+    let line = run.stderr.lines().find_map(|l| l.strip_prefix("seed: "));
+    line.and_then(|s| s.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no `seed: N` on stderr:\n{}", run.describe()))
+}
+
+/// A solid-colour RGB PNG of `width x height` at `path`.
+fn solid_png(path: &Path, width: u32, height: u32) -> PathBuf {
+    image::RgbImage::from_pixel(width, height, image::Rgb([200, 80, 40]))
+        .save(path)
+        .unwrap();
+    path.to_path_buf()
+}
+
+/// A copy of the tiny bundle (about 20 MB) in a fresh directory, to break. Removed when dropped,
+/// unless the test failed (to look at).
+struct BundleCopy(PathBuf);
+
+impl BundleCopy {
+    fn new(name: &str) -> Self {
+        let dir = temp_dir(name);
+        for entry in std::fs::read_dir(bundle_dir()).unwrap() {
+            let entry = entry.unwrap();
+            std::fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
+        }
+        BundleCopy(dir)
+    }
+
+    fn path(&self) -> &Path {
+        &self.0
+    }
+
+    fn file(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+
+    fn arg(&self) -> &str {
+        path_str(&self.0)
+    }
+}
+
+impl Drop for BundleCopy {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// Replaces `file` with garbage bytes of the same size (so only a hash check or the loader can tell).
+fn corrupt(file: &Path) {
+    let size = std::fs::metadata(file).unwrap().len() as usize;
+    let garbage: Vec<u8> = (0..size)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    std::fs::write(file, garbage).unwrap();
+}
+
+/// Edits the copied bundle's manifest.json as JSON.
+fn edit_manifest(bundle: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = bundle.join("manifest.json");
+    let mut manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    edit(&mut manifest);
+    std::fs::write(&path, serde_json::to_vec_pretty(&manifest).unwrap()).unwrap();
+}
+
+fn path_str(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+// ---- success ----
+
+/// Writes the PNG, prints its path on stdout, and records prompt, seed, steps, size, variant,
+/// bundle hash (sha256 of manifest.json), device and references as iTXt.
+#[test]
+fn generate_writes_a_png_with_its_settings() {
+    let dir = temp_dir("cli-generate");
+    let out = dir.join("out.png");
+    let run = generate(
+        "a red fox in the snow",
+        &out,
+        &[&FAST[..], &["--seed", "7"]].concat(),
+    );
+    run.assert_success(&[&out]);
+    assert_mentions(&run.stderr, &["seed: 7", "device: cpu"]);
+    let png = read_png(&out);
+    assert_eq!((png.width, png.height), (64, 64));
+    let manifest = std::fs::read(bundle_dir().join("manifest.json")).unwrap();
+    let expected: BTreeMap<&str, String> = [
+        ("prompt", "a red fox in the snow".to_string()),
+        ("seed", "7".to_string()),
+        ("steps", "2".to_string()),
+        ("size", "64x64".to_string()),
+        ("model_variant", "tiny".to_string()),
+        ("bundle_sha256", sha256_hex(&manifest)),
+        ("device", "cpu".to_string()),
+        ("references", "[]".to_string()),
+    ]
+    .into_iter()
+    .collect();
+    for (key, value) in &expected {
+        assert_eq!(
+            png.text.get(*key),
+            Some(value),
+            "iTXt `{key}`; all text chunks: {:?}",
+            png.text
+        );
+    }
+    assert_eq!(files_in(&dir), ["out.png"], "no temporary file is left");
+}
+
+/// The same seed gives byte-identical pixels; another seed gives other pixels.
+#[test]
+fn same_seed_same_pixels_other_seed_other_pixels() {
+    let dir = temp_dir("cli-seed");
+    let (a, b, c) = (dir.join("a.png"), dir.join("b.png"), dir.join("c.png"));
+    for (out, seed) in [(&a, "42"), (&b, "42"), (&c, "43")] {
+        generate(
+            "a lighthouse",
+            out,
+            &[&FAST[..], &["--seed", seed]].concat(),
+        )
+        .assert_success(&[out]);
+    }
+    assert_same_pixels("seed 42 twice", &read_png(&a), &read_png(&b));
+    assert_ne!(
+        read_png(&a).pixels,
+        read_png(&c).pixels,
+        "seeds 42 and 43 gave the same image"
+    );
+}
+
+/// Without --seed a random seed is used, printed as `seed: N` and stored; it reproduces the image.
+#[test]
+fn random_seed_is_printed_and_reproduces_the_image() {
+    let dir = temp_dir("cli-random-seed");
+    let (first, again) = (dir.join("first.png"), dir.join("again.png"));
+    let run = generate("a lighthouse", &first, &FAST);
+    run.assert_success(&[&first]);
+    let seed = printed_seed(&run);
+    let png = read_png(&first);
+    assert_eq!(png.text.get("seed"), Some(&seed.to_string()), "stored seed");
+    generate(
+        "a lighthouse",
+        &again,
+        &[&FAST[..], &["--seed", &seed.to_string()]].concat(),
+    )
+    .assert_success(&[&again]);
+    assert_same_pixels(
+        "random seed, then the printed seed",
+        &png,
+        &read_png(&again),
+    );
+}
+
+/// `--num-images 2` writes NAME-1.png and NAME-2.png. As in diffusers, the whole batch's noise comes
+/// from one generator, and torch's randn fills 16 values at a time, so the first 128*h*w normals
+/// of the batch are the single image's: image 1 equals the single image of the same seed
+/// (tolerance 0; the tiny graphs treat batch rows independently).
+#[test]
+fn batch_writes_numbered_files_and_its_first_image_is_the_single_image() {
+    let dir = temp_dir("cli-batch");
+    let single = dir.join("single.png");
+    generate(
+        "two birds",
+        &single,
+        &[&FAST[..], &["--seed", "5"]].concat(),
+    )
+    .assert_success(&[&single]);
+    let batch = dir.join("out.png");
+    let (one, two) = (dir.join("out-1.png"), dir.join("out-2.png"));
+    generate(
+        "two birds",
+        &batch,
+        &[&FAST[..], &["--seed", "5", "--num-images", "2"]].concat(),
+    )
+    .assert_success(&[&one, &two]);
+    assert!(!batch.exists(), "a batch writes only numbered files");
+    assert_same_pixels(
+        "batch image 1 vs the single image",
+        &read_png(&single),
+        &read_png(&one),
+    );
+    assert_ne!(
+        read_png(&one).pixels,
+        read_png(&two).pixels,
+        "the two images of a batch are the same"
+    );
+    assert_eq!(read_png(&two).text.get("seed"), Some(&"5".to_string()));
+}
+
+/// The bundle's defaults (1024x1024, 4 steps) when no size or steps are given; `--timings` prints
+/// the time of every stage. The only run at the default size.
+#[test]
+fn defaults_come_from_the_bundle_and_timings_are_printed() {
+    let dir = temp_dir("cli-defaults");
+    let out = dir.join("out.png");
+    let run = generate("a city at night", &out, &["--seed", "1", "--timings"]);
+    run.assert_success(&[&out]);
+    let png = read_png(&out);
+    assert_eq!((png.width, png.height), (1024, 1024));
+    assert_eq!(png.text.get("steps"), Some(&"4".to_string()));
+    for stage in [
+        "load text encoder",
+        "encode prompt",
+        "load transformer",
+        "denoise",
+        "load VAE decoder",
+        "decode",
+    ] {
+        let line = run
+            .stderr
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{stage}:")));
+        assert!(
+            line.is_some_and(|l| l.trim_end().ends_with(" s")),
+            "no timing for `{stage}`:\n{}",
+            run.describe()
+        );
+    }
+}
+
+#[test]
+fn quiet_prints_nothing_on_stderr() {
+    let out = temp_dir("cli-quiet").join("out.png");
+    let run = generate("a cat", &out, &[&FAST[..], &["--quiet"]].concat());
+    run.assert_success(&[&out]);
+    assert_eq!(run.stderr, "", "--quiet:\n{}", run.describe());
+}
+
+#[test]
+fn empty_prompt_is_allowed() {
+    let out = temp_dir("cli-empty-prompt").join("out.png");
+    generate("", &out, &FAST).assert_success(&[&out]);
+    assert_eq!(read_png(&out).text.get("prompt"), Some(&String::new()));
+}
+
+/// A prompt over 512 tokens is cut as the reference pipeline does, with a warning, and succeeds.
+#[test]
+fn long_prompt_is_truncated_with_a_warning() {
+    let out = temp_dir("cli-long-prompt").join("out.png");
+    let prompt = vec!["word"; 3000].join(" ");
+    let run = generate(&prompt, &out, &[&FAST[..], &["--quiet"]].concat());
+    run.assert_success(&[&out]);
+    assert_mentions(&run.stderr, &["warning", "truncated", "512 tokens"]);
+    assert_eq!(
+        read_png(&out).text.get("prompt"),
+        Some(&prompt),
+        "the full prompt is stored"
+    );
+}
+
+/// With a reference and no size, the output takes the reference's size; the reference is recorded.
+#[test]
+fn reference_sets_the_size_and_is_recorded() {
+    let dir = temp_dir("cli-reference");
+    let reference = solid_png(&dir.join("ref.png"), 96, 64);
+    let out = dir.join("out.png");
+    let run = generate(
+        "make it blue",
+        &out,
+        &["--ref", path_str(&reference), "--steps", "2", "--seed", "3"],
+    );
+    run.assert_success(&[&out]);
+    let png = read_png(&out);
+    assert_eq!((png.width, png.height), (96, 64));
+    assert_eq!(
+        png.text.get("references"),
+        Some(&serde_json::to_string(&[path_str(&reference)]).unwrap())
+    );
+}
+
+#[test]
+fn info_prints_the_bundle_summary_and_verifies_hashes() {
+    let bundle = bundle_dir().display().to_string();
+    let summary = [
+        bundle.as_str(),
+        "klein-tiny (variant tiny, distilled)",
+        "4 steps, guidance 1, 1024x1024",
+        "text_encoder",
+        "transformer",
+        "vae_encoder",
+        "vae_decoder",
+        "ONNX Runtime >= 1.31.0",
+    ];
+    let run = klein(["info"]);
+    assert_eq!(run.code, Some(0), "{}", run.describe());
+    assert_mentions(&run.stdout, &summary);
+    assert!(
+        !run.stdout.contains("hashes"),
+        "hashes are checked only with --verify:\n{}",
+        run.describe()
+    );
+    let run = klein(["info", "--verify"]);
+    assert_eq!(run.code, Some(0), "{}", run.describe());
+    assert_mentions(&run.stdout, &summary);
+    assert_mentions(&run.stdout, &["all 5 files match the manifest"]);
+}
+
+// ---- bad bundles ----
+
+#[test]
+fn missing_bundle_directory_is_refused() {
+    let missing = temp_dir("cli-no-bundle").join("no-such-bundle");
+    assert_refused(
+        &["-m", path_str(&missing)],
+        &[path_str(&missing), "does not exist"],
+    );
+    klein(["info".as_ref(), missing.as_os_str()])
+        .assert_user_error(&[path_str(&missing), "does not exist"]);
+}
+
+#[test]
+fn bundle_with_a_missing_file_is_refused() {
+    let bundle = BundleCopy::new("cli-missing-file");
+    std::fs::remove_file(bundle.file("vae_decoder.onnx")).unwrap();
+    assert_refused(
+        &[&["-m", bundle.arg()], &FAST[..]].concat(),
+        &["vae_decoder.onnx", "missing"],
+    );
+}
+
+/// Garbage of the right size: with --verify-hashes the sha256 check refuses it before any graph
+/// loads (the text encoder, the first graph loaded, is the broken one: had it loaded first, the
+/// error would be the loader's); without, ONNX Runtime's loader refuses it, naming the file.
+#[test]
+fn corrupt_graph_is_refused_by_the_hash_check_or_the_loader() {
+    let bundle = BundleCopy::new("cli-corrupt");
+    corrupt(&bundle.file("text_encoder.onnx"));
+    let m = ["-m", bundle.arg()];
+    let run = assert_refused(
+        &[&m[..], &FAST[..], &["--verify-hashes"]].concat(),
+        &["text_encoder.onnx", "sha256", "manifest.json"],
+    );
+    assert!(
+        !run.stderr.contains("ONNX Runtime"),
+        "hashes are checked before loading:\n{}",
+        run.describe()
+    );
+    assert_refused(
+        &[&m[..], &FAST[..]].concat(),
+        &[
+            "text_encoder.onnx",
+            "cannot read it as the text_encoder graph",
+            "--verify",
+        ],
+    );
+    klein(["info", bundle.arg(), "--verify"]).assert_user_error(&["text_encoder.onnx", "sha256"]);
+}
+
+#[test]
+fn truncated_graph_is_refused() {
+    let bundle = BundleCopy::new("cli-truncated");
+    let file = bundle.file("transformer.onnx");
+    let bytes = std::fs::read(&file).unwrap();
+    std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
+    let (half, full) = ((bytes.len() / 2).to_string(), bytes.len().to_string());
+    assert_refused(
+        &[&["-m", bundle.arg()], &FAST[..]].concat(),
+        &["transformer.onnx", &half, &full, "truncated"],
+    );
+}
+
+#[test]
+fn manifest_of_another_format_version_is_refused() {
+    let bundle = BundleCopy::new("cli-format-version");
+    edit_manifest(bundle.path(), |m| m["format_version"] = 2.into());
+    assert_refused(
+        &[&["-m", bundle.arg()], &FAST[..]].concat(),
+        &[
+            "manifest.json",
+            "format_version 2 is not supported",
+            "format version 1",
+        ],
+    );
+}
+
+#[test]
+fn invalid_json_manifest_is_refused() {
+    let bundle = BundleCopy::new("cli-bad-json");
+    std::fs::write(
+        bundle.file("manifest.json"),
+        b"{\"format_version\": 1, \"model\": ",
+    )
+    .unwrap();
+    assert_refused(
+        &[&["-m", bundle.arg()], &FAST[..]].concat(),
+        &["manifest.json", "not valid JSON"],
+    );
+}
+
+/// manifest.json renames a transformer input (`timestep` -> `sigma`); nothing else changes
+/// (manifest.json is not in its own `files`), so only the graph I/O check can tell.
+#[test]
+fn graph_that_does_not_match_its_manifest_is_refused() {
+    let bundle = BundleCopy::new("cli-graph-mismatch");
+    edit_manifest(bundle.path(), |m| {
+        let inputs = m["graphs"]["transformer"]["inputs"].as_array_mut().unwrap();
+        let timestep = inputs.iter_mut().find(|i| i["name"] == "timestep").unwrap();
+        timestep["name"] = "sigma".into();
+    });
+    assert_refused(
+        &[&["-m", bundle.arg()], &FAST[..]].concat(),
+        &[
+            "transformer.onnx",
+            "does not match manifest.json",
+            "`sigma`",
+            "`timestep`",
+        ],
+    );
+}
+
+// ---- bad references ----
+
+#[test]
+fn text_file_named_png_is_refused() {
+    let file = temp_dir("cli-ref-text").join("x.png");
+    std::fs::write(&file, "this is not an image").unwrap();
+    assert_refused(
+        &[&FAST[..], &["--ref", path_str(&file)]].concat(),
+        &[path_str(&file), "not a PNG, JPEG or WebP"],
+    );
+}
+
+#[test]
+fn empty_image_file_is_refused() {
+    let file = temp_dir("cli-ref-empty").join("empty.png");
+    std::fs::write(&file, b"").unwrap();
+    assert_refused(
+        &[&FAST[..], &["--ref", path_str(&file)]].concat(),
+        &[path_str(&file), "empty"],
+    );
+}
+
+#[test]
+fn missing_reference_is_refused() {
+    let file = temp_dir("cli-ref-missing").join("missing.png");
+    assert_refused(
+        &[&FAST[..], &["--ref", path_str(&file)]].concat(),
+        &[path_str(&file), "open reference image"],
+    );
+}
+
+/// CRC-32 (PNG's) of a chunk's type and data.
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &byte in bytes {
+        crc ^= u32::from(byte);
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+/// A valid PNG signature and IHDR declaring `width x height` 8-bit RGB, then an empty IDAT and IEND.
+fn png_header_only(width: u32, height: u32) -> Vec<u8> {
+    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+    let mut chunk = |kind: &[u8; 4], data: &[u8]| {
+        let mut typed = kind.to_vec();
+        typed.extend(data);
+        png.extend((data.len() as u32).to_be_bytes());
+        png.extend(&typed);
+        png.extend(crc32(&typed).to_be_bytes());
+    };
+    let mut ihdr = width.to_be_bytes().to_vec();
+    ihdr.extend(height.to_be_bytes());
+    ihdr.extend([8, 2, 0, 0, 0]);
+    chunk(b"IHDR", &ihdr);
+    chunk(b"IDAT", &[]);
+    chunk(b"IEND", &[]);
+    png
+}
+
+/// A 100000x100000 PNG header (30 GB of pixels) is refused before anything is allocated.
+#[test]
+fn absurdly_large_image_is_refused() {
+    let file = temp_dir("cli-ref-huge").join("huge.png");
+    std::fs::write(&file, png_header_only(100_000, 100_000)).unwrap();
+    assert_refused(
+        &[&FAST[..], &["--ref", path_str(&file)]].concat(),
+        &[
+            path_str(&file),
+            "larger than this runtime decodes",
+            "16384 px",
+        ],
+    );
+}
+
+#[test]
+fn reference_under_64_pixels_is_refused() {
+    let file = solid_png(&temp_dir("cli-ref-small").join("small.png"), 32, 48);
+    assert_refused(
+        &[&FAST[..], &["--ref", path_str(&file)]].concat(),
+        &[path_str(&file), "too small: 32x48", "at least 64px"],
+    );
+}
+
+/// Six 1024x1024 references are 6 x 4096 tokens, over the budget of 20480. The budget is checked
+/// before any graph loads: every graph of this bundle copy is garbage, and the error is still the
+/// budget's (so no VAE encoding was spent on it).
+#[test]
+fn more_references_than_the_token_budget_are_refused_before_encoding() {
+    let bundle = BundleCopy::new("cli-token-budget");
+    for graph in ["text_encoder", "transformer", "vae_encoder", "vae_decoder"] {
+        corrupt(&bundle.file(&format!("{graph}.onnx")));
+    }
+    let reference = solid_png(&temp_dir("cli-ref-budget").join("big.png"), 1024, 1024);
+    let mut args = vec!["-m", bundle.arg(), "--width", "64", "--height", "64"];
+    for _ in 0..6 {
+        args.extend(["--ref", path_str(&reference)]);
+    }
+    let run = assert_refused(
+        &args,
+        &[
+            "24592 image tokens",
+            "6 reference(s)",
+            "at most 20480",
+            "fewer or smaller references",
+        ],
+    );
+    assert!(
+        !run.stderr.contains("ONNX Runtime"),
+        "no graph should load:\n{}",
+        run.describe()
+    );
+}
+
+// ---- bad options ----
+
+#[test]
+fn sizes_outside_16_to_4096_are_refused() {
+    for (flag, value) in [
+        ("--width", "0"),
+        ("--height", "0"),
+        ("--width", "5000"),
+        ("--width", "8"),
+    ] {
+        let what = &flag[2..];
+        let run = assert_refused(
+            &["--steps", "2", flag, value],
+            &[
+                &format!("{what} {value} is out of range"),
+                "between 16 and 4096 pixels",
+            ],
+        );
+        assert!(
+            !run.stderr.contains("device:"),
+            "refused before generating:\n{}",
+            run.describe()
+        );
+    }
+}
+
+#[test]
+fn zero_steps_is_refused() {
+    assert_refused(
+        &["--width", "64", "--height", "64", "--steps", "0"],
+        &["steps is 0", "at least 1"],
+    );
+}
+
+#[test]
+fn zero_images_is_refused() {
+    assert_refused(
+        &[&FAST[..], &["--num-images", "0"]].concat(),
+        &["--num-images", "1..=16"],
+    );
+}
+
+#[test]
+fn unknown_device_is_refused() {
+    assert_refused(
+        &[&FAST[..], &["--device", "gpu"]].concat(),
+        &["unknown device `gpu`", "cpu, cuda, cuda:N, coreml or auto"],
+    );
+}
+
+/// Asking for CUDA from a build without it is an error, never a silent fall back to the CPU.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn cuda_without_the_cuda_feature_is_refused() {
+    let run = assert_refused(
+        &[&FAST[..], &["--device", "cuda"]].concat(),
+        &[
+            "device cuda:0",
+            "built without CUDA support",
+            "--features cuda",
+        ],
+    );
+    assert!(
+        !run.stderr.contains("device: cpu"),
+        "fell back to the CPU:\n{}",
+        run.describe()
+    );
+}
+
+#[test]
+fn missing_output_directory_is_refused_before_generating() {
+    let out = temp_dir("cli-no-out-dir")
+        .join("no-such-dir")
+        .join("out.png");
+    let run = generate("a cat", &out, &FAST);
+    run.assert_user_error(&[path_str(&out), "does not exist"]);
+    assert!(
+        !run.stderr.contains("seed:"),
+        "refused before generating:\n{}",
+        run.describe()
+    );
+}
+
+/// The output is written atomically: a failing run leaves an existing file as it was.
+#[test]
+fn failing_run_leaves_an_existing_output_untouched() {
+    let dir = temp_dir("cli-atomic");
+    let out = dir.join("out.png");
+    std::fs::write(&out, b"previous image").unwrap();
+    let bad = temp_dir("cli-atomic-ref").join("bad.png");
+    std::fs::write(&bad, "not an image").unwrap();
+    let run = generate(
+        "a cat",
+        &out,
+        &[&FAST[..], &["--ref", path_str(&bad)]].concat(),
+    );
+    run.assert_user_error(&[path_str(&bad)]);
+    assert_eq!(
+        std::fs::read(&out).unwrap(),
+        b"previous image",
+        "the existing output changed"
+    );
+    assert_eq!(files_in(&dir), ["out.png"], "no temporary file is left");
+}
