@@ -3,7 +3,10 @@
 //! The pipeline follows diffusers' `Flux2KleinPipeline` stage by stage; each stage lives in its own
 //! module. Only [`runtime`] talks to ONNX Runtime.
 #![warn(clippy::unwrap_used)]
+// `unsafe` lives in `capi` only (the C API), which allows it for itself.
+#![deny(unsafe_code)]
 
+pub mod capi;
 pub mod error;
 pub mod latents;
 pub mod manifest;

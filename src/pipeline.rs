@@ -8,6 +8,7 @@
 //!
 //! Thread safety: a `Pipeline` is `Send` but its stages take `&mut self` (ONNX Runtime sessions are
 //! run through `&mut`): use one pipeline per thread, or a mutex around a shared one.
+//! Pipelines in separate threads give exactly the images of one running the same requests in turn.
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

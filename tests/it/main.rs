@@ -4,8 +4,12 @@
 //! set `ORT_DYLIB_PATH`.
 
 mod bundle;
+mod cancel;
+mod capi;
+mod cli;
 mod diffusers;
 mod manifest;
 mod runtime;
+mod threads;
 mod tokenize;
 mod util;

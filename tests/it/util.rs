@@ -3,7 +3,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use klein::runtime::{self, RuntimeOptions};
+use klein::pipeline::{Pipeline, PipelineOptions};
+use klein::runtime::{self, Device, RuntimeOptions};
 
 /// The repository root.
 pub fn repo() -> &'static Path {
@@ -38,6 +39,16 @@ pub fn ort_library() -> PathBuf {
 /// Initialises ONNX Runtime from [`ort_library`] (idempotent).
 pub fn init_runtime() {
     runtime::init(RuntimeOptions::default().with_library(ort_library())).unwrap();
+}
+
+/// The bundled tiny model (`onnx/klein-tiny`) on the CPU with one operator thread: light, and
+/// bit-for-bit repeatable.
+pub fn tiny_pipeline() -> Pipeline {
+    let options = PipelineOptions::default()
+        .with_device(Device::Cpu)
+        .with_threads(1)
+        .with_runtime(RuntimeOptions::default().with_library(ort_library()));
+    Pipeline::load(&repo().join("onnx/klein-tiny"), options).unwrap()
 }
 
 /// A fresh, empty directory under Cargo's per-target temporary folder.

@@ -1,0 +1,541 @@
+//! The C API: [`Pipeline`] for C, C++, Swift and anything else with a C FFI.
+//!
+//! The crate builds as `libklein.so` / `libklein.dylib` / `klein.dll` (cdylib) and `libklein.a`
+//! (staticlib); `build.rs` generates the header from this file with cbindgen into
+//! `target/<profile>/include/klein.h`. `examples/c/generate.c` is a complete program. This is the
+//! only module with `unsafe` code and `extern "C"` functions.
+//!
+//! # Conventions
+//! - Every function returns a [`KleinStatus`] (an `int32_t` in C): `KLEIN_OK` (0) or an error code.
+//! - `error_message` may be NULL. Otherwise every call sets `*error_message`: NULL on success, or a
+//!   NUL-terminated UTF-8 message that the caller owns and releases with [`klein_string_free`]
+//!   (not `free`: the memory belongs to Rust's allocator).
+//! - Strings are NUL-terminated UTF-8. NULL where a value is required, or invalid UTF-8, is
+//!   `KLEIN_ERROR_INVALID_ARGUMENT`.
+//! - Zero-initialise [`KleinOptions`] and [`KleinRequest`] (`KleinRequest req = {0};`): 0 and NULL
+//!   mean "the default".
+//! - No panic crosses the boundary: every entry point catches one and returns `KLEIN_ERROR_PANIC`
+//!   with the panic's message (this needs the default `panic = "unwind"` profile setting).
+//!
+//! # Threads
+//! A [`KleinPipeline`] may be used from any thread, but by one thread at a time: calls on the same
+//! pipeline must not overlap (put a mutex around a shared one). Separate pipelines run in
+//! parallel. The ONNX Runtime library is loaded once per process, by the first successful
+//! [`klein_pipeline_load`]; later loads must name the same library or none.
+#![allow(unsafe_code)]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+use std::any::Any;
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::ops::ControlFlow;
+use std::panic::{self, AssertUnwindSafe};
+use std::path::Path;
+use std::ptr;
+use std::slice;
+
+use crate::error::KleinError;
+use crate::pipeline::{Pipeline, PipelineOptions, Progress, Request};
+use crate::runtime::RuntimeOptions;
+
+/// The result of every call.
+#[repr(i32)]
+#[allow(non_camel_case_types)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KleinStatus {
+    /// Success.
+    KLEIN_OK = 0,
+    /// A NULL pointer where a value is required, or a string that is not UTF-8.
+    KLEIN_ERROR_INVALID_ARGUMENT = 1,
+    /// Something the caller gave cannot be used: bundle, image file, size, steps, device, ONNX
+    /// Runtime library. The message says what would be valid.
+    KLEIN_ERROR_USER = 2,
+    /// A graph failed to load or run.
+    KLEIN_ERROR_RUNTIME = 3,
+    /// The progress callback returned non-zero.
+    KLEIN_CANCELLED = 4,
+    /// A bug in klein (a Rust panic); the message is the panic's. Free the pipeline involved:
+    /// its state is unknown.
+    KLEIN_ERROR_PANIC = 5,
+    /// `rgba_len` is less than `width * height * 4`; `*out_width` and `*out_height` hold the size.
+    KLEIN_ERROR_BUFFER_TOO_SMALL = 6,
+}
+
+use KleinStatus::*;
+
+/// How to load a bundle. Zero-initialise, then set what you need.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct KleinOptions {
+    /// `"cpu"`, `"cuda"`, `"cuda:N"`, `"coreml"` or `"auto"`; NULL: `"auto"`.
+    pub device: *const c_char,
+    /// Threads inside one operator; 0: ONNX Runtime's default.
+    pub threads: u32,
+    /// Path of the ONNX Runtime shared library; NULL: `ORT_DYLIB_PATH`, then the path baked in at
+    /// build time (`KLEIN_ORT_DYLIB`), then next to the executable.
+    pub ort_library: *const c_char,
+}
+
+/// What to generate: one image. Zero-initialise, then set what you need.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct KleinRequest {
+    /// The prompt (required).
+    pub prompt: *const c_char,
+    /// Seed of the initial noise (as `torch.Generator("cpu").manual_seed(seed)`).
+    pub seed: u64,
+    /// Output size in pixels, floored to a multiple of 16; 0: the first reference's size, else the
+    /// bundle's default.
+    pub width: u32,
+    pub height: u32,
+    /// Denoising steps; 0: the bundle's default.
+    pub steps: u32,
+    /// `reference_count` paths of reference images (PNG, JPEG, WebP); may be NULL when the count is 0.
+    pub reference_paths: *const *const c_char,
+    pub reference_count: usize,
+}
+
+/// Called after each denoising step `step` (1-based) of `total`, on the thread that called
+/// `klein_generate`. Return 0 to go on, non-zero to cancel: the call then returns
+/// `KLEIN_CANCELLED`. It must not unwind (no C++ exception, no `longjmp`) out of the call.
+pub type KleinProgressFn =
+    Option<unsafe extern "C" fn(user_data: *mut c_void, step: u32, total: u32) -> i32>;
+
+/// A loaded bundle (opaque). Create with `klein_pipeline_load`, release with `klein_pipeline_free`.
+pub struct KleinPipeline {
+    pipeline: Pipeline,
+}
+
+/// Opens the bundle directory `bundle_dir` (see `onnx/README.md`) and stores a new pipeline in
+/// `*out` (NULL on failure). Graphs are loaded on first use.
+///
+/// `options` may be NULL (all defaults). The pipeline is owned by the caller and released with
+/// `klein_pipeline_free`; the strings given are only read during the call. Thread-safe: may be
+/// called from several threads at once.
+///
+/// # Safety
+/// `bundle_dir` and the strings of `options` are NULL or NUL-terminated; `options` is NULL or
+/// points to a `KleinOptions`; `out` is NULL or writable; `error_message` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn klein_pipeline_load(
+    bundle_dir: *const c_char,
+    options: *const KleinOptions,
+    out: *mut *mut KleinPipeline,
+    error_message: *mut *mut c_char,
+) -> KleinStatus {
+    let body = || {
+        // SAFETY (each block): the pointer guarantees in `# Safety` above.
+        let out = unsafe { out.as_mut() }.ok_or_else(|| Failure::invalid("out is NULL"))?;
+        *out = ptr::null_mut();
+        let dir = unsafe { required_str(bundle_dir, "bundle_dir") }?;
+        let options = match unsafe { options.as_ref() } {
+            Some(options) => unsafe { pipeline_options(options) }?,
+            None => PipelineOptions::default(),
+        };
+        let pipeline = Pipeline::load(Path::new(dir), options)?;
+        *out = Box::into_raw(Box::new(KleinPipeline { pipeline }));
+        Ok(())
+    };
+    // SAFETY: `error_message` is NULL or writable.
+    unsafe { guard(error_message, body) }
+}
+
+/// The size in pixels of the image `klein_generate` would make for `request`, so that the caller
+/// can allocate `width * height * 4` bytes first. Reads the reference images when the size comes
+/// from the first one.
+///
+/// Thread-safety: reads the pipeline only, but must not overlap a `klein_generate` on the same
+/// pipeline.
+///
+/// # Safety
+/// `pipeline` is NULL or from `klein_pipeline_load` and not freed; `request` is NULL or points to
+/// a `KleinRequest` whose strings are NUL-terminated and whose `reference_paths` holds
+/// `reference_count` pointers; `out_width`, `out_height`, `error_message` are NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn klein_output_size(
+    pipeline: *const KleinPipeline,
+    request: *const KleinRequest,
+    out_width: *mut u32,
+    out_height: *mut u32,
+    error_message: *mut *mut c_char,
+) -> KleinStatus {
+    let body = || {
+        // SAFETY (each block): the pointer guarantees in `# Safety` above.
+        let pipeline = &unsafe { pipeline.as_ref() }
+            .ok_or_else(|| Failure::invalid("pipeline is NULL"))?
+            .pipeline;
+        let out_width =
+            unsafe { out_width.as_mut() }.ok_or_else(|| Failure::invalid("out_width is NULL"))?;
+        let out_height =
+            unsafe { out_height.as_mut() }.ok_or_else(|| Failure::invalid("out_height is NULL"))?;
+        let request = unsafe { to_request(pipeline, request) }?;
+        (*out_width, *out_height) = pipeline.output_size(&request)?;
+        Ok(())
+    };
+    // SAFETY: `error_message` is NULL or writable.
+    unsafe { guard(error_message, body) }
+}
+
+/// Generates one image into the caller's buffer `rgba_out`: `width * height * 4` bytes, row-major
+/// `[height, width, 4]` RGBA with alpha 255. The buffer is written only on `KLEIN_OK`.
+///
+/// `out_width` and `out_height` (each may be NULL) receive the image size as soon as it is known,
+/// also with `KLEIN_ERROR_BUFFER_TOO_SMALL`, which is returned before any work when `rgba_len` is
+/// short. `progress` (may be NULL) is called with `user_data` after every denoising step and
+/// cancels with a non-zero return: `KLEIN_CANCELLED`; the pipeline stays usable.
+///
+/// Thread-safety: one call at a time per pipeline; separate pipelines may generate in parallel.
+///
+/// # Safety
+/// As `klein_output_size`, and: `pipeline` is not used by another thread during the call;
+/// `rgba_out` is NULL or points to `rgba_len` writable bytes; `progress` is NULL or a function
+/// that may be called with `user_data`.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)] // the C signature: buffer, its length, size, callback and message
+pub unsafe extern "C" fn klein_generate(
+    pipeline: *mut KleinPipeline,
+    request: *const KleinRequest,
+    rgba_out: *mut u8,
+    rgba_len: usize,
+    out_width: *mut u32,
+    out_height: *mut u32,
+    progress: KleinProgressFn,
+    user_data: *mut c_void,
+    error_message: *mut *mut c_char,
+) -> KleinStatus {
+    let body = || {
+        // SAFETY (each block): the pointer guarantees in `# Safety` above.
+        let pipeline = &mut unsafe { pipeline.as_mut() }
+            .ok_or_else(|| Failure::invalid("pipeline is NULL"))?
+            .pipeline;
+        let request = unsafe { to_request(pipeline, request) }?;
+        let (width, height) = pipeline.output_size(&request)?;
+        if let Some(out) = unsafe { out_width.as_mut() } {
+            *out = width;
+        }
+        if let Some(out) = unsafe { out_height.as_mut() } {
+            *out = height;
+        }
+        let needed = rgba_len_for(width, height);
+        if rgba_len < needed {
+            return Err(Failure {
+                status: KLEIN_ERROR_BUFFER_TOO_SMALL,
+                message: format!(
+                    "rgba_out holds {rgba_len} bytes; the {width}x{height} image needs {needed} (width * height * 4)"
+                ),
+            });
+        }
+        if rgba_out.is_null() {
+            return Err(Failure::invalid("rgba_out is NULL"));
+        }
+
+        let mut on_progress = |event: Progress| match (progress, event) {
+            (Some(callback), Progress::Step { step, total }) => {
+                match unsafe { callback(user_data, saturate(step), saturate(total)) } {
+                    0 => ControlFlow::Continue(()),
+                    _ => ControlFlow::Break(()),
+                }
+            }
+            _ => ControlFlow::Continue(()),
+        };
+        let generation = pipeline.generate(&request, Some(&mut on_progress))?;
+        let image = match generation.images.as_slice() {
+            [image] if (image.width, image.height) == (width, height) => image,
+            images => {
+                return Err(Failure {
+                    status: KLEIN_ERROR_RUNTIME,
+                    message: format!(
+                        "expected one {width}x{height} image, the pipeline made {:?}",
+                        images
+                            .iter()
+                            .map(|i| (i.width, i.height))
+                            .collect::<Vec<_>>()
+                    ),
+                })
+            }
+        };
+        // Non-NULL with at least `needed` bytes (checked above).
+        let rgba = unsafe { slice::from_raw_parts_mut(rgba_out, needed) };
+        // [H, W, 3] -> [H, W, 4], alpha 255
+        for (dst, src) in rgba.chunks_exact_mut(4).zip(image.pixels.chunks_exact(3)) {
+            dst[..3].copy_from_slice(src);
+            dst[3] = u8::MAX;
+        }
+        Ok(())
+    };
+    // SAFETY: `error_message` is NULL or writable.
+    unsafe { guard(error_message, body) }
+}
+
+/// Releases a pipeline and every ONNX Runtime session it holds. NULL is a no-op. The pointer must
+/// not be used afterwards, nor while another thread uses it.
+///
+/// # Safety
+/// `pipeline` is NULL or from `klein_pipeline_load` and not yet freed.
+#[no_mangle]
+pub unsafe extern "C" fn klein_pipeline_free(pipeline: *mut KleinPipeline) {
+    if pipeline.is_null() {
+        return;
+    }
+    // SAFETY: the pointer came from `Box::into_raw` in `klein_pipeline_load` and is freed once.
+    let pipeline = unsafe { Box::from_raw(pipeline) };
+    // A panic while dropping cannot be reported (no status): it is swallowed, not propagated.
+    let _ = panic::catch_unwind(AssertUnwindSafe(move || drop(pipeline)));
+}
+
+/// Releases a message returned through `error_message`. NULL is a no-op. Thread-safe.
+///
+/// # Safety
+/// `message` is NULL or a message from this library not yet freed.
+#[no_mangle]
+pub unsafe extern "C" fn klein_string_free(message: *mut c_char) {
+    if !message.is_null() {
+        // SAFETY: the message came from `CString::into_raw` in `guard` and is freed once.
+        drop(unsafe { CString::from_raw(message) });
+    }
+}
+
+/// Why a call failed: its status and message.
+#[derive(Debug)]
+struct Failure {
+    status: KleinStatus,
+    message: String,
+}
+
+impl Failure {
+    fn invalid(message: impl Into<String>) -> Failure {
+        Failure {
+            status: KLEIN_ERROR_INVALID_ARGUMENT,
+            message: message.into(),
+        }
+    }
+}
+
+impl From<KleinError> for Failure {
+    fn from(error: KleinError) -> Failure {
+        let status = match &error {
+            KleinError::Cancelled => KLEIN_CANCELLED,
+            e if e.is_user_error() => KLEIN_ERROR_USER,
+            _ => KLEIN_ERROR_RUNTIME,
+        };
+        // The whole chain: `Io` errors keep the OS error as their source.
+        let mut message = error.to_string();
+        let mut source = std::error::Error::source(&error);
+        while let Some(cause) = source {
+            message.push_str(": ");
+            message.push_str(&cause.to_string());
+            source = cause.source();
+        }
+        Failure { status, message }
+    }
+}
+
+/// Runs the body of an entry point: a panic becomes `KLEIN_ERROR_PANIC`; the failure's message (or
+/// NULL on success) goes to `*error_message` when that is not NULL.
+///
+/// # Safety
+/// `error_message` is NULL or writable.
+unsafe fn guard(
+    error_message: *mut *mut c_char,
+    body: impl FnOnce() -> Result<(), Failure>,
+) -> KleinStatus {
+    let outcome = panic::catch_unwind(AssertUnwindSafe(body)).unwrap_or_else(|payload| {
+        Err(Failure {
+            status: KLEIN_ERROR_PANIC,
+            message: format!("klein panicked: {}", panic_message(&*payload)),
+        })
+    });
+    let (status, message) = match outcome {
+        Ok(()) => (KLEIN_OK, None),
+        Err(Failure { status, message }) => (status, Some(message)),
+    };
+    // SAFETY: the caller's guarantee.
+    if let Some(slot) = unsafe { error_message.as_mut() } {
+        *slot = message.map_or(ptr::null_mut(), |m| {
+            // Interior NULs would cut the message short; CString::new cannot fail without them.
+            CString::new(m.replace('\0', "\u{FFFD}"))
+                .unwrap_or_default()
+                .into_raw()
+        });
+    }
+    status
+}
+
+fn panic_message(payload: &(dyn Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(a panic without a message)")
+}
+
+/// A C string argument that must be present.
+///
+/// # Safety
+/// `ptr` is NULL or NUL-terminated and outlives `'a`.
+unsafe fn required_str<'a>(ptr: *const c_char, what: &str) -> Result<&'a str, Failure> {
+    // SAFETY: the caller's guarantee.
+    unsafe { optional_str(ptr, what) }?.ok_or_else(|| Failure::invalid(format!("{what} is NULL")))
+}
+
+/// A C string argument that may be NULL.
+///
+/// # Safety
+/// As [`required_str`].
+unsafe fn optional_str<'a>(ptr: *const c_char, what: &str) -> Result<Option<&'a str>, Failure> {
+    if ptr.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: non-NULL and NUL-terminated (the caller's guarantee).
+    let bytes = unsafe { CStr::from_ptr(ptr) };
+    bytes
+        .to_str()
+        .map(Some)
+        .map_err(|e| Failure::invalid(format!("{what} is not UTF-8: {e}")))
+}
+
+/// # Safety
+/// The strings of `options` are NULL or NUL-terminated.
+unsafe fn pipeline_options(options: &KleinOptions) -> Result<PipelineOptions, Failure> {
+    let KleinOptions {
+        device,
+        threads,
+        ort_library,
+    } = *options;
+    let mut result = PipelineOptions::default();
+    // SAFETY: the caller's guarantee.
+    if let Some(device) = unsafe { optional_str(device, "options.device") }? {
+        result = result.with_device(device.parse()?);
+    }
+    if threads > 0 {
+        result = result.with_threads(threads as usize);
+    }
+    // SAFETY: the caller's guarantee.
+    if let Some(library) = unsafe { optional_str(ort_library, "options.ort_library") }? {
+        result = result.with_runtime(RuntimeOptions::default().with_library(library));
+    }
+    Ok(result)
+}
+
+/// The [`Request`] for a C request, with its reference images loaded and preprocessed.
+///
+/// # Safety
+/// As the `request` argument of [`klein_output_size`].
+unsafe fn to_request(
+    pipeline: &Pipeline,
+    request: *const KleinRequest,
+) -> Result<Request, Failure> {
+    // SAFETY: the caller's guarantee.
+    let request = unsafe { request.as_ref() }.ok_or_else(|| Failure::invalid("request is NULL"))?;
+    let KleinRequest {
+        prompt,
+        seed,
+        width,
+        height,
+        steps,
+        reference_paths,
+        reference_count,
+    } = *request;
+    // SAFETY: the caller's guarantee.
+    let prompt = unsafe { required_str(prompt, "request.prompt") }?;
+    let mut result = Request::new(prompt).with_seed(seed);
+    result.width = (width != 0).then_some(width);
+    result.height = (height != 0).then_some(height);
+    result.steps = (steps != 0).then_some(steps as usize);
+    let paths = match (reference_paths.is_null(), reference_count) {
+        (_, 0) => &[][..],
+        (true, count) => {
+            return Err(Failure::invalid(format!(
+                "request.reference_paths is NULL but reference_count is {count}"
+            )))
+        }
+        // SAFETY: `reference_count` readable pointers (the caller's guarantee).
+        (false, count) => unsafe { slice::from_raw_parts(reference_paths, count) },
+    };
+    for (i, &path) in paths.iter().enumerate() {
+        // SAFETY: the caller's guarantee.
+        let path = unsafe { required_str(path, &format!("request.reference_paths[{i}]")) }?;
+        result
+            .references
+            .push(pipeline.load_reference(Path::new(path))?);
+    }
+    Ok(result)
+}
+
+/// Bytes of a `width x height` RGBA image (at most 4096 x 4096 x 4: no overflow).
+fn rgba_len_for(width: u32, height: u32) -> usize {
+    width as usize * height as usize * 4
+}
+
+/// A step count for C (`u32`); counts are far below `u32::MAX`.
+fn saturate(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs `guard` and returns its status and message (freed).
+    fn run_guarded(body: impl FnOnce() -> Result<(), Failure>) -> (KleinStatus, Option<String>) {
+        let mut message: *mut c_char = ptr::null_mut();
+        // SAFETY: `message` is writable.
+        let status = unsafe { guard(&mut message, body) };
+        let text = (!message.is_null()).then(|| {
+            // SAFETY: a message from `guard`, freed right after.
+            let text = unsafe { CStr::from_ptr(message) }
+                .to_string_lossy()
+                .into_owned();
+            unsafe { klein_string_free(message) };
+            text
+        });
+        (status, text)
+    }
+
+    #[test]
+    fn panic_becomes_status_with_message() {
+        let (status, message) = run_guarded(|| panic!("boom {}", 42));
+        assert_eq!(status, KLEIN_ERROR_PANIC);
+        assert_eq!(message.as_deref(), Some("klein panicked: boom 42"));
+    }
+
+    #[test]
+    fn errors_map_to_statuses() {
+        let cases = [
+            (KleinError::Cancelled, KLEIN_CANCELLED),
+            (KleinError::Request("steps is 0".into()), KLEIN_ERROR_USER),
+            (
+                KleinError::Inference {
+                    stage: "decode",
+                    message: "bad".into(),
+                },
+                KLEIN_ERROR_RUNTIME,
+            ),
+        ];
+        for (error, want) in cases {
+            let text = error.to_string();
+            let (status, message) = run_guarded(|| Err(error.into()));
+            assert_eq!((status, message.as_deref()), (want, Some(text.as_str())));
+        }
+        assert_eq!(run_guarded(|| Ok(())), (KLEIN_OK, None));
+    }
+
+    #[test]
+    fn io_error_message_keeps_its_cause() {
+        let error = KleinError::Io {
+            path: "/x.png".into(),
+            action: "read",
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
+        };
+        let (status, message) = run_guarded(|| Err(error.into()));
+        assert_eq!(
+            (status, message.as_deref()),
+            (KLEIN_ERROR_USER, Some("/x.png: read failed: no such file"))
+        );
+    }
+
+    #[test]
+    fn interior_nul_does_not_truncate() {
+        let (_, message) = run_guarded(|| Err(Failure::invalid("a\0b")));
+        assert_eq!(message.as_deref(), Some("a\u{FFFD}b"));
+    }
+}

@@ -1,0 +1,319 @@
+//! The C API (`src/capi.rs`): `examples/c/generate.c` compiled with the system C compiler against
+//! the `libklein` and `klein.h` of this very build, run on the tiny bundle; and the argument checks
+//! of the entry points, called directly.
+
+use std::ffi::{c_char, CStr, CString};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::ptr;
+
+use klein::capi::{
+    klein_generate, klein_output_size, klein_pipeline_free, klein_pipeline_load, klein_string_free,
+    KleinOptions, KleinPipeline, KleinRequest, KleinStatus,
+};
+use klein::pipeline::Request;
+
+use crate::util::{assert_mentions, ort_library, repo, temp_dir, tiny_pipeline};
+
+/// `target/<profile>/`, where Cargo puts `libklein.so` and build.rs `include/klein.h`: the test
+/// executable is `target/<profile>/deps/it-<hash>`.
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let deps = exe.parent().unwrap();
+    assert!(
+        deps.ends_with("deps"),
+        "unexpected test executable location {}",
+        exe.display()
+    );
+    deps.parent().unwrap().to_path_buf()
+}
+
+/// Compiles `examples/c/generate.c` into `dir` and returns the executable.
+fn compile_c_example(dir: &Path) -> PathBuf {
+    let lib_dir = profile_dir();
+    let library = lib_dir.join(format!(
+        "{}klein{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    ));
+    let include = lib_dir.join("include");
+    // Integration tests build every crate-type of the library (rlib, cdylib, staticlib) and run
+    // build.rs first, so both are there.
+    for file in [&library, &include.join("klein.h")] {
+        assert!(
+            file.is_file(),
+            "{} is missing: the library's cdylib build or build.rs did not produce it",
+            file.display()
+        );
+    }
+    let exe = dir.join("generate");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
+    let output = Command::new(&cc)
+        .arg(repo().join("examples/c/generate.c"))
+        .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-I"])
+        .arg(&include)
+        .arg("-L")
+        .arg(&lib_dir)
+        .arg("-lklein")
+        .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
+        .arg("-o")
+        .arg(&exe)
+        .output()
+        .unwrap_or_else(|e| panic!("could not run the C compiler `{cc}` (set CC to another): {e}"));
+    assert!(
+        output.status.success(),
+        "{cc} failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    exe
+}
+
+/// The same request as the C example, through the Rust API: RGB `[64, 64, 3]`.
+fn rust_api_image() -> Vec<u8> {
+    let mut pipeline = tiny_pipeline();
+    let request = Request::new("a red fox in the snow")
+        .with_seed(42)
+        .with_size(64, 64)
+        .with_steps(2);
+    pipeline
+        .generate(&request, None)
+        .unwrap()
+        .images
+        .remove(0)
+        .pixels
+}
+
+/// Checks: the example compiles warning-free against the generated header and links against the
+/// cdylib; it exits 0 after its own checks (short buffer and bad size refused, progress at steps
+/// 1 and 2, a callback cancelling at step 1 gives KLEIN_CANCELLED with no step 2 and the buffer
+/// untouched, the next generation equals the first byte for byte); its image equals the Rust
+/// API's for the same request, exactly.
+#[test]
+#[cfg(unix)]
+fn c_example_generates_cancels_and_repeats() {
+    let dir = temp_dir("capi-c");
+    let exe = compile_c_example(&dir);
+    let ppm = dir.join("out.ppm");
+    let output = Command::new(&exe)
+        .arg(repo().join("onnx/klein-tiny"))
+        .arg(&ppm)
+        .env("ORT_DYLIB_PATH", ort_library())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "{} exited with {}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        exe.display(),
+        output.status
+    );
+    assert_mentions(
+        &stdout,
+        &[
+            "short buffer: KLEIN_ERROR_BUFFER_TOO_SMALL: rgba_out holds 16 bytes; the 64x64 image needs 16384",
+            "short buffer reports the size needed: yes",
+            "width 8: KLEIN_ERROR_USER: invalid request: width 8 is out of range",
+            "first: step 1/2\nfirst: step 2/2\nfirst generation: KLEIN_OK\n",
+            "first image is non-trivial: yes",
+            "cancelled: step 1/2\ncancelled generation: KLEIN_CANCELLED: cancelled\n",
+            "cancelled generation left the buffer untouched: yes",
+            "third: step 1/2\nthird: step 2/2\nthird generation: KLEIN_OK\n",
+            "third image equals the first byte for byte: yes",
+            "all checks passed",
+        ],
+    );
+    assert!(
+        !stdout.contains("cancelled: step 2/2"),
+        "the cancelled generation went on:\n{stdout}"
+    );
+
+    // P6 header, then RGB [64, 64, 3].
+    let bytes = std::fs::read(&ppm).unwrap();
+    let header = b"P6\n64 64\n255\n";
+    assert_eq!(&bytes[..header.len()], header);
+    let pixels = &bytes[header.len()..];
+    let want = rust_api_image();
+    assert_eq!(
+        pixels.len(),
+        want.len(),
+        "pixel bytes: C {} vs Rust {}",
+        pixels.len(),
+        want.len()
+    );
+    let differing = pixels.iter().zip(&want).filter(|(a, b)| a != b).count();
+    assert_eq!(
+        differing,
+        0,
+        "{differing} of {} bytes differ between the C and the Rust API",
+        want.len()
+    );
+}
+
+/// Calls `f` with an error-message slot; returns the status and the message (freed).
+fn call(f: impl FnOnce(*mut *mut c_char) -> KleinStatus) -> (KleinStatus, String) {
+    let mut message: *mut c_char = ptr::null_mut();
+    let status = f(&mut message);
+    let text = if message.is_null() {
+        String::new()
+    } else {
+        // SAFETY: a message from the library, freed once.
+        let text = unsafe { CStr::from_ptr(message) }
+            .to_string_lossy()
+            .into_owned();
+        unsafe { klein_string_free(message) };
+        text
+    };
+    (status, text)
+}
+
+/// Checks the entry points' own argument handling, status by status, with the message of each:
+/// NULL pointers and non-UTF-8 strings are KLEIN_ERROR_INVALID_ARGUMENT, an unknown device and a
+/// missing bundle are KLEIN_ERROR_USER, a NULL reference array with a count is refused, a short
+/// buffer reports the size, and success clears the message. No generation runs.
+#[test]
+fn entry_points_check_their_arguments() {
+    use KleinStatus::*;
+    let bundle = CString::new(repo().join("onnx/klein-tiny").to_str().unwrap()).unwrap();
+    let library = CString::new(ort_library().to_str().unwrap()).unwrap();
+    let cpu = c"cpu";
+    let options = KleinOptions {
+        device: cpu.as_ptr(),
+        threads: 1,
+        ort_library: library.as_ptr(),
+    };
+    let mut pipeline: *mut KleinPipeline = ptr::null_mut();
+
+    // SAFETY (every call below): valid or NULL pointers, NUL-terminated strings, a live pipeline.
+    let (status, message) =
+        call(|m| unsafe { klein_pipeline_load(ptr::null(), &options, &mut pipeline, m) });
+    assert_eq!(
+        (status, message.as_str()),
+        (KLEIN_ERROR_INVALID_ARGUMENT, "bundle_dir is NULL")
+    );
+    assert!(pipeline.is_null());
+
+    let not_utf8 = [0xffu8, 0xfe, 0];
+    let (status, message) = call(|m| unsafe {
+        klein_pipeline_load(not_utf8.as_ptr().cast(), &options, &mut pipeline, m)
+    });
+    assert_eq!(status, KLEIN_ERROR_INVALID_ARGUMENT, "{message}");
+    assert_mentions(&message, &["bundle_dir is not UTF-8"]);
+
+    let bad_device = KleinOptions {
+        device: c"tpu".as_ptr(),
+        ..options
+    };
+    let (status, message) =
+        call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &bad_device, &mut pipeline, m) });
+    assert_eq!(status, KLEIN_ERROR_USER, "{message}");
+    assert_mentions(
+        &message,
+        &["unknown device `tpu`", "cpu, cuda, cuda:N, coreml or auto"],
+    );
+
+    let (status, message) = call(|m| unsafe {
+        klein_pipeline_load(c"/no/such/bundle".as_ptr(), &options, &mut pipeline, m)
+    });
+    assert_eq!(status, KLEIN_ERROR_USER, "{message}");
+    assert_mentions(&message, &["/no/such/bundle"]);
+    assert!(pipeline.is_null());
+
+    let (status, message) =
+        call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &options, &mut pipeline, m) });
+    assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
+    assert!(!pipeline.is_null());
+
+    let mut request = KleinRequest {
+        prompt: c"a cat".as_ptr(),
+        seed: 1,
+        width: 64,
+        height: 48,
+        steps: 2,
+        reference_paths: ptr::null(),
+        reference_count: 0,
+    };
+    let (mut width, mut height) = (0u32, 0u32);
+    let (status, message) =
+        call(|m| unsafe { klein_output_size(pipeline, &request, &mut width, &mut height, m) });
+    assert_eq!(
+        (status, message.as_str(), width, height),
+        (KLEIN_OK, "", 64, 48)
+    );
+
+    let (status, message) =
+        call(|m| unsafe { klein_output_size(pipeline, ptr::null(), &mut width, &mut height, m) });
+    assert_eq!(
+        (status, message.as_str()),
+        (KLEIN_ERROR_INVALID_ARGUMENT, "request is NULL")
+    );
+
+    let (status, message) =
+        call(|m| unsafe { klein_output_size(ptr::null(), &request, &mut width, &mut height, m) });
+    assert_eq!(
+        (status, message.as_str()),
+        (KLEIN_ERROR_INVALID_ARGUMENT, "pipeline is NULL")
+    );
+
+    request.reference_count = 2;
+    let (status, message) =
+        call(|m| unsafe { klein_output_size(pipeline, &request, &mut width, &mut height, m) });
+    assert_eq!(
+        (status, message.as_str()),
+        (
+            KLEIN_ERROR_INVALID_ARGUMENT,
+            "request.reference_paths is NULL but reference_count is 2"
+        )
+    );
+    request.reference_count = 0;
+
+    let mut small = [0u8; 8];
+    let (mut w, mut h) = (0u32, 0u32);
+    let generate = |request: &KleinRequest, buffer: &mut [u8], w: &mut u32, h: &mut u32, m| unsafe {
+        klein_generate(
+            pipeline,
+            request,
+            buffer.as_mut_ptr(),
+            buffer.len(),
+            w,
+            h,
+            None,
+            ptr::null_mut(),
+            m,
+        )
+    };
+    let (status, message) = call(|m| generate(&request, &mut small, &mut w, &mut h, m));
+    assert_eq!(status, KLEIN_ERROR_BUFFER_TOO_SMALL, "{message}");
+    assert_eq!((w, h), (64, 48), "the size needed is reported");
+    assert_mentions(
+        &message,
+        &["rgba_out holds 8 bytes", "64x48 image needs 12288"],
+    );
+
+    let no_prompt = KleinRequest {
+        prompt: ptr::null(),
+        ..request
+    };
+    let (status, message) = call(|m| generate(&no_prompt, &mut small, &mut w, &mut h, m));
+    assert_eq!(
+        (status, message.as_str()),
+        (KLEIN_ERROR_INVALID_ARGUMENT, "request.prompt is NULL")
+    );
+
+    let missing = [c"/no/such/ref.png".as_ptr()];
+    let with_missing_ref = KleinRequest {
+        reference_paths: missing.as_ptr(),
+        reference_count: 1,
+        ..request
+    };
+    let (status, message) = call(|m| generate(&with_missing_ref, &mut small, &mut w, &mut h, m));
+    assert_eq!(status, KLEIN_ERROR_USER, "{message}");
+    assert_mentions(&message, &["/no/such/ref.png"]);
+
+    // SAFETY: a pipeline from klein_pipeline_load, freed once; NULL is a no-op.
+    unsafe {
+        klein_pipeline_free(pipeline);
+        klein_pipeline_free(ptr::null_mut());
+        klein_string_free(ptr::null_mut());
+    }
+}

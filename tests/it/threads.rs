@@ -1,0 +1,91 @@
+//! One pipeline per thread (the threading model of `src/pipeline.rs`): pipelines loaded and run in
+//! parallel threads give exactly the images that one pipeline gives running the same requests in
+//! turn, and `Pipeline` is `Send`.
+
+use klein::pipeline::{Pipeline, Request};
+
+use crate::util::tiny_pipeline;
+
+/// Compile-time check: a `Pipeline` can move to another thread (the C API relies on it too).
+#[test]
+fn pipeline_is_send() {
+    fn assert_send<T: Send>() {}
+    assert_send::<Pipeline>();
+}
+
+/// Four requests (two prompts, two sizes, four seeds; 2 steps). Compares, byte for byte, the RGB
+/// images of one pipeline running all four in turn with those of two threads, each loading its
+/// own pipeline at the same time and running every other request.
+#[test]
+fn parallel_pipelines_match_sequential() {
+    let requests: Vec<Request> = [
+        (1, "a red fox in the snow", 64, 64),
+        (2, "a lighthouse at dusk", 48, 32),
+    ]
+    .into_iter()
+    .cycle()
+    .take(4)
+    .enumerate()
+    .map(|(i, (seed, prompt, w, h))| {
+        Request::new(prompt)
+            .with_seed(seed + 10 * i as u64)
+            .with_size(w, h)
+            .with_steps(2)
+    })
+    .collect();
+
+    let mut sequential_pipeline = tiny_pipeline();
+    let sequential: Vec<Vec<u8>> = requests
+        .iter()
+        .map(|r| {
+            sequential_pipeline
+                .generate(r, None)
+                .unwrap()
+                .images
+                .remove(0)
+                .pixels
+        })
+        .collect();
+
+    let mut parallel: Vec<(usize, Vec<u8>)> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..2)
+            .map(|thread| {
+                let requests = &requests;
+                scope.spawn(move || {
+                    let mut pipeline = tiny_pipeline();
+                    (thread..requests.len())
+                        .step_by(2)
+                        .map(|i| {
+                            (
+                                i,
+                                pipeline
+                                    .generate(&requests[i], None)
+                                    .unwrap()
+                                    .images
+                                    .remove(0)
+                                    .pixels,
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().unwrap())
+            .collect()
+    });
+    parallel.sort_by_key(|(i, _)| *i);
+
+    assert_eq!(parallel.len(), sequential.len());
+    for ((i, got), want) in parallel.iter().zip(&sequential) {
+        let differing = got.iter().zip(want).filter(|(a, b)| a != b).count();
+        assert!(
+            got.len() == want.len() && differing == 0,
+            "request {i} ({:?}, seed {}): {differing} of {} bytes differ between the parallel and the sequential run",
+            requests[*i].prompt,
+            requests[*i].seed,
+            want.len()
+        );
+    }
+}
