@@ -9,6 +9,7 @@ mod capi;
 mod cli;
 mod diffusers;
 mod manifest;
+mod prompt_cache;
 mod runtime;
 mod threads;
 mod tokenize;
