@@ -106,7 +106,10 @@ pub struct KleinPipeline {
 }
 
 /// Opens the bundle directory `bundle_dir` (see `onnx/README.md`) and stores a new pipeline in
-/// `*out` (NULL on failure). Graphs are loaded on first use.
+/// `*out` (NULL on failure). The bundle's files are checked against the sha256 in its manifest
+/// (`KLEIN_ERROR_USER` if one differs), unless a verification stamp in `$KLEIN_CACHE_DIR` (else
+/// `$XDG_CACHE_HOME/klein`, else `~/.cache/klein`) shows them unchanged since the last check.
+/// Graphs are loaded on first use.
 ///
 /// `options` may be NULL (all defaults). The pipeline is owned by the caller and released with
 /// `klein_pipeline_free`; the strings given are only read during the call. Thread-safe: may be

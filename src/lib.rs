@@ -6,6 +6,7 @@
 // `unsafe` lives in `capi` only (the C API), which allows it for itself.
 #![deny(unsafe_code)]
 
+pub mod batch;
 pub mod capi;
 pub mod error;
 pub mod latents;

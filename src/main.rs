@@ -6,18 +6,23 @@ use std::io::IsTerminal;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Instant;
 
 use anyhow::Context;
-use clap::{Args, Parser, Subcommand};
+use clap::{ArgGroup, Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
+use klein::batch::{parse_batch, BatchLine, PromptMemo};
 use klein::manifest::Manifest;
 use klein::output::{encode_png, write_atomic};
 use klein::pipeline::{Generation, Pipeline, PipelineOptions, Progress, Request, MAX_BATCH};
 use klein::runtime::{Device, RuntimeOptions};
 use klein::KleinError;
+use serde::Serialize;
 
 /// The bundled tiny model, used when neither `--model` nor `KLEIN_MODEL` is given.
 const BUNDLED_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/onnx/klein-tiny");
+/// The batch summary's file name in `--out-dir`.
+const SUMMARY_FILE: &str = "summary.json";
 
 #[derive(Parser)]
 #[command(
@@ -39,9 +44,27 @@ enum Command {
 }
 
 #[derive(Args)]
+#[command(group(ArgGroup::new("input").required(true).args(["prompt", "prompts"])))]
 struct GenerateArgs {
-    /// The prompt (may be empty).
-    prompt: String,
+    /// The prompt (may be empty); or --prompts for many
+    prompt: Option<String>,
+    /// JSON Lines file, one image per line: {"prompt": "...", "seed": 7, "width": 512, "height": 512, "steps": 4, "guidance": 1.0, "refs": ["a.png"], "name": "fox"} (only "prompt" is required; refs are relative to the file). Other options apply to every line that does not set them
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "out_dir",
+        conflicts_with_all = ["output", "seed", "refs", "num_images"]
+    )]
+    prompts: Option<PathBuf>,
+    /// Output directory of --prompts: NAME.png per line (default name: the line number, 0001) and
+    /// summary.json. Lines whose output exists are skipped, so an interrupted run can be restarted
+    #[arg(
+        long,
+        value_name = "DIR",
+        requires = "prompts",
+        conflicts_with = "prompt"
+    )]
+    out_dir: Option<PathBuf>,
     /// Bundle directory [default: $KLEIN_MODEL, else the bundled tiny model]
     #[arg(long, short = 'm')]
     model: Option<PathBuf>,
@@ -84,9 +107,11 @@ struct GenerateArgs {
     /// Directory of an on-disk prompt-embedding cache
     #[arg(long)]
     prompt_cache: Option<PathBuf>,
-    /// Check the sha256 of every bundle file before loading
+    /// Do not check the sha256 of the bundle's files before loading. By default they are checked,
+    /// and a stamp in $KLEIN_CACHE_DIR (else $XDG_CACHE_HOME/klein, else ~/.cache/klein) skips
+    /// the check while no file changes
     #[arg(long)]
-    verify_hashes: bool,
+    no_verify_hashes: bool,
     /// ONNX Runtime shared library [default: $ORT_DYLIB_PATH, else the one set up at build time]
     #[arg(long)]
     ort_lib: Option<PathBuf>,
@@ -111,20 +136,24 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => generate(*args),
-        Command::Info(args) => info(args),
+        Command::Info(args) => info(args).map(|()| ExitCode::SUCCESS),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(error) => {
             eprintln!("klein: error: {error:#}");
-            let user_error = error.chain().any(|e| {
-                e.downcast_ref::<KleinError>()
-                    .is_some_and(KleinError::is_user_error)
-                    || e.downcast_ref::<UsageError>().is_some()
-            });
-            ExitCode::from(if user_error { 2 } else { 1 })
+            ExitCode::from(if is_user_error(&error) { 2 } else { 1 })
         }
     }
+}
+
+/// Whether an error comes from what the user gave (exit code 2) rather than from the runtime (1).
+fn is_user_error(error: &anyhow::Error) -> bool {
+    error.chain().any(|e| {
+        e.downcast_ref::<KleinError>()
+            .is_some_and(KleinError::is_user_error)
+            || e.downcast_ref::<UsageError>().is_some()
+    })
 }
 
 /// A command-line mistake only the binary can see (the library's checks return [`KleinError`]s).
@@ -178,20 +207,12 @@ fn output_paths(output: &Path, n: usize) -> Vec<PathBuf> {
         .collect()
 }
 
-fn generate(args: GenerateArgs) -> anyhow::Result<()> {
-    let model = default_model(args.model);
-    let paths = output_paths(&args.output, usize::from(args.num_images));
-    check_output_paths(&paths)?;
-    let seed = args
-        .seed
-        .unwrap_or_else(|| RandomState::new().hash_one(std::process::id()));
-    let attended = !args.quiet && std::io::stderr().is_terminal();
-    let say = |line: String| {
-        if !args.quiet {
-            eprintln!("{line}");
-        }
-    };
+/// A seed for a generation that names none (printed and stored, so the image can be remade).
+fn random_seed() -> u64 {
+    RandomState::new().hash_one(std::process::id())
+}
 
+fn pipeline_options(args: &GenerateArgs) -> PipelineOptions {
     let mut runtime = RuntimeOptions::default();
     if let Some(lib) = &args.ort_lib {
         runtime = runtime.with_library(lib);
@@ -199,17 +220,118 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     let mut options = PipelineOptions::default()
         .with_device(args.device)
         .with_runtime(runtime)
-        .with_verify_hashes(args.verify_hashes);
+        .with_verify_hashes(!args.no_verify_hashes);
     if let Some(threads) = args.threads {
         options = options.with_threads(threads);
     }
     if let Some(dir) = &args.prompt_cache {
         options = options.with_prompt_cache_dir(dir);
     }
-    // Every error of `Pipeline::load` names the bundle or the file in it.
-    let mut pipeline = Pipeline::load(&model, options)?;
+    options
+}
 
-    let mut request = Request::new(args.prompt.clone())
+/// Progress on stderr: a bar when stderr is a terminal and --quiet is not given.
+struct Reporter {
+    bar: ProgressBar,
+    quiet: bool,
+}
+
+impl Reporter {
+    fn new(quiet: bool) -> Reporter {
+        let bar = ProgressBar::hidden();
+        if !quiet && std::io::stderr().is_terminal() {
+            bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+            bar.set_style(
+                ProgressStyle::with_template("{msg:28} [{bar:30}] {pos}/{len} {elapsed}")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+        }
+        Reporter { bar, quiet }
+    }
+
+    /// A line on stderr, unless --quiet.
+    fn say(&self, line: impl std::fmt::Display) {
+        if !self.quiet {
+            self.bar.suspend(|| eprintln!("{line}"));
+        }
+    }
+
+    /// The progress callback for one generation; `prefix` goes before each stage's name.
+    fn callback<'a>(&'a self, prefix: &'a str) -> impl FnMut(Progress) -> ControlFlow<()> + 'a {
+        move |event: Progress| {
+            let bar = &self.bar;
+            match event {
+                Progress::StageStarted(stage) => {
+                    bar.set_message(format!("{prefix}{}", stage.label()));
+                    bar.set_length(1);
+                    bar.set_position(0);
+                }
+                Progress::Step { step, total } => {
+                    bar.set_message(format!("{prefix}denoise"));
+                    bar.set_length(total as u64);
+                    bar.set_position(step as u64);
+                }
+                Progress::StageFinished(..) => bar.set_position(bar.length().unwrap_or(1)),
+            }
+            ControlFlow::Continue(())
+        }
+    }
+
+    fn clear(&self) {
+        self.bar.finish_and_clear();
+        self.bar.reset();
+    }
+
+    /// The warnings and, with --timings, the stage times of a finished generation.
+    fn report(&self, pipeline: &Pipeline, generation: &Generation, timings: bool, label: &str) {
+        if generation.prompt_truncated {
+            eprintln!(
+                "klein: warning: {label}the prompt is longer than {} tokens and was truncated, as the reference pipeline does",
+                pipeline.manifest().tokenizer.max_sequence_length
+            );
+        }
+        if timings {
+            for (stage, elapsed) in &generation.timings {
+                eprintln!("{:>20}: {:8.3} s", stage.label(), elapsed.as_secs_f64());
+            }
+        }
+    }
+}
+
+/// Warns that guidance does nothing on a distilled model.
+fn warn_ignored_guidance(pipeline: &Pipeline, guidance: Option<f64>) -> bool {
+    let model = &pipeline.manifest().model;
+    let ignored = model.is_distilled && guidance.is_some_and(|g| g > 1.0);
+    if ignored {
+        eprintln!(
+            "klein: warning: --guidance is ignored: {} is a distilled model",
+            model.name
+        );
+    }
+    ignored
+}
+
+fn generate(args: GenerateArgs) -> anyhow::Result<ExitCode> {
+    match (&args.prompts, &args.out_dir, &args.prompt) {
+        (Some(prompts), Some(out_dir), _) => generate_batch(&args, prompts, out_dir),
+        (_, _, Some(prompt)) => generate_one(&args, prompt).map(|()| ExitCode::SUCCESS),
+        // clap requires a prompt or --prompts with --out-dir.
+        _ => Err(UsageError("give a prompt, or --prompts FILE --out-dir DIR".to_string()).into()),
+    }
+}
+
+/// `klein generate PROMPT -o FILE`: one prompt, `--num-images` images.
+fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
+    let model = default_model(args.model.clone());
+    let paths = output_paths(&args.output, usize::from(args.num_images));
+    check_output_paths(&paths)?;
+    let seed = args.seed.unwrap_or_else(random_seed);
+    let reporter = Reporter::new(args.quiet);
+
+    // Every error of `Pipeline::load` names the bundle or the file in it.
+    let mut pipeline = Pipeline::load(&model, pipeline_options(args))?;
+
+    let mut request = Request::new(prompt)
         .with_seed(seed)
         .with_num_images(args.num_images as usize);
     for path in &args.refs {
@@ -220,63 +342,27 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     request.steps = args.steps;
     request.guidance = args.guidance;
     let (width, height) = pipeline.output_size(&request)?;
-    let manifest = pipeline.manifest();
-    if manifest.model.is_distilled && args.guidance.is_some_and(|g| g > 1.0) {
-        eprintln!(
-            "klein: warning: --guidance is ignored: {} is a distilled model",
-            manifest.model.name
-        );
-    }
-    say(format!("seed: {seed}"));
-    say(format!(
+    warn_ignored_guidance(&pipeline, args.guidance);
+    reporter.say(format!("seed: {seed}"));
+    reporter.say(format!(
         "model: {} ({}), {width}x{height}",
-        manifest.model.name,
+        pipeline.manifest().model.name,
         model.display()
     ));
 
-    let bar = ProgressBar::hidden();
-    if attended {
-        bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
-        bar.set_style(
-            ProgressStyle::with_template("{msg:20} [{bar:30}] {pos}/{len} {elapsed}")
-                .unwrap_or_else(|_| ProgressStyle::default_bar()),
-        );
-    }
-    let mut on_progress = |event: Progress| {
-        match event {
-            Progress::StageStarted(stage) => {
-                bar.set_message(stage.label());
-                bar.set_length(1);
-                bar.set_position(0);
-            }
-            Progress::Step { step, total } => {
-                bar.set_message("denoise");
-                bar.set_length(total as u64);
-                bar.set_position(step as u64);
-            }
-            Progress::StageFinished(..) => bar.set_position(bar.length().unwrap_or(1)),
-        }
-        ControlFlow::Continue(())
-    };
-    let generation = pipeline.generate(&request, Some(&mut on_progress))?;
-    bar.finish_and_clear();
-    if generation.prompt_truncated {
-        eprintln!(
-            "klein: warning: the prompt is longer than {} tokens and was truncated, as the reference pipeline does",
-            pipeline.manifest().tokenizer.max_sequence_length
-        );
-    }
-    let device = pipeline
-        .device_used()
-        .map(|d| d.to_string())
-        .unwrap_or_else(|| "none".to_string());
-    say(format!("device: {device}"));
-    if args.timings {
-        for (stage, elapsed) in &generation.timings {
-            eprintln!("{:>20}: {:8.3} s", stage.label(), elapsed.as_secs_f64());
-        }
-    }
-    let text = png_text(&pipeline, &generation, &args.prompt, &args.refs, &device)?;
+    let generation = pipeline.generate(&request, Some(&mut reporter.callback("")))?;
+    reporter.clear();
+    let device = device_name(&pipeline);
+    reporter.report(&pipeline, &generation, args.timings, "");
+    reporter.say(format!("device: {device}"));
+    let text = png_text(
+        &pipeline,
+        &generation,
+        prompt,
+        &args.refs,
+        &device,
+        &bundle_sha256(&pipeline)?,
+    )?;
     for (image, path) in generation.images.iter().zip(&paths) {
         write_atomic(path, &encode_png(image, &text)?)?;
         println!("{}", path.display());
@@ -284,19 +370,442 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn device_name(pipeline: &Pipeline) -> String {
+    pipeline
+        .device_used()
+        .map(|d| d.to_string())
+        .unwrap_or_else(|| "none".to_string())
+}
+
+/// sha256 of the bundle's manifest.json, stored in every PNG.
+fn bundle_sha256(pipeline: &Pipeline) -> anyhow::Result<String> {
+    let path = pipeline.bundle_dir().join(klein::manifest::MANIFEST_FILE);
+    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(sha256_hex(&bytes))
+}
+
+// ---- batch mode: --prompts FILE --out-dir DIR ----
+
+/// The batch summary, `summary.json` in the output directory.
+#[derive(Serialize)]
+struct Summary<'a> {
+    prompts: String,
+    out_dir: String,
+    model: Option<String>,
+    lines: &'a [LineRecord],
+    totals: Totals,
+}
+
+#[derive(Serialize, Default)]
+struct Totals {
+    lines: usize,
+    ok: usize,
+    skipped: usize,
+    error: usize,
+    not_run: usize,
+    seconds: f64,
+}
+
+/// What happened to one line of the prompts file.
+#[derive(Serialize)]
+struct LineRecord {
+    /// 1-based line number in the prompts file.
+    line: usize,
+    name: String,
+    /// The output file (absent for a line whose name is unusable).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    output: Option<String>,
+    prompt: Option<String>,
+    /// The seed used (or, for a skipped line, the one stored in the existing PNG).
+    seed: Option<u64>,
+    status: Status,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    message: Option<String>,
+    /// `user` (exit code 2) or `runtime` (exit code 1), for errors.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error_kind: Option<&'static str>,
+    seconds: f64,
+}
+
+#[derive(Serialize, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+enum Status {
+    Ok,
+    Skipped,
+    Error,
+    /// Not run because an earlier line hit a bundle or device error, which every line would hit.
+    NotRun,
+    /// Not run yet (seen only in the summary written while the batch runs).
+    Pending,
+}
+
+/// Seconds rounded to milliseconds, for the summary.
+fn seconds(elapsed: std::time::Duration) -> f64 {
+    (elapsed.as_secs_f64() * 1000.0).round() / 1000.0
+}
+
+/// Errors that every later line would hit as well: the batch stops at the first one.
+fn is_fatal(error: &anyhow::Error) -> bool {
+    error.chain().any(|e| {
+        e.downcast_ref::<KleinError>().is_some_and(|k| {
+            matches!(
+                k,
+                KleinError::Bundle { .. }
+                    | KleinError::RuntimeLibrary(..)
+                    | KleinError::Device { .. }
+            )
+        })
+    })
+}
+
+/// The seed stored in an existing output PNG, if it can be read.
+fn stored_seed(path: &Path) -> Option<u64> {
+    let file = std::fs::File::open(path).ok()?;
+    let reader = png::Decoder::new(std::io::BufReader::new(file))
+        .read_info()
+        .ok()?;
+    let chunk = reader
+        .info()
+        .utf8_text
+        .iter()
+        .find(|chunk| chunk.keyword == "seed")?;
+    chunk.get_text().ok()?.parse().ok()
+}
+
+struct BatchRun<'a> {
+    prompts: &'a Path,
+    out_dir: &'a Path,
+    model: Option<String>,
+    records: Vec<LineRecord>,
+    started: Instant,
+}
+
+impl BatchRun<'_> {
+    fn totals(&self) -> Totals {
+        let count = |status| self.records.iter().filter(|r| r.status == status).count();
+        Totals {
+            lines: self.records.len(),
+            ok: count(Status::Ok),
+            skipped: count(Status::Skipped),
+            error: count(Status::Error),
+            not_run: count(Status::NotRun),
+            seconds: seconds(self.started.elapsed()),
+        }
+    }
+
+    /// Writes `summary.json` atomically: a reader never sees half of it.
+    fn write_summary(&self) -> anyhow::Result<PathBuf> {
+        let summary = Summary {
+            prompts: self.prompts.display().to_string(),
+            out_dir: self.out_dir.display().to_string(),
+            model: self.model.clone(),
+            lines: &self.records,
+            totals: self.totals(),
+        };
+        let path = self.out_dir.join(SUMMARY_FILE);
+        let mut json = serde_json::to_vec_pretty(&summary)?;
+        json.push(b'\n');
+        write_atomic(&path, &json)?;
+        Ok(path)
+    }
+}
+
+/// `klein generate --prompts FILE --out-dir DIR`: one image per line, on one loaded pipeline.
+/// Exit code 2 if a line failed for a user error, else 1 if one failed in the runtime, else 0.
+fn generate_batch(args: &GenerateArgs, prompts: &Path, out_dir: &Path) -> anyhow::Result<ExitCode> {
+    let started = Instant::now();
+    let text = std::fs::read_to_string(prompts).map_err(|e| {
+        UsageError(format!(
+            "--prompts {}: cannot read it ({e}); give a JSON Lines file, one {{\"prompt\": ...}} per line",
+            prompts.display()
+        ))
+    })?;
+    if out_dir.exists() && !out_dir.is_dir() {
+        return Err(UsageError(format!(
+            "--out-dir {} exists and is not a directory",
+            out_dir.display()
+        ))
+        .into());
+    }
+    std::fs::create_dir_all(out_dir).map_err(|e| {
+        UsageError(format!(
+            "--out-dir {}: cannot create it ({e})",
+            out_dir.display()
+        ))
+    })?;
+    let base = prompts
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let reporter = Reporter::new(args.quiet);
+    let mut run = BatchRun {
+        prompts,
+        out_dir,
+        model: None,
+        records: Vec::new(),
+        started,
+    };
+
+    // 1. Every line: refused, skipped (its output exists) or to run.
+    let mut to_run: Vec<(usize, BatchLine, PathBuf)> = Vec::new();
+    for parsed in parse_batch(&text, base) {
+        match parsed {
+            Err(error) => {
+                eprintln!(
+                    "klein: error: {}: line {}: {}",
+                    prompts.display(),
+                    error.line,
+                    error.message
+                );
+                run.records.push(LineRecord {
+                    line: error.line,
+                    name: error.name,
+                    output: None,
+                    prompt: error.prompt,
+                    seed: None,
+                    status: Status::Error,
+                    message: Some(error.message),
+                    error_kind: Some("user"),
+                    seconds: 0.0,
+                });
+            }
+            Ok(line) => {
+                let output = out_dir.join(format!("{}.png", line.name));
+                let skipped = output.exists();
+                if skipped {
+                    reporter.say(format!(
+                        "line {} ({}): skipped, {} exists",
+                        line.line,
+                        line.name,
+                        output.display()
+                    ));
+                }
+                run.records.push(LineRecord {
+                    line: line.line,
+                    name: line.name.clone(),
+                    output: Some(output.display().to_string()),
+                    prompt: Some(line.prompt.clone()),
+                    seed: line
+                        .seed
+                        .or_else(|| skipped.then(|| stored_seed(&output)).flatten()),
+                    status: if skipped {
+                        Status::Skipped
+                    } else {
+                        Status::Pending
+                    },
+                    message: skipped.then(|| {
+                        "the output exists (outputs are written whole; delete it to make it again)"
+                            .to_string()
+                    }),
+                    error_kind: None,
+                    seconds: 0.0,
+                });
+                if !skipped {
+                    to_run.push((run.records.len() - 1, line, output));
+                }
+            }
+        }
+    }
+    if run.records.is_empty() {
+        return Err(UsageError(format!(
+            "--prompts {} has no lines; give one {{\"prompt\": ...}} object per line",
+            prompts.display()
+        ))
+        .into());
+    }
+
+    // 2. The lines to run, on one pipeline that keeps the text encoder loaded.
+    if !to_run.is_empty() {
+        let model = default_model(args.model.clone());
+        let options = pipeline_options(args).with_keep_text_encoder(true);
+        let mut pipeline = Pipeline::load(&model, options)?;
+        let bundle_hash = bundle_sha256(&pipeline)?;
+        run.model = Some(pipeline.manifest().model.name.clone());
+        reporter.say(format!(
+            "model: {} ({}), {} line(s) to run",
+            pipeline.manifest().model.name,
+            model.display(),
+            to_run.len()
+        ));
+        let mut memo = PromptMemo::new(to_run.iter().map(|(_, line, _)| line.prompt.as_str()));
+        let mut fatal: Option<String> = None;
+        let mut warned_guidance = false;
+        let total = to_run.len();
+        for (n, (index, line, output)) in to_run.into_iter().enumerate() {
+            if let Some(reason) = &fatal {
+                memo.forget(&line.prompt);
+                let record = &mut run.records[index];
+                record.status = Status::NotRun;
+                record.message = Some(format!("not run: an earlier line failed with: {reason}"));
+                continue;
+            }
+            let line_started = Instant::now();
+            let seed = line.seed.unwrap_or_else(random_seed);
+            let guidance = line.guidance.or(args.guidance);
+            if !warned_guidance {
+                warned_guidance = warn_ignored_guidance(&pipeline, guidance);
+            }
+            let job = BatchJob {
+                line: &line,
+                seed,
+                output: &output,
+                bundle_hash: &bundle_hash,
+                progress: format!("[{}/{total}] ", n + 1),
+            };
+            let result = job.run(&mut pipeline, &mut memo, args, &reporter);
+            reporter.clear();
+            let record = &mut run.records[index];
+            record.seed = Some(seed);
+            record.seconds = seconds(line_started.elapsed());
+            match result {
+                Ok(()) => {
+                    record.status = Status::Ok;
+                    println!("{}", output.display());
+                }
+                Err(error) => {
+                    eprintln!(
+                        "klein: error: line {} ({}): {error:#}",
+                        line.line, line.name
+                    );
+                    record.status = Status::Error;
+                    record.message = Some(format!("{error:#}"));
+                    record.error_kind = Some(if is_user_error(&error) {
+                        "user"
+                    } else {
+                        "runtime"
+                    });
+                    if is_fatal(&error) {
+                        fatal = Some(format!("{error:#}"));
+                    }
+                }
+            }
+            // Kept current while the batch runs: after a crash it says how far it got.
+            if let Err(error) = run.write_summary() {
+                eprintln!("klein: warning: {error:#}");
+            }
+        }
+        reporter.say(format!("device: {}", device_name(&pipeline)));
+    }
+
+    // 3. The summary, and the exit code.
+    let summary = run.write_summary()?;
+    let totals = run.totals();
+    let user_errors = run
+        .records
+        .iter()
+        .filter(|r| r.error_kind == Some("user"))
+        .count();
+    reporter.say(format!(
+        "batch: {} line(s): {} ok, {} skipped, {} failed ({user_errors} user error(s)), {} not run, in {:.1} s; summary in {}",
+        totals.lines,
+        totals.ok,
+        totals.skipped,
+        totals.error,
+        totals.not_run,
+        totals.seconds,
+        summary.display()
+    ));
+    Ok(if user_errors > 0 {
+        ExitCode::from(2)
+    } else if totals.error > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// One line of a batch, ready to run.
+struct BatchJob<'a> {
+    line: &'a BatchLine,
+    seed: u64,
+    output: &'a Path,
+    bundle_hash: &'a str,
+    /// `[n/total] `, before the stage names of the progress bar.
+    progress: String,
+}
+
+impl BatchJob<'_> {
+    /// Loads the references, takes the prompt's embeddings from the memo (or leaves them to the
+    /// pipeline), generates and writes the PNG atomically.
+    fn run(
+        &self,
+        pipeline: &mut Pipeline,
+        memo: &mut PromptMemo,
+        args: &GenerateArgs,
+        reporter: &Reporter,
+    ) -> anyhow::Result<()> {
+        let line = self.line;
+        let (request, (width, height)) = match self.request(pipeline, args) {
+            Ok(checked) => checked,
+            Err(error) => {
+                memo.forget(&line.prompt);
+                return Err(error);
+            }
+        };
+        let request = match memo.take(&line.prompt, |p| pipeline.encode_prompt(p))? {
+            Some(embeds) => request.with_prompt_embeds(embeds),
+            None => request,
+        };
+        reporter.say(format!(
+            "{}line {} ({}): seed {}, {width}x{height}",
+            self.progress, line.line, line.name, self.seed
+        ));
+        let generation =
+            pipeline.generate(&request, Some(&mut reporter.callback(&self.progress)))?;
+        reporter.clear();
+        reporter.report(
+            pipeline,
+            &generation,
+            args.timings,
+            &format!("line {}: ", line.line),
+        );
+        let text = png_text(
+            pipeline,
+            &generation,
+            &line.prompt,
+            &line.refs,
+            &device_name(pipeline),
+            self.bundle_hash,
+        )?;
+        let image = generation
+            .images
+            .first()
+            .context("the pipeline returned no image")?;
+        write_atomic(self.output, &encode_png(image, &text)?)?;
+        Ok(())
+    }
+
+    /// The request of the line (its values, else the command line's, references loaded) and its
+    /// output size, checked before the prompt is encoded.
+    fn request(
+        &self,
+        pipeline: &Pipeline,
+        args: &GenerateArgs,
+    ) -> anyhow::Result<(Request, (u32, u32))> {
+        let line = self.line;
+        let mut request = Request::new(line.prompt.clone()).with_seed(self.seed);
+        for path in &line.refs {
+            request = request.with_reference(pipeline.load_reference(path)?);
+        }
+        request.width = line.width.or(args.width);
+        request.height = line.height.or(args.height);
+        request.steps = line.steps.or(args.steps);
+        request.guidance = line.guidance.or(args.guidance);
+        let size = pipeline.output_size(&request)?;
+        Ok((request, size))
+    }
+}
+
+/// The PNG's text metadata: everything needed to make the image again.
 fn png_text(
     pipeline: &Pipeline,
     g: &Generation,
     prompt: &str,
     refs: &[PathBuf],
     device: &str,
+    bundle_hash: &str,
 ) -> anyhow::Result<Vec<(String, String)>> {
     let manifest = pipeline.manifest();
-    let manifest_path = pipeline.bundle_dir().join(klein::manifest::MANIFEST_FILE);
-    let bundle_hash = sha256_hex(
-        &std::fs::read(&manifest_path)
-            .with_context(|| format!("reading {}", manifest_path.display()))?,
-    );
     let refs: Vec<String> = refs.iter().map(|r| r.display().to_string()).collect();
     Ok(vec![
         ("prompt".into(), prompt.into()),
@@ -309,7 +818,7 @@ fn png_text(
             "model_variant".into(),
             variant_name(manifest.model.variant)?,
         ),
-        ("bundle_sha256".into(), bundle_hash),
+        ("bundle_sha256".into(), bundle_hash.to_string()),
         ("device".into(), device.into()),
         ("references".into(), serde_json::to_string(&refs)?),
         (

@@ -5,7 +5,9 @@
 //! ignored, but every field it uses is required. [`Manifest::load`] refuses a bundle whose format
 //! version it does not know, whose manifest is not valid, whose numbers contradict each other, or
 //! whose files are missing or have the wrong size; [`Manifest::verify_hashes`] also checks their
-//! SHA-256 (slow on multi-GB bundles, so it is separate).
+//! SHA-256 (slow on multi-GB bundles, so it is separate), and [`Manifest::verify_hashes_cached`]
+//! skips that while a verification stamp shows the files unchanged (what `Pipeline::load` does).
+//! [`Manifest::from_json_bytes`] parses and checks a manifest's text alone.
 //!
 //! The I/O contract of each graph ([`GraphSpec`]) is checked against the loaded ONNX graph by
 //! `runtime::Graph::check_io`, and the graph's `klein.*` metadata by [`GraphSpec::check_metadata`].
@@ -15,12 +17,14 @@ use std::fmt;
 use std::fs::File;
 use std::io::Read;
 use std::path::{Component, Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::error::{KleinError, Result};
+use crate::output::write_atomic;
 use crate::reference::ReferenceLimits;
 use crate::schedule::{EmpiricalMu, ShiftConfig};
 
@@ -42,6 +46,17 @@ pub const META_FORMAT_VERSION: &str = "klein.format_version";
 
 /// Read buffer for hashing: large enough that hashing, not system calls, sets the pace.
 const HASH_BUFFER_BYTES: usize = 1 << 20;
+/// Largest `references.time_offset_scale` (in size): reference `i` gets time coordinate
+/// `scale * (i + 1)`, and there are at most `MAX_IMAGE_TOKENS` references (one token each), so the
+/// coordinates fit in the int64 position ids.
+const MAX_TIME_OFFSET_SCALE: u64 = i64::MAX as u64 / (crate::pipeline::MAX_IMAGE_TOKENS as u64 + 1);
+/// Folder of the verification stamps inside the cache directory ([`default_cache_dir`]).
+const STAMP_DIR: &str = "verified";
+/// Files modified less than this long before a verification started are not stamped. File systems
+/// take modification times from a coarse clock, so a file rewritten just after it was hashed can
+/// keep the time the stamp recorded ("racy" files, in git's words). Such a bundle is hashed again
+/// on its next load, and stamped then.
+const RACY_WINDOW: Duration = Duration::from_secs(2);
 
 /// The whole `manifest.json` of a bundle.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -457,45 +472,134 @@ impl Manifest {
                 format!("has no {MANIFEST_FILE}; is this a klein bundle written by `klein-export convert`?"),
             ));
         }
-        let text = std::fs::read_to_string(&manifest_path).map_err(|source| KleinError::Io {
+        let bytes = std::fs::read(&manifest_path).map_err(|source| KleinError::Io {
             path: manifest_path.clone(),
             action: "reading the manifest",
             source,
         })?;
+        let manifest = Manifest::from_json_bytes(&bytes, &manifest_path)?;
+        manifest.check_files(bundle_dir, &manifest_path)?;
+        Ok(manifest)
+    }
 
-        let probe: VersionProbe = serde_json::from_str(&text)
-            .map_err(|e| bundle_error(&manifest_path, format!("not valid JSON: {e}")))?;
+    /// Parses and checks the text of a `manifest.json` without looking at the bundle's files:
+    /// the format version, the schema and the consistency of its numbers. `manifest_path` only
+    /// names the manifest in errors. [`Manifest::load`] is this plus the file checks.
+    pub fn from_json_bytes(bytes: &[u8], manifest_path: &Path) -> Result<Manifest> {
+        let bundle_error = |reason: String| KleinError::Bundle {
+            path: manifest_path.to_path_buf(),
+            reason,
+        };
+        let probe: VersionProbe = serde_json::from_slice(bytes)
+            .map_err(|e| bundle_error(format!("not valid JSON: {e}")))?;
         let supported = supported_versions();
         match probe.format_version {
             None => {
-                return Err(bundle_error(
-                    &manifest_path,
-                    format!("has no `format_version`; this runtime reads format version {supported}"),
-                ))
+                return Err(bundle_error(format!(
+                    "has no `format_version`; this runtime reads format version {supported}"
+                )))
             }
-            Some(v) if v.as_u64().is_some_and(|v| SUPPORTED_FORMAT_VERSIONS.iter().any(|&s| u64::from(s) == v)) => {}
+            Some(v)
+                if v.as_u64().is_some_and(|v| {
+                    SUPPORTED_FORMAT_VERSIONS
+                        .iter()
+                        .any(|&s| u64::from(s) == v)
+                }) => {}
             Some(v) => {
-                return Err(bundle_error(
-                    &manifest_path,
-                    format!(
-                        "format_version {v} is not supported; this runtime reads format version {supported}. \
-                         Use a klein release that reads it, or re-export the bundle with a matching klein-export"
-                    ),
-                ))
+                return Err(bundle_error(format!(
+                    "format_version {v} is not supported; this runtime reads format version {supported}. \
+                     Use a klein release that reads it, or re-export the bundle with a matching klein-export"
+                )))
             }
         }
 
-        let manifest: Manifest = serde_json::from_str(&text).map_err(|e| {
-            bundle_error(
-                &manifest_path,
-                format!("does not match the format version 1 schema: {e}"),
-            )
+        let manifest: Manifest = serde_json::from_slice(bytes).map_err(|e| {
+            bundle_error(format!("does not match the format version 1 schema: {e}"))
         })?;
-        manifest
-            .check_consistency()
-            .map_err(|reason| bundle_error(&manifest_path, reason))?;
-        manifest.check_files(bundle_dir, &manifest_path)?;
+        manifest.check_consistency().map_err(bundle_error)?;
         Ok(manifest)
+    }
+
+    /// [`Manifest::verify_hashes`], skipped when a stamp in `cache_dir` shows that no file changed
+    /// since the last successful verification.
+    ///
+    /// The stamp (`<cache_dir>/verified/<key>.json`, the key a hash of the bundle's canonical path
+    /// and of its manifest.json) records each file's size, modification time (ns) and expected
+    /// sha256. It is used only when all of them still agree, and written after a verification
+    /// that passed, unless a file changed while it was hashed or was modified within 2 s of it
+    /// (see `RACY_WINDOW`). `cache_dir` `None`, or a stamp that cannot be read or written, means
+    /// hashing every time; failures to write are ignored.
+    ///
+    /// A stamp catches corruption and ordinary edits (any write updates the modification time),
+    /// not an attacker who can also set the time back: use [`Manifest::verify_hashes`] for that.
+    pub fn verify_hashes_cached(
+        &self,
+        bundle_dir: &Path,
+        cache_dir: Option<&Path>,
+    ) -> Result<Verification> {
+        let started = SystemTime::now();
+        let stamp_path = cache_dir.and_then(|dir| stamp_path(bundle_dir, dir));
+        let before = self.stamp(bundle_dir);
+        if let (Some(path), Some(expected)) = (&stamp_path, &before) {
+            let stored = std::fs::read(path)
+                .ok()
+                .and_then(|bytes| serde_json::from_slice::<Stamp>(&bytes).ok());
+            if stored.as_ref() == Some(expected) {
+                return Ok(Verification {
+                    hashed: false,
+                    stamp: stamp_path,
+                });
+            }
+        }
+        self.verify_hashes(bundle_dir)?;
+        let settled = |stamp: &Stamp| {
+            let cutoff = started
+                .checked_sub(RACY_WINDOW)
+                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_nanos());
+            stamp
+                .files
+                .values()
+                .all(|f| u128::from(f.modified_ns) < cutoff)
+        };
+        let written = match (stamp_path, before) {
+            (Some(path), Some(before))
+                if settled(&before) && self.stamp(bundle_dir).as_ref() == Some(&before) =>
+            {
+                write_stamp(&path, &before).then_some(path)
+            }
+            _ => None,
+        };
+        Ok(Verification {
+            hashed: true,
+            stamp: written,
+        })
+    }
+
+    /// The stamp this bundle would have now: every file's size and modification time as on disk,
+    /// with the manifest's hash. `None` when a time or the bundle's canonical path is unavailable.
+    fn stamp(&self, bundle_dir: &Path) -> Option<Stamp> {
+        let bundle = std::fs::canonicalize(bundle_dir).ok()?;
+        let files = self
+            .files
+            .iter()
+            .map(|(name, entry)| {
+                let meta = std::fs::metadata(bundle.join(name)).ok()?;
+                let modified = meta.modified().ok()?.duration_since(UNIX_EPOCH).ok()?;
+                Some((
+                    name.clone(),
+                    StampedFile {
+                        bytes: meta.len(),
+                        modified_ns: u64::try_from(modified.as_nanos()).ok()?,
+                        sha256: entry.sha256.to_ascii_lowercase(),
+                    },
+                ))
+            })
+            .collect::<Option<BTreeMap<_, _>>>()?;
+        Some(Stamp {
+            bundle: bundle.to_string_lossy().into_owned(),
+            files,
+        })
     }
 
     /// Checks the SHA-256 of every file in `files` against the manifest. Files are hashed in
@@ -563,13 +667,21 @@ impl Manifest {
                 te.layers_in_graph, te.num_hidden_layers
             ));
         }
-        if te.embed_dim != te.hidden_size * te.hidden_layers.len() {
-            problems.push(format!(
-                "text_encoder.embed_dim {} != hidden_size {} x {} hidden layers",
+        // Products and sums of manifest numbers are checked: a hostile manifest must not
+        // overflow them (a panic in debug builds, a wrong but accepted value in release builds).
+        match te.hidden_size.checked_mul(te.hidden_layers.len()) {
+            Some(dim) if dim == te.embed_dim => {}
+            product => problems.push(format!(
+                "text_encoder.embed_dim {} != hidden_size {} x {} hidden layers{}",
                 te.embed_dim,
                 te.hidden_size,
-                te.hidden_layers.len()
-            ));
+                te.hidden_layers.len(),
+                if product.is_none() {
+                    " (overflows)"
+                } else {
+                    ""
+                }
+            )),
         }
         if tr.joint_attention_dim != te.embed_dim {
             problems.push(format!(
@@ -577,25 +689,51 @@ impl Manifest {
                 tr.joint_attention_dim, te.embed_dim
             ));
         }
-        let rope_sum: usize = tr.axes_dims_rope.iter().sum();
-        if rope_sum != tr.attention_head_dim {
+        let rope_sum = tr
+            .axes_dims_rope
+            .iter()
+            .try_fold(0usize, |sum, &d| sum.checked_add(d));
+        if rope_sum != Some(tr.attention_head_dim) {
             problems.push(format!(
-                "transformer.axes_dims_rope {:?} sums to {rope_sum}, not attention_head_dim {}",
-                tr.axes_dims_rope, tr.attention_head_dim
+                "transformer.axes_dims_rope {:?} sums to {}, not attention_head_dim {}",
+                tr.axes_dims_rope,
+                rope_sum.map_or("more than the largest integer".to_string(), |s| s
+                    .to_string()),
+                tr.attention_head_dim
             ));
         }
-        let packed = vae.latent_channels * vae.patch_size * vae.patch_size;
-        if self.latents.channels != tr.in_channels || self.latents.channels != packed {
+        let packed = vae
+            .patch_size
+            .checked_mul(vae.patch_size)
+            .and_then(|p| p.checked_mul(vae.latent_channels));
+        if self.latents.channels == 0
+            || self.latents.channels != tr.in_channels
+            || Some(self.latents.channels) != packed
+        {
             problems.push(format!(
-                "latents.channels {} must equal transformer.in_channels {} and vae.latent_channels x patch_size^2 = {packed}",
-                self.latents.channels, tr.in_channels
+                "latents.channels {} must be non-zero and equal transformer.in_channels {} and \
+                 vae.latent_channels x patch_size^2 = {}",
+                self.latents.channels,
+                tr.in_channels,
+                packed.map_or("(overflows)".to_string(), |p| p.to_string())
             ));
         }
-        let multiple = vae.spatial_factor * vae.patch_size;
-        if self.latents.pixel_multiple as usize != multiple {
+        let multiple = vae.spatial_factor.checked_mul(vae.patch_size);
+        if self.latents.pixel_multiple == 0
+            || Some(self.latents.pixel_multiple as usize) != multiple
+        {
             problems.push(format!(
-                "latents.pixel_multiple {} != vae.spatial_factor x patch_size = {multiple}",
-                self.latents.pixel_multiple
+                "latents.pixel_multiple {} must be non-zero and equal vae.spatial_factor x patch_size = {}",
+                self.latents.pixel_multiple,
+                multiple.map_or("(overflows)".to_string(), |m| m.to_string())
+            ));
+        }
+        // Reference i gets time coordinate `scale * (i + 1)`; the token budget bounds i.
+        let scale = self.references.time_offset_scale;
+        if scale.unsigned_abs() > MAX_TIME_OFFSET_SCALE {
+            problems.push(format!(
+                "references.time_offset_scale {scale} is out of range: at most {MAX_TIME_OFFSET_SCALE} \
+                 in size (diffusers uses 10)"
             ));
         }
         if problems.is_empty() {
@@ -744,6 +882,81 @@ impl GraphSpec {
     }
 }
 
+/// The result of [`Manifest::verify_hashes_cached`] (which fails when a file does not match).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Verification {
+    /// The files were hashed; false when a stamp showed them unchanged since they last were.
+    pub hashed: bool,
+    /// The stamp that vouched for the files or was written after hashing them; `None` when there
+    /// is no cache directory, the stamp could not be written, or a file was modified too recently.
+    pub stamp: Option<PathBuf>,
+}
+
+/// What a verification stamp records. A stamp vouches for a bundle only if it equals the one
+/// computed now ([`Manifest::stamp`]).
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+struct Stamp {
+    /// The bundle's canonical path.
+    bundle: String,
+    /// Every file of the manifest's `files`.
+    files: BTreeMap<String, StampedFile>,
+}
+
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+struct StampedFile {
+    bytes: u64,
+    /// Modification time, nanoseconds since the Unix epoch.
+    modified_ns: u64,
+    /// The sha256 manifest.json gives (lower case), which the file matched.
+    sha256: String,
+}
+
+/// Where klein keeps its caches (verification stamps): `$KLEIN_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/klein`, else `$HOME/.cache/klein`, else `%LOCALAPPDATA%\klein`; `None` when
+/// none of these variables is set.
+pub fn default_cache_dir() -> Option<PathBuf> {
+    let var = |name: &str| {
+        std::env::var_os(name)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    var("KLEIN_CACHE_DIR")
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("klein")))
+        .or_else(|| var("HOME").map(|d| d.join(".cache").join("klein")))
+        .or_else(|| var("LOCALAPPDATA").map(|d| d.join("klein")))
+}
+
+/// `<cache_dir>/verified/<sha256 of the canonical bundle path and of manifest.json>.json`, or
+/// `None` when the bundle's path or manifest cannot be read.
+fn stamp_path(bundle_dir: &Path, cache_dir: &Path) -> Option<PathBuf> {
+    let bundle = std::fs::canonicalize(bundle_dir).ok()?;
+    let manifest = std::fs::read(bundle.join(MANIFEST_FILE)).ok()?;
+    let mut hasher = Sha256::new();
+    hasher.update(bundle.as_os_str().as_encoded_bytes());
+    hasher.update([0]);
+    hasher.update(Sha256::digest(&manifest));
+    Some(
+        cache_dir
+            .join(STAMP_DIR)
+            .join(format!("{}.json", hex(&hasher.finalize()))),
+    )
+}
+
+/// Writes a stamp atomically; false on any failure (a stamp only saves time).
+fn write_stamp(path: &Path, stamp: &Stamp) -> bool {
+    let Ok(bytes) = serde_json::to_vec_pretty(stamp) else {
+        return false;
+    };
+    path.parent()
+        .is_some_and(|dir| std::fs::create_dir_all(dir).is_ok())
+        && write_atomic(path, &bytes).is_ok()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// `"1"`, or `"1, 2"` when several versions are readable.
 fn supported_versions() -> String {
     SUPPORTED_FORMAT_VERSIONS
@@ -772,9 +985,5 @@ fn sha256_file(path: &Path) -> Result<String> {
         };
         hasher.update(&buffer[..n]);
     }
-    Ok(hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect())
+    Ok(hex(&hasher.finalize()))
 }

@@ -16,8 +16,10 @@ use std::time::{Duration, Instant};
 use ndarray::{concatenate, s, Array2, Array3, Array4, ArrayView3, Axis, Ix3, Ix4};
 
 use crate::error::{KleinError, Result};
-use crate::latents::{pack_latents, prepare_image_ids, prepare_latent_ids, prepare_text_ids, unpack_latents};
-use crate::manifest::Manifest;
+use crate::latents::{
+    pack_latents, prepare_image_ids, prepare_latent_ids, prepare_text_ids, unpack_latents,
+};
+use crate::manifest::{default_cache_dir, Manifest, Verification};
 use crate::noise::randn;
 use crate::output::{to_rgb_images, RgbImage};
 use crate::prompt_cache::PromptCache;
@@ -36,7 +38,7 @@ pub const MAX_IMAGE_TOKENS: usize = 5 * 4096;
 pub const MAX_BATCH: usize = 16;
 
 /// How to load a bundle.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct PipelineOptions {
     /// Where to run the graphs.
@@ -47,10 +49,28 @@ pub struct PipelineOptions {
     pub runtime: RuntimeOptions,
     /// Keep the text-encoder session loaded after encoding (for many prompts in one process).
     pub keep_text_encoder: bool,
-    /// Check the sha256 of every bundle file against the manifest before loading any graph.
+    /// Check the sha256 of every bundle file against the manifest before loading any graph
+    /// (default: on). A stamp in the cache directory skips the hashing while no file changes
+    /// ([`Manifest::verify_hashes_cached`]).
     pub verify_hashes: bool,
+    /// Directory for verification stamps (`None`: [`default_cache_dir`]).
+    pub cache_dir: Option<PathBuf>,
     /// Directory of the on-disk prompt-embedding cache (`None`: no cache).
     pub prompt_cache_dir: Option<PathBuf>,
+}
+
+impl Default for PipelineOptions {
+    fn default() -> Self {
+        PipelineOptions {
+            device: Device::default(),
+            threads: None,
+            runtime: RuntimeOptions::default(),
+            keep_text_encoder: false,
+            verify_hashes: true,
+            cache_dir: None,
+            prompt_cache_dir: None,
+        }
+    }
 }
 
 impl PipelineOptions {
@@ -72,6 +92,10 @@ impl PipelineOptions {
     }
     pub fn with_verify_hashes(mut self, verify: bool) -> Self {
         self.verify_hashes = verify;
+        self
+    }
+    pub fn with_cache_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.cache_dir = Some(dir.into());
         self
     }
     pub fn with_prompt_cache_dir(mut self, dir: impl Into<PathBuf>) -> Self {
@@ -99,11 +123,18 @@ pub struct Request {
     pub num_images: usize,
     /// Initial latents `[num_images, 128, h, w]` instead of the seed's noise.
     pub initial_latents: Option<Array4<f32>>,
+    /// Embeddings of `prompt` from [`Pipeline::encode_prompt`], reused instead of running the
+    /// text encoder again (one prompt, many seeds). `[1, max_sequence_length, embed_dim]`.
+    pub prompt_embeds: Option<PromptEmbeds>,
 }
 
 impl Request {
     pub fn new(prompt: impl Into<String>) -> Self {
-        Request { prompt: prompt.into(), num_images: 1, ..Default::default() }
+        Request {
+            prompt: prompt.into(),
+            num_images: 1,
+            ..Default::default()
+        }
     }
     pub fn with_seed(mut self, seed: u64) -> Self {
         self.seed = seed;
@@ -132,6 +163,10 @@ impl Request {
     }
     pub fn with_initial_latents(mut self, latents: Array4<f32>) -> Self {
         self.initial_latents = Some(latents);
+        self
+    }
+    pub fn with_prompt_embeds(mut self, embeds: PromptEmbeds) -> Self {
+        self.prompt_embeds = Some(embeds);
         self
     }
 }
@@ -171,7 +206,10 @@ pub enum Progress {
     StageStarted(Stage),
     StageFinished(Stage, Duration),
     /// Denoising step `step` (1-based) of `total` finished.
-    Step { step: usize, total: usize },
+    Step {
+        step: usize,
+        total: usize,
+    },
 }
 
 /// Seconds spent per stage, in the order they ran.
@@ -235,6 +273,7 @@ pub struct Pipeline {
     session: SessionConfig,
     keep_text_encoder: bool,
     prompt_cache: Option<PromptCache>,
+    verification: Option<Verification>,
     text_encoder: Option<Graph>,
     transformer: Option<Graph>,
     vae_encoder: Option<Graph>,
@@ -259,16 +298,29 @@ fn request_error(reason: String) -> KleinError {
 }
 
 impl Pipeline {
-    /// Opens the bundle at `dir`: reads and checks the manifest (file sizes always, hashes when
-    /// asked) and the tokenizer, and initialises ONNX Runtime. Graphs are loaded on first use.
+    /// Opens the bundle at `dir`: reads and checks the manifest (file sizes; hashes unless
+    /// [`PipelineOptions::verify_hashes`] is off, skipped while a stamp vouches for the files) and
+    /// the tokenizer, and initialises ONNX Runtime. A bundle whose files do not match its manifest
+    /// is refused before any graph is loaded. Graphs are loaded on first use.
     pub fn load(dir: &Path, options: PipelineOptions) -> Result<Pipeline> {
-        let PipelineOptions { device, threads, runtime: runtime_options, keep_text_encoder, verify_hashes, prompt_cache_dir } =
-            options;
+        let PipelineOptions {
+            device,
+            threads,
+            runtime: runtime_options,
+            keep_text_encoder,
+            verify_hashes,
+            cache_dir,
+            prompt_cache_dir,
+        } = options;
         let manifest = Manifest::load(dir)?;
-        if verify_hashes {
-            manifest.verify_hashes(dir)?;
-        }
-        let tokenizer = PromptTokenizer::load(&dir.join(&manifest.tokenizer.file), &manifest.tokenizer)?;
+        let verification = if verify_hashes {
+            let cache_dir = cache_dir.or_else(default_cache_dir);
+            Some(manifest.verify_hashes_cached(dir, cache_dir.as_deref())?)
+        } else {
+            None
+        };
+        let tokenizer =
+            PromptTokenizer::load(&dir.join(&manifest.tokenizer.file), &manifest.tokenizer)?;
         runtime::init(runtime_options)?;
         let mut session = SessionConfig::default().with_device(device);
         if let Some(threads) = threads {
@@ -282,6 +334,7 @@ impl Pipeline {
             session,
             keep_text_encoder,
             prompt_cache,
+            verification,
             text_encoder: None,
             transformer: None,
             vae_encoder: None,
@@ -298,6 +351,11 @@ impl Pipeline {
         &self.dir
     }
 
+    /// How the bundle's hashes were checked at load time (`None`: not checked).
+    pub fn verification(&self) -> Option<&Verification> {
+        self.verification.as_ref()
+    }
+
     /// The execution provider the graphs run on (known once a graph is loaded).
     pub fn device_used(&self) -> Option<Device> {
         self.device_used
@@ -312,12 +370,32 @@ impl Pipeline {
     }
 
     /// The graph `name`, loaded (and checked against the manifest) on first use.
-    fn graph(&mut self, name: &'static str, progress: &mut Option<Callback<'_>>) -> Result<&mut Graph> {
+    fn graph(
+        &mut self,
+        name: &'static str,
+        progress: &mut Option<Callback<'_>>,
+    ) -> Result<&mut Graph> {
         let (slot, spec, stage) = match name {
-            "text_encoder" => (&mut self.text_encoder, &self.manifest.graphs.text_encoder, Stage::LoadTextEncoder),
-            "transformer" => (&mut self.transformer, &self.manifest.graphs.transformer, Stage::LoadTransformer),
-            "vae_encoder" => (&mut self.vae_encoder, &self.manifest.graphs.vae_encoder, Stage::LoadVaeEncoder),
-            _ => (&mut self.vae_decoder, &self.manifest.graphs.vae_decoder, Stage::LoadVaeDecoder),
+            "text_encoder" => (
+                &mut self.text_encoder,
+                &self.manifest.graphs.text_encoder,
+                Stage::LoadTextEncoder,
+            ),
+            "transformer" => (
+                &mut self.transformer,
+                &self.manifest.graphs.transformer,
+                Stage::LoadTransformer,
+            ),
+            "vae_encoder" => (
+                &mut self.vae_encoder,
+                &self.manifest.graphs.vae_encoder,
+                Stage::LoadVaeEncoder,
+            ),
+            _ => (
+                &mut self.vae_decoder,
+                &self.manifest.graphs.vae_decoder,
+                Stage::LoadVaeDecoder,
+            ),
         };
         if slot.is_none() {
             notify(progress, Progress::StageStarted(stage))?;
@@ -329,7 +407,8 @@ impl Pipeline {
             *slot = Some(graph);
             notify(progress, Progress::StageFinished(stage, start.elapsed()))?;
         }
-        slot.as_mut().ok_or_else(|| unreachable!("the slot was filled above"))
+        slot.as_mut()
+            .ok_or_else(|| unreachable!("the slot was filled above"))
     }
 
     /// Stage 2: the prompt's embeddings `[1, L, 3*hidden]` (from the cache when enabled).
@@ -337,15 +416,24 @@ impl Pipeline {
         self.encode_prompt_with(prompt, &mut None)
     }
 
-    fn encode_prompt_with(&mut self, prompt: &str, progress: &mut Option<Callback<'_>>) -> Result<PromptEmbeds> {
+    fn encode_prompt_with(
+        &mut self,
+        prompt: &str,
+        progress: &mut Option<Callback<'_>>,
+    ) -> Result<PromptEmbeds> {
         let encoded = self.tokenizer.encode(prompt)?;
         if let Some(embeds) = self.prompt_cache.as_ref().and_then(|c| c.get(prompt)) {
-            return Ok(PromptEmbeds { embeds, truncated: encoded.truncated });
+            return Ok(PromptEmbeds {
+                embeds,
+                truncated: encoded.truncated,
+            });
         }
         let seq = encoded.input_ids.len();
         // [L] -> [1, L]
-        let ids = Array2::from_shape_vec((1, seq), encoded.input_ids).map_err(|e| internal("token ids", e))?;
-        let mask = Array2::from_shape_vec((1, seq), encoded.attention_mask).map_err(|e| internal("attention mask", e))?;
+        let ids = Array2::from_shape_vec((1, seq), encoded.input_ids)
+            .map_err(|e| internal("token ids", e))?;
+        let mask = Array2::from_shape_vec((1, seq), encoded.attention_mask)
+            .map_err(|e| internal("attention mask", e))?;
         let graph = self.graph("text_encoder", progress)?;
         notify(progress, Progress::StageStarted(Stage::EncodePrompt))?;
         let start = Instant::now();
@@ -357,11 +445,17 @@ impl Pipeline {
             .take("prompt_embeds")?
             .into_dimensionality::<Ix3>()
             .map_err(|e| internal("prompt_embeds", e))?;
-        notify(progress, Progress::StageFinished(Stage::EncodePrompt, start.elapsed()))?;
+        notify(
+            progress,
+            Progress::StageFinished(Stage::EncodePrompt, start.elapsed()),
+        )?;
         if let Some(cache) = &self.prompt_cache {
             cache.put(prompt, &embeds)?;
         }
-        Ok(PromptEmbeds { embeds, truncated: encoded.truncated })
+        Ok(PromptEmbeds {
+            embeds,
+            truncated: encoded.truncated,
+        })
     }
 
     /// Releases the text-encoder session (its memory goes back before the transformer loads).
@@ -371,12 +465,25 @@ impl Pipeline {
 
     /// Reads and preprocesses a reference image file (EXIF orientation, alpha, area, crop).
     pub fn load_reference(&self, path: &Path) -> Result<ReferenceImage> {
-        load_reference(path, &self.manifest.references.limits, self.manifest.latents.pixel_multiple)
+        load_reference(
+            path,
+            &self.manifest.references.limits,
+            self.manifest.latents.pixel_multiple,
+        )
     }
 
     /// Preprocesses an already decoded reference image; `label` names it in errors.
-    pub fn prepare_reference(&self, image: &image::DynamicImage, label: &Path) -> Result<ReferenceImage> {
-        preprocess_reference(image, &self.manifest.references.limits, self.manifest.latents.pixel_multiple, label)
+    pub fn prepare_reference(
+        &self,
+        image: &image::DynamicImage,
+        label: &Path,
+    ) -> Result<ReferenceImage> {
+        preprocess_reference(
+            image,
+            &self.manifest.references.limits,
+            self.manifest.latents.pixel_multiple,
+            label,
+        )
     }
 
     /// Stage 3: VAE-encodes each reference (one at a time, as diffusers) and packs them in order.
@@ -399,7 +506,10 @@ impl Pipeline {
         for reference in references {
             let mut out = graph.run(&[("image", TensorInput::from(reference.pixels.view()))])?;
             // [1, 128, h, w]
-            let latents = out.take("latents")?.into_dimensionality::<Ix4>().map_err(|e| internal("vae latents", e))?;
+            let latents = out
+                .take("latents")?
+                .into_dimensionality::<Ix4>()
+                .map_err(|e| internal("vae latents", e))?;
             grids.push((latents.dim().2, latents.dim().3));
             packed.push(pack_latents(latents.view())); // -> [1, h*w, 128]
         }
@@ -407,18 +517,32 @@ impl Pipeline {
         let tokens = if views.is_empty() {
             Array3::zeros((1, 0, channels))
         } else {
-            concatenate(Axis(1), &views).map_err(|e| internal("reference tokens", e))? // [1, N, 128]
+            concatenate(Axis(1), &views).map_err(|e| internal("reference tokens", e))?
+            // [1, N, 128]
         };
-        notify(progress, Progress::StageFinished(Stage::EncodeReferences, start.elapsed()))?;
-        Ok(ReferenceTokens { tokens, ids: prepare_image_ids(&grids, scale), count: grids.len() })
+        notify(
+            progress,
+            Progress::StageFinished(Stage::EncodeReferences, start.elapsed()),
+        )?;
+        Ok(ReferenceTokens {
+            tokens,
+            ids: prepare_image_ids(&grids, scale),
+            count: grids.len(),
+        })
     }
 
     /// Output size in pixels for a request: explicit, else the first reference's, else the
     /// bundle's default; floored to the latent multiple (16), as the reference pipeline does.
     pub fn output_size(&self, request: &Request) -> Result<(u32, u32)> {
         let first = request.references.first();
-        let width = request.width.or(first.map(|r| r.width)).unwrap_or(self.manifest.model.default_width);
-        let height = request.height.or(first.map(|r| r.height)).unwrap_or(self.manifest.model.default_height);
+        let width = request
+            .width
+            .or(first.map(|r| r.width))
+            .unwrap_or(self.manifest.model.default_width);
+        let height = request
+            .height
+            .or(first.map(|r| r.height))
+            .unwrap_or(self.manifest.model.default_height);
         let multiple = self.manifest.latents.pixel_multiple;
         for (what, value) in [("width", width), ("height", height)] {
             if value < multiple || value > MAX_SIDE {
@@ -434,7 +558,12 @@ impl Pipeline {
     /// `torch.randn(generator=torch.Generator("cpu").manual_seed(seed))`.
     pub fn prepare_latents(&self, seed: u64, batch: usize, width: u32, height: u32) -> Array4<f32> {
         let m = self.manifest.latents.pixel_multiple as usize;
-        let shape = [batch, self.manifest.latents.channels, height as usize / m, width as usize / m];
+        let shape = [
+            batch,
+            self.manifest.latents.channels,
+            height as usize / m,
+            width as usize / m,
+        ];
         randn(seed, &shape)
             .into_dimensionality::<Ix4>()
             .unwrap_or_else(|_| unreachable!("randn returns the shape it is given"))
@@ -449,6 +578,7 @@ impl Pipeline {
     /// Stage 6 set-up: everything the transformer sees besides the latents, built once per
     /// generation. `batch` images share the prompt; `negative` embeddings and `guidance > 1` turn on
     /// classifier-free guidance (base models).
+    #[allow(clippy::too_many_arguments)] // each is a stage input, as in diffusers' __call__
     pub fn denoise_context(
         &self,
         batch: usize,
@@ -463,13 +593,22 @@ impl Pipeline {
         check_token_budget(image_tokens, references.ids.nrows(), references.count)?;
         // [1, L, D] -> [B, L, D]: every image of a prompt shares its embeddings.
         let repeat = |e: &PromptEmbeds| -> Result<Array3<f32>> {
-            concatenate(Axis(0), &vec![e.embeds.view(); batch]).map_err(|err| internal("prompt embeddings", err))
+            concatenate(Axis(0), &vec![e.embeds.view(); batch])
+                .map_err(|err| internal("prompt embeddings", err))
         };
         let text = repeat(embeds)?;
-        let negative = negative.map(|(n, g)| repeat(n).map(|t| (t, g as f32))).transpose()?;
+        let negative = negative
+            .map(|(n, g)| repeat(n).map(|t| (t, g as f32)))
+            .transpose()?;
         // [h*w + N, 4]: output tokens then reference tokens
-        let img_ids = concatenate(Axis(0), &[prepare_latent_ids(lat_h, lat_w).view(), references.ids.view()])
-            .map_err(|e| internal("image ids", e))?;
+        let img_ids = concatenate(
+            Axis(0),
+            &[
+                prepare_latent_ids(lat_h, lat_w).view(),
+                references.ids.view(),
+            ],
+        )
+        .map_err(|e| internal("image ids", e))?;
         // [1, N, 128] -> [B, N, 128]
         let ref_tokens = concatenate(Axis(0), &vec![references.tokens.view(); batch])
             .map_err(|e| internal("reference tokens", e))?;
@@ -485,7 +624,12 @@ impl Pipeline {
     }
 
     /// Stage 6, one Euler step `step` (0-based) on packed latents `[B, h*w, 128]`, in place.
-    pub fn denoise_step(&mut self, latents: &mut Array3<f32>, step: usize, ctx: &DenoiseContext) -> Result<()> {
+    pub fn denoise_step(
+        &mut self,
+        latents: &mut Array3<f32>,
+        step: usize,
+        ctx: &DenoiseContext,
+    ) -> Result<()> {
         self.denoise_step_with(latents, step, ctx, &mut None)
     }
 
@@ -497,7 +641,10 @@ impl Pipeline {
         progress: &mut Option<Callback<'_>>,
     ) -> Result<()> {
         let (batch, image_tokens, _) = latents.dim();
-        if image_tokens != ctx.image_tokens || batch != ctx.text.dim().0 || step >= ctx.schedule.num_steps() {
+        if image_tokens != ctx.image_tokens
+            || batch != ctx.text.dim().0
+            || step >= ctx.schedule.num_steps()
+        {
             return Err(request_error(format!(
                 "step {step} on latents {:?}: the context is for {} images of {} tokens and {} steps",
                 latents.dim(),
@@ -508,7 +655,8 @@ impl Pipeline {
         }
         let graph = self.graph("transformer", progress)?;
         // [B, h*w, 128] ; [B, N, 128] -> [B, h*w + N, 128]
-        let input = concatenate(Axis(1), &[latents.view(), ctx.ref_tokens.view()]).map_err(|e| internal("latents", e))?;
+        let input = concatenate(Axis(1), &[latents.view(), ctx.ref_tokens.view()])
+            .map_err(|e| internal("latents", e))?;
         let timestep = ndarray::Array1::from_elem(batch, ctx.schedule.transformer_timestep(step)); // [B]
         let mut run = |prompt: &Array3<f32>| -> Result<Array3<f32>> {
             let mut out = graph.run(&[
@@ -518,7 +666,10 @@ impl Pipeline {
                 ("img_ids", TensorInput::from(ctx.img_ids.view())),
                 ("txt_ids", TensorInput::from(ctx.txt_ids.view())),
             ])?;
-            let velocity = out.take("velocity")?.into_dimensionality::<Ix3>().map_err(|e| internal("velocity", e))?;
+            let velocity = out
+                .take("velocity")?
+                .into_dimensionality::<Ix3>()
+                .map_err(|e| internal("velocity", e))?;
             // [B, h*w + N, 128] -> [B, h*w, 128]: reference tokens are inputs only
             Ok(velocity.slice_move(s![.., ..image_tokens, ..]))
         };
@@ -550,14 +701,28 @@ impl Pipeline {
         let total = ctx.schedule.num_steps();
         for step in 0..total {
             self.denoise_step_with(&mut latents, step, ctx, progress)?;
-            notify(progress, Progress::Step { step: step + 1, total })?;
+            notify(
+                progress,
+                Progress::Step {
+                    step: step + 1,
+                    total,
+                },
+            )?;
         }
-        notify(progress, Progress::StageFinished(Stage::Denoise, start.elapsed()))?;
+        notify(
+            progress,
+            Progress::StageFinished(Stage::Denoise, start.elapsed()),
+        )?;
         Ok(latents)
     }
 
     /// Stage 7: packed latents `[B, h*w, 128]` to images.
-    pub fn decode(&mut self, latents: ArrayView3<f32>, lat_h: usize, lat_w: usize) -> Result<Vec<RgbImage>> {
+    pub fn decode(
+        &mut self,
+        latents: ArrayView3<f32>,
+        lat_h: usize,
+        lat_w: usize,
+    ) -> Result<Vec<RgbImage>> {
         self.decode_with(latents, lat_h, lat_w, &mut None)
     }
 
@@ -574,9 +739,15 @@ impl Pipeline {
         let start = Instant::now();
         let mut out = graph.run(&[("latents", TensorInput::from(grid.view()))])?;
         // [B, 3, 16h, 16w]
-        let decoded = out.take("image")?.into_dimensionality::<Ix4>().map_err(|e| internal("decoded image", e))?;
+        let decoded = out
+            .take("image")?
+            .into_dimensionality::<Ix4>()
+            .map_err(|e| internal("decoded image", e))?;
         let images = to_rgb_images(decoded.view());
-        notify(progress, Progress::StageFinished(Stage::Decode, start.elapsed()))?;
+        notify(
+            progress,
+            Progress::StageFinished(Stage::Decode, start.elapsed()),
+        )?;
         Ok(images)
     }
 
@@ -600,52 +771,100 @@ impl Pipeline {
             let mut callback: Option<Callback<'_>> = Some(&mut on_event);
             self.run_stages(request, &mut callback)?
         };
-        Ok(Generation { timings, ..generation })
+        Ok(Generation {
+            timings,
+            ..generation
+        })
     }
 
-    fn run_stages(&mut self, request: &Request, progress: &mut Option<Callback<'_>>) -> Result<Generation> {
+    fn run_stages(
+        &mut self,
+        request: &Request,
+        progress: &mut Option<Callback<'_>>,
+    ) -> Result<Generation> {
         // 1. Check inputs before anything is loaded.
         let model = &self.manifest.model;
         let batch = request.num_images;
         if batch == 0 || batch > MAX_BATCH {
-            return Err(request_error(format!("num_images is {batch}: it must be between 1 and {MAX_BATCH}")));
+            return Err(request_error(format!(
+                "num_images is {batch}: it must be between 1 and {MAX_BATCH}"
+            )));
         }
         let steps = request.steps.unwrap_or(model.default_steps as usize);
         if steps == 0 {
-            return Err(request_error("steps is 0: at least 1 denoising step is needed".to_string()));
+            return Err(request_error(
+                "steps is 0: at least 1 denoising step is needed".to_string(),
+            ));
         }
         let guidance = request.guidance.unwrap_or(model.default_guidance);
         if !guidance.is_finite() || guidance < 0.0 {
-            return Err(request_error(format!("guidance {guidance} must be a finite number >= 0")));
+            return Err(request_error(format!(
+                "guidance {guidance} must be a finite number >= 0"
+            )));
         }
         // As diffusers: guidance applies to base (non-distilled) models only, when above 1.
         let cfg = !model.is_distilled && guidance > 1.0;
         let (width, height) = self.output_size(request)?;
         let m = self.manifest.latents.pixel_multiple;
         let (lat_h, lat_w) = ((height / m) as usize, (width / m) as usize);
-        let ref_tokens: usize = request.references.iter().map(|r| (r.width / m * (r.height / m)) as usize).sum();
+        let ref_tokens: usize = request
+            .references
+            .iter()
+            .map(|r| (r.width / m * (r.height / m)) as usize)
+            .sum();
         check_token_budget(lat_h * lat_w, ref_tokens, request.references.len())?;
         let noise = match &request.initial_latents {
             Some(latents) => {
                 let want = (batch, self.manifest.latents.channels, lat_h, lat_w);
                 if latents.dim() != want {
-                    return Err(request_error(format!("initial latents have shape {:?}, expected {want:?}", latents.dim())));
+                    return Err(request_error(format!(
+                        "initial latents have shape {:?}, expected {want:?}",
+                        latents.dim()
+                    )));
                 }
                 latents.clone()
             }
             None => self.prepare_latents(request.seed, batch, width, height),
         };
+        if let Some(given) = &request.prompt_embeds {
+            let want = (
+                1,
+                self.manifest.tokenizer.max_sequence_length,
+                self.manifest.text_encoder.embed_dim,
+            );
+            if given.embeds.dim() != want {
+                return Err(request_error(format!(
+                    "prompt embeddings have shape {:?}, expected {want:?} (from Pipeline::encode_prompt of this bundle)",
+                    given.embeds.dim()
+                )));
+            }
+        }
 
         // 2. Prompt (and the empty negative prompt for guidance), then free the text encoder.
-        let embeds = self.encode_prompt_with(&request.prompt, progress)?;
-        let negative = if cfg { Some(self.encode_prompt_with("", progress)?) } else { None };
+        let encoded;
+        let embeds = match &request.prompt_embeds {
+            Some(given) => given,
+            None => {
+                encoded = self.encode_prompt_with(&request.prompt, progress)?;
+                &encoded
+            }
+        };
+        let negative = if cfg {
+            Some(self.encode_prompt_with("", progress)?)
+        } else {
+            None
+        };
         if !self.keep_text_encoder {
             self.release_text_encoder();
         }
 
         // 3. References.
         let references = if request.references.is_empty() {
-            ReferenceTokens { tokens: Array3::zeros((1, 0, self.manifest.latents.channels)), ids: Array2::zeros((0, 4)), count: 0 }
+            ReferenceTokens {
+                tokens: Array3::zeros((1, 0, self.manifest.latents.channels)),
+                ids: Array2::zeros((0, 4)),
+                count: 0,
+            }
         } else {
             self.encode_references_with(&request.references, progress)?
         };
@@ -653,7 +872,8 @@ impl Pipeline {
         // 4-6. Latents, schedule, denoising.
         let schedule = self.schedule(steps, lat_h, lat_w)?;
         let negative = negative.as_ref().map(|n| (n, guidance));
-        let ctx = self.denoise_context(batch, lat_h, lat_w, &embeds, negative, &references, schedule)?;
+        let ctx =
+            self.denoise_context(batch, lat_h, lat_w, embeds, negative, &references, schedule)?;
         let packed = pack_latents(noise.view()); // [B, 128, h, w] -> [B, h*w, 128]
         let latents = self.denoise_with(packed, &ctx, progress)?;
 
@@ -673,7 +893,11 @@ impl Pipeline {
 }
 
 /// Output plus reference tokens must fit in one transformer call ([`MAX_IMAGE_TOKENS`]).
-fn check_token_budget(output_tokens: usize, reference_tokens: usize, references: usize) -> Result<()> {
+fn check_token_budget(
+    output_tokens: usize,
+    reference_tokens: usize,
+    references: usize,
+) -> Result<()> {
     let total = output_tokens + reference_tokens;
     if total > MAX_IMAGE_TOKENS {
         return Err(request_error(format!(
@@ -685,5 +909,8 @@ fn check_token_budget(output_tokens: usize, reference_tokens: usize, references:
 }
 
 fn internal(what: &str, error: impl std::fmt::Display) -> KleinError {
-    KleinError::Inference { stage: "pipeline", message: format!("{what}: {error}") }
+    KleinError::Inference {
+        stage: "pipeline",
+        message: format!("{what}: {error}"),
+    }
 }

@@ -18,7 +18,7 @@
 //! rule). PNG and lossless WebP are exact.
 use std::borrow::Cow;
 use std::f64::consts::PI;
-use std::io::BufReader;
+use std::io::{BufRead, BufReader, Cursor, Seek};
 use std::path::Path;
 
 use image::{DynamicImage, ImageDecoder, ImageError, ImageReader, RgbImage};
@@ -135,12 +135,8 @@ pub fn preprocess_reference(
     })
 }
 
-/// Decodes with size limits and applies the EXIF orientation (`exif_transpose`).
+/// Decodes a file with size limits and applies the EXIF orientation (`exif_transpose`).
 fn decode_oriented(path: &Path) -> Result<DynamicImage> {
-    let fail = |reason: String| KleinError::Image {
-        path: path.to_path_buf(),
-        reason,
-    };
     let io_error = |action: &'static str| {
         move |source: std::io::Error| KleinError::Io {
             path: path.to_path_buf(),
@@ -153,12 +149,41 @@ fn decode_oriented(path: &Path) -> Result<DynamicImage> {
         .metadata()
         .map_err(io_error("read reference image metadata"))?
         .len();
+    decode_oriented_from(BufReader::new(file), size, path)
+}
+
+/// Decodes the bytes of a PNG, JPEG or WebP file and preprocesses it as [`load_reference`] does
+/// (for images that are already in memory). `label` names the image in errors.
+pub fn decode_reference_bytes(
+    bytes: &[u8],
+    limits: &ReferenceLimits,
+    pixel_multiple: u32,
+    label: &Path,
+) -> Result<ReferenceImage> {
+    let image = decode_oriented_from(Cursor::new(bytes), bytes.len() as u64, label)?;
+    preprocess_reference(&image, limits, pixel_multiple, label)
+}
+
+/// Decodes `size` bytes from `reader` with size limits and applies the EXIF orientation.
+fn decode_oriented_from(
+    reader: impl BufRead + Seek,
+    size: u64,
+    label: &Path,
+) -> Result<DynamicImage> {
+    let fail = |reason: String| KleinError::Image {
+        path: label.to_path_buf(),
+        reason,
+    };
     if size == 0 {
         return Err(fail("the file is empty".to_string()));
     }
-    let mut reader = ImageReader::new(BufReader::new(file))
+    let mut reader = ImageReader::new(reader)
         .with_guessed_format()
-        .map_err(io_error("read reference image"))?;
+        .map_err(|source| KleinError::Io {
+            path: label.to_path_buf(),
+            action: "read reference image",
+            source,
+        })?;
     if reader.format().is_none() {
         return Err(fail(
             "not a PNG, JPEG or WebP image (unrecognised file signature)".to_string(),

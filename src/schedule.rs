@@ -196,6 +196,25 @@ pub fn schedule(num_steps: usize, mu: f64, config: &ShiftConfig) -> Result<Sched
         .into_iter()
         .map(|s| shift_sigma(s as f32, mu, config))
         .collect();
+    // Out-of-range scheduler numbers (exp(mu) overflowing, 0/0) would denoise with NaN: the
+    // reference pipeline fails there too (Python's math.exp raises OverflowError).
+    if let Some(bad) = sigmas.iter().find(|s| !s.is_finite()) {
+        let (setting, source) = if config.use_dynamic_shifting {
+            (
+                "empirical_mu",
+                format!("mu {mu} (from scheduler.empirical_mu)"),
+            )
+        } else {
+            ("shift", format!("shift {}", config.shift))
+        };
+        return Err(KleinError::Scheduler {
+            setting,
+            reason: format!(
+                "{source} gives sigma {bad} for {num_steps} steps; the bundle's scheduler numbers \
+                 are out of range: re-export it"
+            ),
+        });
+    }
     let num_train_timesteps = config.num_train_timesteps as f32;
     let timesteps = sigmas.iter().map(|s| s * num_train_timesteps).collect();
     sigmas.push(0.0);
@@ -410,5 +429,20 @@ mod tests {
         let value: serde_json::Value = serde_json::from_str(json).unwrap();
         let mu: EmpiricalMu = serde_json::from_value(value["empirical_mu"].clone()).unwrap();
         assert_eq!(mu, EmpiricalMu::FLUX2);
+    }
+
+    /// A mu so large that exp(mu) overflows (or so negative that a sigma is 0/0) is refused, as
+    /// Python's math.exp refuses it, rather than denoising with NaN.
+    #[test]
+    fn out_of_range_mu_is_refused() {
+        for mu in [1e6, -1e15] {
+            match schedule(4, mu, &ShiftConfig::FLUX2_KLEIN) {
+                Err(KleinError::Scheduler { setting, reason }) => {
+                    assert_eq!(setting, "empirical_mu");
+                    assert!(reason.contains("gives sigma NaN"), "{reason}");
+                }
+                other => panic!("mu {mu}: expected a scheduler error, got {other:?}"),
+            }
+        }
     }
 }

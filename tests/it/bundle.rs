@@ -2,14 +2,18 @@
 //! its manifest, hashes, graph I/O contracts and metadata, its tokenizer, and one run of each graph
 //! with the shapes of the contract (values are compared by the pipeline's tests, not here).
 
+use std::fs::File;
 use std::path::PathBuf;
+use std::time::{Duration, SystemTime};
 
 use klein::manifest::Manifest;
-use klein::runtime::{self, Device, SessionConfig};
+use klein::pipeline::{Pipeline, PipelineOptions};
+use klein::runtime::{self, Device, RuntimeOptions, SessionConfig};
 use klein::tokenize::PromptTokenizer;
+use klein::KleinError;
 use ndarray::{Array1, Array2, Array3, Array4};
 
-use crate::util::{init_runtime, repo};
+use crate::util::{assert_mentions, init_runtime, ort_library, repo, temp_dir};
 
 fn bundle_dir() -> PathBuf {
     repo().join("onnx/klein-tiny")
@@ -122,4 +126,60 @@ fn every_tiny_graph_runs_with_contract_shapes() {
         .take("latents")
         .unwrap();
     assert_eq!(back.shape(), [1, channels, lat_h, lat_w]);
+}
+
+/// `Pipeline::load` checks hashes by default, before any graph is loaded, and a stamp spares the
+/// hashing of an unchanged bundle; a graph rewritten with garbage of the same size is refused at
+/// load, stamp or not; `with_verify_hashes(false)` skips the check (the garbage then fails only
+/// when the graph is loaded).
+#[test]
+fn pipeline_load_verifies_hashes_with_a_stamp() {
+    let dir = temp_dir("bundle-verify");
+    for entry in std::fs::read_dir(bundle_dir()).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
+    }
+    let past = SystemTime::now() - Duration::from_secs(3600);
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let file = File::options()
+            .write(true)
+            .open(entry.unwrap().path())
+            .unwrap();
+        file.set_modified(past).unwrap();
+    }
+    let cache = temp_dir("bundle-verify-cache");
+    let options = || {
+        PipelineOptions::default()
+            .with_device(Device::Cpu)
+            .with_runtime(RuntimeOptions::default().with_library(ort_library()))
+            .with_cache_dir(&cache)
+    };
+    let hashed = |pipeline: &Pipeline| pipeline.verification().map(|v| v.hashed);
+    assert_eq!(
+        hashed(&Pipeline::load(&dir, options()).unwrap()),
+        Some(true)
+    );
+    assert_eq!(
+        hashed(&Pipeline::load(&dir, options()).unwrap()),
+        Some(false)
+    );
+
+    // Garbage of the same size, written now.
+    let graph = dir.join("transformer.onnx");
+    let size = std::fs::metadata(&graph).unwrap().len() as usize;
+    std::fs::write(&graph, vec![0x5a; size]).unwrap();
+    match Pipeline::load(&dir, options()) {
+        Err(KleinError::Bundle { reason, .. }) => assert_mentions(
+            &reason,
+            &["transformer.onnx: sha256 is", "manifest.json says"],
+        ),
+        Err(other) => panic!("expected a sha256 mismatch, got {other:?}"),
+        Ok(_) => panic!("a tampered bundle was loaded"),
+    }
+    let mut unchecked = Pipeline::load(&dir, options().with_verify_hashes(false)).unwrap();
+    assert!(unchecked.verification().is_none());
+    match unchecked.load_all_graphs() {
+        Err(KleinError::Bundle { path, .. }) => assert_eq!(path, graph),
+        other => panic!("expected the loader to refuse transformer.onnx, got {other:?}"),
+    }
 }

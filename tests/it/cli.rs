@@ -9,28 +9,29 @@ use std::collections::BTreeMap;
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::{Duration, SystemTime};
 
 use sha2::{Digest, Sha256};
 
-use crate::util::{assert_mentions, ort_library, repo, temp_dir};
+use crate::util::{assert_mentions, ort_library, repo, temp_dir, test_cache_dir};
 
 /// Fast generation flags: 64x64 pixels (4x4 latents), 2 steps.
-const FAST: [&str; 6] = ["--width", "64", "--height", "64", "--steps", "2"];
+pub(crate) const FAST: [&str; 6] = ["--width", "64", "--height", "64", "--steps", "2"];
 
-fn bundle_dir() -> PathBuf {
+pub(crate) fn bundle_dir() -> PathBuf {
     repo().join("onnx/klein-tiny")
 }
 
 /// What one run of the binary did.
-struct Run {
-    args: Vec<String>,
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
+pub(crate) struct Run {
+    pub(crate) args: Vec<String>,
+    pub(crate) code: Option<i32>,
+    pub(crate) stdout: String,
+    pub(crate) stderr: String,
 }
 
 impl Run {
-    fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         format!(
             "klein {}\nexit code: {:?}\n--- stdout ---\n{}--- stderr ---\n{}",
             self.args.join(" "),
@@ -42,7 +43,7 @@ impl Run {
 
     /// Exit 0, no panic, the output paths (and nothing else) on stdout.
     #[track_caller]
-    fn assert_success(&self, outputs: &[&Path]) {
+    pub(crate) fn assert_success(&self, outputs: &[&Path]) {
         assert_eq!(self.code, Some(0), "expected success:\n{}", self.describe());
         assert!(!self.stderr.contains("panicked"), "{}", self.describe());
         let expected: String = outputs
@@ -68,7 +69,7 @@ impl Run {
     /// Exit 2 (a user error), no panic, nothing on stdout, and an error on stderr that mentions
     /// every one of `needles`.
     #[track_caller]
-    fn assert_user_error(&self, needles: &[&str]) {
+    pub(crate) fn assert_user_error(&self, needles: &[&str]) {
         assert_eq!(
             self.code,
             Some(2),
@@ -94,19 +95,34 @@ impl Run {
     }
 }
 
-/// Runs the binary with the tests' ONNX Runtime library and no `KLEIN_MODEL` (so that the
-/// bundled tiny model is the default).
-fn klein<S: AsRef<OsStr>>(args: impl IntoIterator<Item = S>) -> Run {
+/// Runs the binary with the tests' ONNX Runtime library, the tests' cache directory and no
+/// `KLEIN_MODEL` (so that the bundled tiny model is the default).
+pub(crate) fn klein<S: AsRef<OsStr>>(args: impl IntoIterator<Item = S>) -> Run {
+    let cache = test_cache_dir();
+    klein_env(args, &[("KLEIN_CACHE_DIR", Some(cache.as_os_str()))])
+}
+
+/// [`klein`] with environment variables set (`Some`) or removed (`None`).
+pub(crate) fn klein_env<S: AsRef<OsStr>>(
+    args: impl IntoIterator<Item = S>,
+    env: &[(&str, Option<&OsStr>)],
+) -> Run {
     let args: Vec<_> = args
         .into_iter()
         .map(|a| a.as_ref().to_os_string())
         .collect();
-    let output = Command::new(env!("CARGO_BIN_EXE_klein"))
+    let mut command = Command::new(env!("CARGO_BIN_EXE_klein"));
+    command
         .args(&args)
         .env("ORT_DYLIB_PATH", ort_library())
-        .env_remove("KLEIN_MODEL")
-        .output()
-        .unwrap();
+        .env_remove("KLEIN_MODEL");
+    for (name, value) in env {
+        match value {
+            Some(value) => command.env(name, value),
+            None => command.env_remove(name),
+        };
+    }
+    let output = command.output().unwrap();
     Run {
         args: args
             .iter()
@@ -119,7 +135,7 @@ fn klein<S: AsRef<OsStr>>(args: impl IntoIterator<Item = S>) -> Run {
 }
 
 /// `klein generate <prompt> -o <output> <extra...>`.
-fn generate(prompt: &str, output: &Path, extra: &[&str]) -> Run {
+pub(crate) fn generate(prompt: &str, output: &Path, extra: &[&str]) -> Run {
     let mut args: Vec<&OsStr> = vec![
         "generate".as_ref(),
         prompt.as_ref(),
@@ -146,7 +162,7 @@ fn assert_refused(extra: &[&str], needles: &[&str]) -> Run {
     run
 }
 
-fn files_in(dir: &Path) -> Vec<String> {
+pub(crate) fn files_in(dir: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -156,14 +172,14 @@ fn files_in(dir: &Path) -> Vec<String> {
 }
 
 /// A decoded output PNG: its pixels and its iTXt metadata.
-struct Png {
-    width: u32,
-    height: u32,
-    pixels: Vec<u8>,
-    text: BTreeMap<String, String>,
+pub(crate) struct Png {
+    pub(crate) width: u32,
+    pub(crate) height: u32,
+    pub(crate) pixels: Vec<u8>,
+    pub(crate) text: BTreeMap<String, String>,
 }
 
-fn read_png(path: &Path) -> Png {
+pub(crate) fn read_png(path: &Path) -> Png {
     let file = std::fs::File::open(path).unwrap();
     let mut reader = png::Decoder::new(std::io::BufReader::new(file))
         .read_info()
@@ -228,7 +244,7 @@ fn printed_seed(run: &Run) -> u64 {
 }
 
 /// A solid-colour RGB PNG of `width x height` at `path`.
-fn solid_png(path: &Path, width: u32, height: u32) -> PathBuf {
+pub(crate) fn solid_png(path: &Path, width: u32, height: u32) -> PathBuf {
     image::RgbImage::from_pixel(width, height, image::Rgb([200, 80, 40]))
         .save(path)
         .unwrap();
@@ -237,10 +253,10 @@ fn solid_png(path: &Path, width: u32, height: u32) -> PathBuf {
 
 /// A copy of the tiny bundle (about 20 MB) in a fresh directory, to break. Removed when dropped,
 /// unless the test failed (to look at).
-struct BundleCopy(PathBuf);
+pub(crate) struct BundleCopy(PathBuf);
 
 impl BundleCopy {
-    fn new(name: &str) -> Self {
+    pub(crate) fn new(name: &str) -> Self {
         let dir = temp_dir(name);
         for entry in std::fs::read_dir(bundle_dir()).unwrap() {
             let entry = entry.unwrap();
@@ -249,15 +265,15 @@ impl BundleCopy {
         BundleCopy(dir)
     }
 
-    fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.0
     }
 
-    fn file(&self, name: &str) -> PathBuf {
+    pub(crate) fn file(&self, name: &str) -> PathBuf {
         self.0.join(name)
     }
 
-    fn arg(&self) -> &str {
+    pub(crate) fn arg(&self) -> &str {
         path_str(&self.0)
     }
 }
@@ -271,7 +287,7 @@ impl Drop for BundleCopy {
 }
 
 /// Replaces `file` with garbage bytes of the same size (so only a hash check or the loader can tell).
-fn corrupt(file: &Path) {
+pub(crate) fn corrupt(file: &Path) {
     let size = std::fs::metadata(file).unwrap().len() as usize;
     let garbage: Vec<u8> = (0..size)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
@@ -288,7 +304,7 @@ fn edit_manifest(bundle: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
     std::fs::write(&path, serde_json::to_vec_pretty(&manifest).unwrap()).unwrap();
 }
 
-fn path_str(path: &Path) -> &str {
+pub(crate) fn path_str(path: &Path) -> &str {
     path.to_str().unwrap()
 }
 
@@ -544,16 +560,16 @@ fn bundle_with_a_missing_file_is_refused() {
     );
 }
 
-/// Garbage of the right size: with --verify-hashes the sha256 check refuses it before any graph
-/// loads (the text encoder, the first graph loaded, is the broken one: had it loaded first, the
-/// error would be the loader's); without, ONNX Runtime's loader refuses it, naming the file.
+/// Garbage of the right size: by default the sha256 check refuses it before any graph loads (the
+/// text encoder, the first graph loaded, is the broken one: had it loaded first, the error would
+/// be the loader's); with --no-verify-hashes, ONNX Runtime's loader refuses it, naming the file.
 #[test]
 fn corrupt_graph_is_refused_by_the_hash_check_or_the_loader() {
     let bundle = BundleCopy::new("cli-corrupt");
     corrupt(&bundle.file("text_encoder.onnx"));
     let m = ["-m", bundle.arg()];
     let run = assert_refused(
-        &[&m[..], &FAST[..], &["--verify-hashes"]].concat(),
+        &[&m[..], &FAST[..]].concat(),
         &["text_encoder.onnx", "sha256", "manifest.json"],
     );
     assert!(
@@ -562,7 +578,7 @@ fn corrupt_graph_is_refused_by_the_hash_check_or_the_loader() {
         run.describe()
     );
     assert_refused(
-        &[&m[..], &FAST[..]].concat(),
+        &[&m[..], &FAST[..], &["--no-verify-hashes"]].concat(),
         &[
             "text_encoder.onnx",
             "cannot read it as the text_encoder graph",
@@ -570,6 +586,89 @@ fn corrupt_graph_is_refused_by_the_hash_check_or_the_loader() {
         ],
     );
     klein(["info", bundle.arg(), "--verify"]).assert_user_error(&["text_encoder.onnx", "sha256"]);
+}
+
+/// Sets every file of `dir` to have been modified an hour ago: a settled bundle, which gets a
+/// verification stamp (files modified within 2 s of a verification do not).
+pub(crate) fn backdate(dir: &Path) {
+    let past = SystemTime::now() - Duration::from_secs(3600);
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let file = std::fs::File::options()
+            .write(true)
+            .open(entry.unwrap().path())
+            .unwrap();
+        file.set_modified(past).unwrap();
+    }
+}
+
+/// The stamp files under `<cache>/verified/`.
+fn stamps(cache: &Path) -> Vec<String> {
+    let dir = cache.join("verified");
+    if dir.is_dir() {
+        files_in(&dir)
+    } else {
+        Vec::new()
+    }
+}
+
+/// A verified bundle gets a stamp in $KLEIN_CACHE_DIR, else $XDG_CACHE_HOME/klein, else
+/// $HOME/.cache/klein. A file rewritten afterwards (same size, fresh modification time) is still
+/// refused by its sha256, the stamp notwithstanding.
+#[test]
+fn hash_stamps_go_to_the_cache_directory_and_do_not_hide_tampering() {
+    let bundle = BundleCopy::new("cli-stamp");
+    backdate(bundle.path());
+    let root = temp_dir("cli-stamp-cache");
+    let (klein_cache, xdg, home) = (root.join("klein"), root.join("xdg"), root.join("home"));
+    let args = [
+        &["generate", "a cat", "-m", bundle.arg(), "-q"][..],
+        &FAST[..],
+    ]
+    .concat();
+    let out = root.join("out.png");
+    let with_out = [&args[..], &["-o", path_str(&out)]].concat();
+    for (env, stamp_dir) in [
+        (
+            [
+                ("KLEIN_CACHE_DIR", Some(klein_cache.as_os_str())),
+                ("XDG_CACHE_HOME", Some(xdg.as_os_str())),
+                ("HOME", Some(home.as_os_str())),
+            ],
+            klein_cache.clone(),
+        ),
+        (
+            [
+                ("KLEIN_CACHE_DIR", None),
+                ("XDG_CACHE_HOME", Some(xdg.as_os_str())),
+                ("HOME", Some(home.as_os_str())),
+            ],
+            xdg.join("klein"),
+        ),
+        (
+            [
+                ("KLEIN_CACHE_DIR", None),
+                ("XDG_CACHE_HOME", None),
+                ("HOME", Some(home.as_os_str())),
+            ],
+            home.join(".cache/klein"),
+        ),
+    ] {
+        let run = klein_env(&with_out, &env);
+        run.assert_success(&[&out]);
+        assert_eq!(
+            stamps(&stamp_dir).len(),
+            1,
+            "one stamp in {}:\n{}",
+            stamp_dir.display(),
+            run.describe()
+        );
+    }
+    corrupt(&bundle.file("vae_decoder.onnx"));
+    let run = klein_env(
+        &with_out,
+        &[("KLEIN_CACHE_DIR", Some(klein_cache.as_os_str()))],
+    );
+    run.assert_user_error(&["vae_decoder.onnx", "sha256", "do not match manifest.json"]);
 }
 
 #[test]
@@ -725,8 +824,9 @@ fn reference_under_64_pixels_is_refused() {
 }
 
 /// Six 1024x1024 references are 6 x 4096 tokens, over the budget of 20480. The budget is checked
-/// before any graph loads: every graph of this bundle copy is garbage, and the error is still the
-/// budget's (so no VAE encoding was spent on it).
+/// before any graph loads: every graph of this bundle copy is garbage (and the hash check, which
+/// would refuse them first, is off), and the error is still the budget's (so no VAE encoding was
+/// spent on it).
 #[test]
 fn more_references_than_the_token_budget_are_refused_before_encoding() {
     let bundle = BundleCopy::new("cli-token-budget");
@@ -734,7 +834,15 @@ fn more_references_than_the_token_budget_are_refused_before_encoding() {
         corrupt(&bundle.file(&format!("{graph}.onnx")));
     }
     let reference = solid_png(&temp_dir("cli-ref-budget").join("big.png"), 1024, 1024);
-    let mut args = vec!["-m", bundle.arg(), "--width", "64", "--height", "64"];
+    let mut args = vec![
+        "-m",
+        bundle.arg(),
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--no-verify-hashes",
+    ];
     for _ in 0..6 {
         args.extend(["--ref", path_str(&reference)]);
     }

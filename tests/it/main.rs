@@ -3,11 +3,14 @@
 //! The ONNX Runtime tests need the library: run `scripts/setup-ort.sh` once (it fills `.ort/`), or
 //! set `ORT_DYLIB_PATH`.
 
+mod batch;
 mod bundle;
 mod cancel;
 mod capi;
 mod cli;
 mod diffusers;
+mod fuzz_regressions;
+mod fuzz_targets;
 mod manifest;
 mod prompt_cache;
 mod runtime;

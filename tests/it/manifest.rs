@@ -2,8 +2,11 @@
 //! `tests/fixtures/bundle_manifest.json` (the README's example with FLUX.2-klein-4B numbers).
 
 use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
 
-use klein::manifest::{DimSpec, Dtype, Manifest, ModelVariant, PaddingSide, Precision};
+use klein::manifest::{
+    DimSpec, Dtype, Manifest, ModelVariant, PaddingSide, Precision, Verification,
+};
 use klein::schedule::TimeShiftType;
 use klein::KleinError;
 use serde_json::{json, Value};
@@ -284,4 +287,162 @@ fn contradictory_numbers_are_refused() {
             "latents.channels 64",
         ],
     );
+}
+
+// ---- hash verification with a stamp ----
+
+/// Sets every file of `dir` to have been modified an hour ago: a settled bundle, which gets a
+/// verification stamp (files modified within 2 s of a verification do not).
+fn backdate(dir: &Path) {
+    let past = SystemTime::now() - Duration::from_secs(3600);
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let file = std::fs::File::options()
+            .write(true)
+            .open(entry.unwrap().path())
+            .unwrap();
+        file.set_modified(past).unwrap();
+    }
+}
+
+/// A settled bundle and an empty cache directory.
+fn stamped_bundle(name: &str) -> (PathBuf, PathBuf, Manifest) {
+    let dir = bundle(name, |_| {});
+    backdate(&dir);
+    let manifest = Manifest::load(&dir).unwrap();
+    (dir, temp_dir(&format!("{name}-cache")), manifest)
+}
+
+#[track_caller]
+fn verify(manifest: &Manifest, dir: &Path, cache: &Path) -> Verification {
+    manifest.verify_hashes_cached(dir, Some(cache)).unwrap()
+}
+
+/// The sha256 error of a verification that must fail.
+#[track_caller]
+fn hash_error(result: klein::Result<Verification>) -> String {
+    match result {
+        Err(KleinError::Bundle { reason, .. }) => reason,
+        other => panic!("expected a sha256 mismatch, got {other:?}"),
+    }
+}
+
+/// The first verification hashes and writes a stamp; the next ones find it and hash nothing.
+#[test]
+fn unchanged_bundles_are_not_hashed_again() {
+    let (dir, cache, manifest) = stamped_bundle("stamp-unchanged");
+    let first = verify(&manifest, &dir, &cache);
+    assert!(first.hashed, "{first:?}");
+    let stamp = first.stamp.clone().expect("a stamp is written");
+    assert!(
+        stamp.starts_with(cache.join("verified")),
+        "{}",
+        stamp.display()
+    );
+    assert!(stamp.is_file());
+    for _ in 0..2 {
+        let again = verify(&manifest, &dir, &cache);
+        assert_eq!(
+            again,
+            verify(&manifest, &dir, &cache),
+            "repeatable: {again:?}"
+        );
+        assert!(!again.hashed, "the stamp vouches for the files: {again:?}");
+        assert_eq!(again.stamp.as_ref(), Some(&stamp));
+    }
+    // Another path to the same bundle (here with a `.` in it) is the same canonical path.
+    let dotted = dir.join(".");
+    assert!(!verify(&manifest, &dotted, &cache).hashed);
+}
+
+/// Rewriting a file with the same size (so the size check passes) gives it a fresh modification
+/// time: the stamp no longer matches, the file is hashed and refused, every time.
+#[test]
+fn a_tampered_file_is_refused_despite_a_stamp() {
+    let (dir, cache, manifest) = stamped_bundle("stamp-tampered");
+    assert!(verify(&manifest, &dir, &cache).stamp.is_some());
+    std::fs::write(dir.join("text_encoder.onnx"), b"text encoder BYTES").unwrap();
+    let manifest = Manifest::load(&dir).unwrap();
+    for _ in 0..2 {
+        let reason = hash_error(manifest.verify_hashes_cached(&dir, Some(&cache)));
+        assert_mentions(
+            &reason,
+            &[
+                "1 file(s) do not match",
+                "text_encoder.onnx: sha256 is",
+                "manifest.json says",
+            ],
+        );
+    }
+}
+
+/// A stamp trusts size and modification time: a rewrite that restores the old time is not seen
+/// by it (the documented limit), only by the full check.
+#[test]
+fn a_stamp_trusts_modification_times() {
+    let (dir, cache, manifest) = stamped_bundle("stamp-limit");
+    verify(&manifest, &dir, &cache);
+    let file = dir.join("vae_encoder.onnx");
+    let time = std::fs::metadata(&file).unwrap().modified().unwrap();
+    std::fs::write(&file, b"VAE encoder bytes").unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_modified(time)
+        .unwrap();
+    assert!(!verify(&manifest, &dir, &cache).hashed);
+    match manifest.verify_hashes(&dir) {
+        Err(KleinError::Bundle { reason, .. }) => {
+            assert_mentions(&reason, &["vae_encoder.onnx: sha256 is"])
+        }
+        other => panic!("expected a sha256 mismatch, got {other:?}"),
+    }
+}
+
+/// Files modified within 2 s of a verification are not stamped (a coarse file-system clock could
+/// give a later rewrite the same time): such a bundle is hashed at every load until it settles.
+#[test]
+fn freshly_written_bundles_are_hashed_until_they_settle() {
+    let dir = bundle("stamp-fresh", |_| {});
+    let cache = temp_dir("stamp-fresh-cache");
+    let manifest = Manifest::load(&dir).unwrap();
+    for _ in 0..2 {
+        let v = verify(&manifest, &dir, &cache);
+        assert_eq!((v.hashed, v.stamp), (true, None));
+    }
+    backdate(&dir);
+    assert!(verify(&manifest, &dir, &cache).stamp.is_some());
+    assert!(!verify(&manifest, &dir, &cache).hashed);
+}
+
+/// The stamp is keyed by manifest.json too: a new manifest (here one expecting another sha256 for
+/// a file) is verified afresh, and refused.
+#[test]
+fn a_changed_manifest_is_verified_afresh() {
+    let (dir, cache, manifest) = stamped_bundle("stamp-manifest");
+    verify(&manifest, &dir, &cache);
+    let path = dir.join("manifest.json");
+    let mut json: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    json["files"]["vae_decoder.onnx"]["sha256"] = json!("0".repeat(64));
+    write_manifest(&dir, &serde_json::to_string_pretty(&json).unwrap());
+    let edited = Manifest::load(&dir).unwrap();
+    assert_mentions(
+        &hash_error(edited.verify_hashes_cached(&dir, Some(&cache))),
+        &["vae_decoder.onnx: sha256 is", &"0".repeat(64)],
+    );
+}
+
+/// A cache directory that cannot be written (here a file) only costs hashing; no cache at all
+/// hashes every time.
+#[test]
+fn an_unusable_cache_directory_means_hashing_every_time() {
+    let (dir, cache, manifest) = stamped_bundle("stamp-unwritable");
+    let not_a_dir = cache.join("file");
+    std::fs::write(&not_a_dir, b"x").unwrap();
+    for cache in [Some(not_a_dir.as_path()), None] {
+        for _ in 0..2 {
+            let v = manifest.verify_hashes_cached(&dir, cache).unwrap();
+            assert_eq!((v.hashed, v.stamp), (true, None), "cache {cache:?}");
+        }
+    }
 }

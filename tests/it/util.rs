@@ -41,13 +41,19 @@ pub fn init_runtime() {
     runtime::init(RuntimeOptions::default().with_library(ort_library())).unwrap();
 }
 
+/// Where the tests keep verification stamps (never the user's cache directory).
+pub fn test_cache_dir() -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR")).join("klein-test-cache")
+}
+
 /// The bundled tiny model (`onnx/klein-tiny`) on the CPU with one operator thread: light, and
 /// bit-for-bit repeatable.
 pub fn tiny_pipeline() -> Pipeline {
     let options = PipelineOptions::default()
         .with_device(Device::Cpu)
         .with_threads(1)
-        .with_runtime(RuntimeOptions::default().with_library(ort_library()));
+        .with_runtime(RuntimeOptions::default().with_library(ort_library()))
+        .with_cache_dir(test_cache_dir());
     Pipeline::load(&repo().join("onnx/klein-tiny"), options).unwrap()
 }
 

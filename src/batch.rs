@@ -1,0 +1,331 @@
+//! Batch jobs: one generation per line of a JSON Lines file (`klein generate --prompts`).
+//!
+//! Each non-blank line is an object:
+//!
+//! ```json
+//! {"prompt": "a red fox", "seed": 7, "width": 768, "height": 512, "steps": 4, "guidance": 1.0,
+//!  "refs": ["refs/fox.png"], "name": "fox"}
+//! ```
+//!
+//! Only `prompt` is required; unknown keys are refused (a typo such as `"sead"` would otherwise be
+//! silently ignored). `refs` are relative to the directory of the file. `name` is the output file
+//! stem; by default the line number, zero-padded to four digits (`0007`). A line that cannot be
+//! used is reported as a [`LineError`], and the others still run.
+//!
+//! [`PromptMemo`] keeps the embeddings of prompts that later lines use again, so that a prompt
+//! repeated with many seeds runs the text encoder once, and drops them after their last use.
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::error::Result;
+use crate::pipeline::PromptEmbeds;
+
+/// Digits of the default output name (the line number): `0001` ... `9999`, then `10000`.
+const NAME_DIGITS: usize = 4;
+
+/// One usable line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchLine {
+    /// 1-based line number in the file.
+    pub line: usize,
+    /// Output file stem (`name`, else the zero-padded line number).
+    pub name: String,
+    pub prompt: String,
+    pub seed: Option<u64>,
+    pub width: Option<u32>,
+    pub height: Option<u32>,
+    pub steps: Option<usize>,
+    pub guidance: Option<f64>,
+    /// Reference images, resolved against the file's directory.
+    pub refs: Vec<PathBuf>,
+}
+
+/// A line that cannot be used, with what is known of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LineError {
+    /// 1-based line number in the file.
+    pub line: usize,
+    /// The output name the line has or would have had.
+    pub name: String,
+    /// The prompt, when the line has one.
+    pub prompt: Option<String>,
+    /// What is wrong and what would be valid.
+    pub message: String,
+}
+
+/// The JSON object of one line.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LineJson {
+    prompt: String,
+    seed: Option<u64>,
+    width: Option<u32>,
+    height: Option<u32>,
+    steps: Option<usize>,
+    guidance: Option<f64>,
+    #[serde(default)]
+    refs: Vec<PathBuf>,
+    name: Option<String>,
+}
+
+/// The default output name of line `line` (1-based): `0001`.
+pub fn default_name(line: usize) -> String {
+    format!("{line:0NAME_DIGITS$}")
+}
+
+/// Parses every non-blank line of a JSON Lines file; `base_dir` is the file's directory, against
+/// which reference paths are resolved. Output names must be plain file names and unique: a line
+/// whose name an earlier line already has (by default or explicitly) is an error.
+pub fn parse_batch(text: &str, base_dir: &Path) -> Vec<std::result::Result<BatchLine, LineError>> {
+    let mut used: HashMap<String, usize> = HashMap::new();
+    let mut parsed = Vec::new();
+    for (index, raw) in text.lines().enumerate() {
+        let line = index + 1;
+        if raw.trim().is_empty() {
+            continue;
+        }
+        let fail = |name: String, prompt: Option<String>, message: String| LineError {
+            line,
+            name,
+            prompt,
+            message,
+        };
+        let json: LineJson = match serde_json::from_str(raw) {
+            Ok(json) => json,
+            Err(e) => {
+                // Keep the prompt for the report when the line is JSON with a string prompt.
+                let prompt = serde_json::from_str::<serde_json::Value>(raw)
+                    .ok()
+                    .and_then(|v| v.get("prompt").and_then(|p| p.as_str()).map(str::to_string));
+                let kind = if e.is_data() {
+                    "invalid line"
+                } else {
+                    "invalid JSON"
+                };
+                parsed.push(Err(fail(
+                    default_name(line),
+                    prompt,
+                    format!(
+                        "{kind}: {e}; each line must be an object such as {{\"prompt\": \"a cat\", \"seed\": 1}}"
+                    ),
+                )));
+                used.entry(default_name(line)).or_insert(line);
+                continue;
+            }
+        };
+        let name = json.name.clone().unwrap_or_else(|| default_name(line));
+        if let Err(reason) = check_name(&name) {
+            parsed.push(Err(fail(name, Some(json.prompt), format!("name {reason}"))));
+            continue;
+        }
+        if let Some(&first) = used.get(&name) {
+            parsed.push(Err(fail(
+                name.clone(),
+                Some(json.prompt),
+                format!("name `{name}` is already used by line {first}; names must be unique"),
+            )));
+            continue;
+        }
+        used.insert(name.clone(), line);
+        parsed.push(Ok(BatchLine {
+            line,
+            name,
+            prompt: json.prompt,
+            seed: json.seed,
+            width: json.width,
+            height: json.height,
+            steps: json.steps,
+            guidance: json.guidance,
+            refs: json.refs.iter().map(|r| base_dir.join(r)).collect(),
+        }));
+    }
+    parsed
+}
+
+/// A name must be usable as a file name in the output directory, on every platform.
+fn check_name(name: &str) -> std::result::Result<(), String> {
+    const FORBIDDEN: &[char] = &['/', '\\', ':', '*', '?', '"', '<', '>', '|'];
+    if name.is_empty() || name == "." || name == ".." {
+        return Err(format!("`{name}` is not a file name"));
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|c| FORBIDDEN.contains(c) || c.is_control())
+    {
+        return Err(format!(
+            "`{}` contains {c:?}; use a plain file name (without .png), such as `fox-1`",
+            name.escape_debug()
+        ));
+    }
+    Ok(())
+}
+
+/// Prompt embeddings kept while later lines still need them.
+#[derive(Debug, Default)]
+pub struct PromptMemo {
+    /// Uses still to come, per prompt.
+    remaining: HashMap<String, usize>,
+    kept: HashMap<String, PromptEmbeds>,
+}
+
+impl PromptMemo {
+    /// A memo for lines that will use `prompts`, in any order (one entry per use).
+    pub fn new<'a>(prompts: impl IntoIterator<Item = &'a str>) -> PromptMemo {
+        let mut remaining = HashMap::new();
+        for prompt in prompts {
+            *remaining.entry(prompt.to_string()).or_insert(0) += 1;
+        }
+        PromptMemo {
+            remaining,
+            kept: HashMap::new(),
+        }
+    }
+
+    /// Embeddings for the next use of `prompt`: the kept ones, or `encode(prompt)` when a later use
+    /// will need them too. `None` for a prompt used once (the pipeline encodes it as usual).
+    /// Kept embeddings are dropped at their last use.
+    pub fn take(
+        &mut self,
+        prompt: &str,
+        encode: impl FnOnce(&str) -> Result<PromptEmbeds>,
+    ) -> Result<Option<PromptEmbeds>> {
+        let left = self.use_one(prompt);
+        if left == 0 {
+            return Ok(self.kept.remove(prompt));
+        }
+        if let Some(kept) = self.kept.get(prompt) {
+            return Ok(Some(kept.clone()));
+        }
+        let embeds = encode(prompt)?;
+        self.kept.insert(prompt.to_string(), embeds.clone());
+        Ok(Some(embeds))
+    }
+
+    /// A use of `prompt` that will not happen (its line failed before generating).
+    pub fn forget(&mut self, prompt: &str) {
+        if self.use_one(prompt) == 0 {
+            self.kept.remove(prompt);
+        }
+    }
+
+    /// Prompts whose embeddings are kept now.
+    pub fn kept(&self) -> HashSet<&str> {
+        self.kept.keys().map(String::as_str).collect()
+    }
+
+    /// Counts one use of `prompt`; returns the uses left after it.
+    fn use_one(&mut self, prompt: &str) -> usize {
+        match self.remaining.get_mut(prompt) {
+            Some(count) => {
+                *count = count.saturating_sub(1);
+                let left = *count;
+                if left == 0 {
+                    self.remaining.remove(prompt);
+                }
+                left
+            }
+            None => 0,
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may unwrap: a failure is a test failure
+mod tests {
+    use super::*;
+    use ndarray::Array3;
+
+    fn embeds(value: f32) -> PromptEmbeds {
+        PromptEmbeds {
+            embeds: Array3::from_elem((1, 2, 3), value),
+            truncated: false,
+        }
+    }
+
+    #[test]
+    fn lines_parse_with_defaults_and_resolved_refs() {
+        let text = "{\"prompt\": \"a\"}\n\n{\"prompt\": \"b\", \"seed\": 3, \"refs\": [\"r.png\", \"/abs/s.png\"], \"name\": \"bee\"}\n";
+        let parsed = parse_batch(text, Path::new("dir"));
+        assert_eq!(parsed.len(), 2, "the blank line is skipped: {parsed:?}");
+        let first = parsed[0].as_ref().unwrap();
+        assert_eq!(
+            (first.line, first.name.as_str(), first.seed),
+            (1, "0001", None)
+        );
+        let second = parsed[1].as_ref().unwrap();
+        assert_eq!(
+            (second.line, second.name.as_str(), second.seed),
+            (3, "bee", Some(3))
+        );
+        assert_eq!(
+            second.refs,
+            [PathBuf::from("dir/r.png"), PathBuf::from("/abs/s.png")]
+        );
+    }
+
+    #[test]
+    fn bad_lines_are_errors_with_their_line_and_name() {
+        let text = [
+            "not json",
+            "{\"seed\": 1}",
+            "{\"prompt\": \"x\", \"sead\": 1}",
+            "{\"prompt\": \"x\", \"name\": \"../up\"}",
+            "{\"prompt\": \"x\", \"name\": \"0001\"}",
+            "{\"prompt\": \"x\", \"width\": -5}",
+        ]
+        .join("\n");
+        let parsed = parse_batch(&text, Path::new("."));
+        let errors: Vec<&LineError> = parsed.iter().map(|p| p.as_ref().unwrap_err()).collect();
+        assert_eq!(errors.len(), 6);
+        let expect = [
+            (1, "0001", "invalid JSON"),
+            (2, "0002", "missing field `prompt`"),
+            (3, "0003", "unknown field `sead`"),
+            (4, "../up", "contains '/'"),
+            (5, "0001", "already used by line 1"),
+            (6, "0006", "invalid value: integer `-5`"),
+        ];
+        for (error, (line, name, needle)) in errors.iter().zip(expect) {
+            assert_eq!((error.line, error.name.as_str()), (line, name), "{error:?}");
+            assert!(
+                error.message.contains(needle),
+                "line {line}: {}",
+                error.message
+            );
+        }
+        assert_eq!(errors[3].prompt.as_deref(), Some("x"));
+    }
+
+    /// A prompt used three times is encoded once, kept in between, and dropped at its last use; a
+    /// prompt used once is left to the pipeline.
+    #[test]
+    fn memo_encodes_repeated_prompts_once() {
+        let mut memo = PromptMemo::new(["a", "b", "a", "a"]);
+        let mut encoded = Vec::new();
+        let mut encode = |p: &str| {
+            encoded.push(p.to_string());
+            Ok(embeds(encoded.len() as f32))
+        };
+        assert!(memo.take("a", &mut encode).unwrap().is_some());
+        assert_eq!(
+            memo.take("b", &mut encode).unwrap().map(|e| e.truncated),
+            None
+        );
+        assert!(memo.take("a", &mut encode).unwrap().is_some());
+        assert_eq!(memo.kept(), HashSet::from(["a"]));
+        let last = memo.take("a", &mut encode).unwrap().unwrap();
+        assert_eq!(last.embeds[[0, 0, 0]], 1.0, "the kept embeddings");
+        assert!(memo.kept().is_empty(), "dropped after the last use");
+        assert_eq!(encoded, ["a"]);
+    }
+
+    #[test]
+    fn forgotten_uses_release_kept_embeddings() {
+        let mut memo = PromptMemo::new(["a", "a"]);
+        memo.take("a", |_| Ok(embeds(1.0))).unwrap();
+        memo.forget("a");
+        assert!(memo.kept().is_empty());
+    }
+}

@@ -1,0 +1,351 @@
+//! `klein generate --prompts FILE --out-dir DIR` end to end on the bundled tiny model: outputs equal
+//! to single-mode runs byte for byte, reruns that skip what exists, bad lines reported while the
+//! others run, the summary, and the exit codes. 64x64 pixels, 2 steps.
+
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+use serde_json::Value;
+
+use crate::cli::{
+    corrupt, files_in, generate, klein, path_str, read_png, solid_png, BundleCopy, Run, FAST,
+};
+use crate::util::{assert_mentions, temp_dir};
+
+/// Writes `lines` as `prompts.jsonl` in `dir`.
+fn prompts_file(dir: &Path, lines: &[&str]) -> PathBuf {
+    let path = dir.join("prompts.jsonl");
+    std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+    path
+}
+
+/// `klein generate --prompts <prompts> --out-dir <out_dir> <extra...>`.
+fn batch(prompts: &Path, out_dir: &Path, extra: &[&str]) -> Run {
+    let mut args = vec![
+        "generate",
+        "--prompts",
+        path_str(prompts),
+        "--out-dir",
+        path_str(out_dir),
+    ];
+    args.extend(extra);
+    klein(args)
+}
+
+fn summary(out_dir: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(out_dir.join("summary.json")).unwrap()).unwrap()
+}
+
+/// `(name, status)` of every line of the summary, in file order.
+fn statuses(summary: &Value) -> Vec<(String, String)> {
+    summary["lines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| {
+            (
+                l["name"].as_str().unwrap().to_string(),
+                l["status"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// The summary's record of the line named `name`.
+fn record<'a>(summary: &'a Value, name: &str) -> &'a Value {
+    summary["lines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["name"] == name)
+        .unwrap_or_else(|| panic!("no line `{name}` in {summary:#}"))
+}
+
+fn modified(path: &Path) -> SystemTime {
+    std::fs::metadata(path).unwrap().modified().unwrap()
+}
+
+/// Three lines, the first prompt again on the third (whose embeddings the batch keeps from the
+/// first), the second without a seed: every PNG equals, byte for byte (pixels and metadata), the
+/// single-mode run of the same prompt, seed and size. The random seed is in the summary and the
+/// PNG.
+#[test]
+fn batch_outputs_equal_single_runs_byte_for_byte() {
+    let dir = temp_dir("batch-equal");
+    let prompts = prompts_file(
+        &dir,
+        &[
+            r#"{"prompt": "a red fox in the snow", "seed": 11}"#,
+            r#"{"prompt": "a lighthouse at dusk", "name": "house"}"#,
+            r#"{"prompt": "a red fox in the snow", "seed": 12, "width": 48, "height": 32}"#,
+        ],
+    );
+    let out_dir = dir.join("out");
+    let run = batch(&prompts, &out_dir, &FAST);
+    let outputs = ["0001.png", "house.png", "0003.png"].map(|n| out_dir.join(n));
+    run.assert_success(&[&outputs[0], &outputs[1], &outputs[2]]);
+    assert_mentions(&run.stderr, &["3 ok", "0 skipped", "0 failed"]);
+
+    let summary = summary(&out_dir);
+    assert_eq!(
+        statuses(&summary),
+        [("0001", "ok"), ("house", "ok"), ("0003", "ok")].map(|(n, s)| (n.into(), s.into()))
+    );
+    assert_eq!(summary["totals"]["ok"], 3, "{summary:#}");
+    let random_seed = record(&summary, "house")["seed"].as_u64().unwrap();
+    assert_eq!(
+        read_png(&outputs[1]).text.get("seed"),
+        Some(&random_seed.to_string()),
+        "the random seed is stored in the PNG"
+    );
+
+    let singles = [
+        ("a red fox in the snow", 11, &FAST[..]),
+        ("a lighthouse at dusk", random_seed, &FAST[..]),
+        (
+            "a red fox in the snow",
+            12,
+            &["--width", "48", "--height", "32", "--steps", "2"][..],
+        ),
+    ];
+    for ((prompt, seed, size), batch_output) in singles.into_iter().zip(&outputs) {
+        let single = dir.join(format!("single-{seed}.png"));
+        let seed = seed.to_string();
+        generate(prompt, &single, &[size, &["--seed", &seed]].concat()).assert_success(&[&single]);
+        let (expected, got) = (
+            std::fs::read(&single).unwrap(),
+            std::fs::read(batch_output).unwrap(),
+        );
+        assert!(
+            expected == got,
+            "{} ({} bytes) differs from the single run {} ({} bytes); pixels equal: {}",
+            batch_output.display(),
+            got.len(),
+            single.display(),
+            expected.len(),
+            read_png(&single).pixels == read_png(batch_output).pixels
+        );
+    }
+}
+
+/// A rerun skips every line whose output exists (summary: skipped, with the seed stored in the
+/// PNG; the files are not rewritten) and makes only the missing ones.
+#[test]
+fn rerun_skips_existing_outputs() {
+    let dir = temp_dir("batch-rerun");
+    let prompts = prompts_file(
+        &dir,
+        &[
+            r#"{"prompt": "a cat", "seed": 1}"#,
+            r#"{"prompt": "a dog"}"#,
+        ],
+    );
+    let out_dir = dir.join("out");
+    let (cat, dog) = (out_dir.join("0001.png"), out_dir.join("0002.png"));
+    batch(&prompts, &out_dir, &FAST).assert_success(&[&cat, &dog]);
+    let dog_seed = record(&summary(&out_dir), "0002")["seed"].clone();
+    let before = [&cat, &dog].map(|p| (modified(p), std::fs::read(p).unwrap()));
+
+    let rerun = batch(&prompts, &out_dir, &FAST);
+    rerun.assert_success(&[]);
+    assert!(
+        !rerun.stderr.contains("model:"),
+        "nothing to run, so no bundle is loaded:\n{}",
+        rerun.describe()
+    );
+    let again = summary(&out_dir);
+    assert_eq!(
+        statuses(&again),
+        [("0001", "skipped"), ("0002", "skipped")].map(|(n, s)| (n.into(), s.into()))
+    );
+    assert_eq!(
+        record(&again, "0002")["seed"],
+        dog_seed,
+        "seed read from the PNG"
+    );
+    assert_eq!(again["totals"]["skipped"], 2);
+    for (path, (time, bytes)) in [&cat, &dog].into_iter().zip(&before) {
+        assert_eq!(modified(path), *time, "{} was rewritten", path.display());
+        assert_eq!(&std::fs::read(path).unwrap(), bytes);
+    }
+
+    std::fs::remove_file(&cat).unwrap();
+    batch(&prompts, &out_dir, &FAST).assert_success(&[&cat]);
+    assert_eq!(
+        statuses(&summary(&out_dir)),
+        [("0001", "ok"), ("0002", "skipped")].map(|(n, s)| (n.into(), s.into()))
+    );
+    assert_eq!(
+        std::fs::read(&cat).unwrap(),
+        before[0].1,
+        "same seed, same image"
+    );
+    assert_eq!(modified(&dog), before[1].0);
+}
+
+/// Invalid JSON, a missing prompt, an unknown key, a missing reference and zero steps are each
+/// reported (stderr and summary, naming the line); the other lines run, including one whose
+/// reference is relative to the prompts file's directory; the exit code is 2; no partial or
+/// temporary file is left.
+#[test]
+fn bad_lines_are_reported_and_the_others_succeed() {
+    let dir = temp_dir("batch-bad");
+    std::fs::create_dir(dir.join("refs")).unwrap();
+    solid_png(&dir.join("refs/ok.png"), 64, 64);
+    let prompts = prompts_file(
+        &dir,
+        &[
+            r#"{"prompt": "first", "seed": 1}"#,
+            r#"{"prompt": "unclosed"#,
+            r#"{"seed": 2}"#,
+            r#"{"prompt": "typo", "sead": 3}"#,
+            r#"{"prompt": "no such ref", "refs": ["missing.png"]}"#,
+            r#"{"prompt": "edit", "refs": ["refs/ok.png"], "seed": 4, "name": "edit"}"#,
+            r#"{"prompt": "no steps", "steps": 0}"#,
+            r#"{"prompt": "last", "seed": 5}"#,
+        ],
+    );
+    let out_dir = dir.join("out");
+    let run = batch(&prompts, &out_dir, &FAST);
+    assert_eq!(run.code, Some(2), "{}", run.describe());
+    assert!(!run.stderr.contains("panicked"), "{}", run.describe());
+    let written = ["0001.png", "edit.png", "0008.png"].map(|n| out_dir.join(n));
+    let expected_stdout: String = written
+        .iter()
+        .map(|p| format!("{}\n", p.display()))
+        .collect();
+    assert_eq!(run.stdout, expected_stdout, "{}", run.describe());
+    assert_mentions(
+        &run.stderr,
+        &[
+            "line 2: invalid JSON",
+            "line 3: invalid line: missing field `prompt`",
+            "line 4: invalid line: unknown field `sead`",
+            "line 5 (0005)",
+            "missing.png",
+            "line 7 (0007)",
+            "steps is 0",
+            "3 ok",
+            "5 failed (5 user error(s))",
+        ],
+    );
+
+    let summary = summary(&out_dir);
+    assert_eq!(
+        statuses(&summary),
+        [
+            ("0001", "ok"),
+            ("0002", "error"),
+            ("0003", "error"),
+            ("0004", "error"),
+            ("0005", "error"),
+            ("edit", "ok"),
+            ("0007", "error"),
+            ("0008", "ok"),
+        ]
+        .map(|(n, s)| (n.into(), s.into()))
+    );
+    for (name, needle) in [
+        ("0002", "invalid JSON"),
+        ("0003", "missing field `prompt`"),
+        ("0005", "missing.png"),
+        ("0007", "steps is 0"),
+    ] {
+        let line = record(&summary, name);
+        assert_eq!(line["error_kind"], "user", "{line:#}");
+        assert_mentions(line["message"].as_str().unwrap(), &[needle]);
+    }
+    assert_eq!(record(&summary, "0004")["prompt"], "typo");
+    assert_eq!(summary["totals"]["error"], 5);
+    let edit = read_png(&out_dir.join("edit.png"));
+    assert_eq!(
+        edit.text.get("references"),
+        Some(&serde_json::to_string(&[path_str(&dir.join("refs/ok.png"))]).unwrap())
+    );
+    assert_eq!(
+        files_in(&out_dir),
+        ["0001.png", "0008.png", "edit.png", "summary.json"],
+        "only the outputs and the summary"
+    );
+}
+
+/// A bundle error (here the VAE decoder, garbage, loaded at the first line's decode) would hit
+/// every line: the batch stops, the other lines are `not_run`, and the exit code is 2.
+#[test]
+fn a_bundle_error_stops_the_batch() {
+    let bundle = BundleCopy::new("batch-bundle-error");
+    corrupt(&bundle.file("vae_decoder.onnx"));
+    let dir = temp_dir("batch-bundle-error-out");
+    let prompts = prompts_file(
+        &dir,
+        &[
+            r#"{"prompt": "a"}"#,
+            r#"{"prompt": "b"}"#,
+            r#"{"prompt": "c"}"#,
+        ],
+    );
+    let out_dir = dir.join("out");
+    let run = batch(
+        &prompts,
+        &out_dir,
+        &[&FAST[..], &["-m", bundle.arg(), "--no-verify-hashes"]].concat(),
+    );
+    run.assert_user_error(&["line 1 (0001)", "vae_decoder.onnx", "2 not run"]);
+    let summary = summary(&out_dir);
+    assert_eq!(
+        statuses(&summary),
+        [("0001", "error"), ("0002", "not_run"), ("0003", "not_run")]
+            .map(|(n, s)| (n.into(), s.into()))
+    );
+    assert_mentions(
+        record(&summary, "0002")["message"].as_str().unwrap(),
+        &["not run", "vae_decoder.onnx"],
+    );
+    assert_eq!(files_in(&out_dir), ["summary.json"]);
+}
+
+/// --prompts goes with --out-dir, and neither with a prompt, -o, --seed, --ref or --num-images;
+/// an unreadable or empty prompts file is refused. Exit code 2 every time, and no output.
+#[test]
+fn batch_flags_are_checked() {
+    let dir = temp_dir("batch-flags");
+    let prompts = prompts_file(&dir, &[r#"{"prompt": "a"}"#]);
+    let p = path_str(&prompts);
+    let out = dir.join("out");
+    let o = path_str(&out);
+    for (args, needles) in [
+        (
+            vec!["a cat", "--prompts", p, "--out-dir", o],
+            vec!["cannot be used with"],
+        ),
+        (
+            vec!["--prompts", p, "--out-dir", o, "-o", "x.png"],
+            vec!["--output"],
+        ),
+        (
+            vec!["--prompts", p, "--out-dir", o, "--seed", "1"],
+            vec!["--seed"],
+        ),
+        (
+            vec!["--prompts", p, "--out-dir", o, "--ref", "r.png"],
+            vec!["--ref"],
+        ),
+        (
+            vec!["--prompts", p, "--out-dir", o, "--num-images", "2"],
+            vec!["--num-images"],
+        ),
+        (vec!["--prompts", p], vec!["--out-dir"]),
+        (vec!["a cat", "--out-dir", o], vec!["--out-dir"]),
+        (vec![], vec!["<PROMPT|--prompts <FILE>>"]),
+    ] {
+        let run = klein([&["generate"][..], &args].concat());
+        run.assert_user_error(&needles);
+    }
+    assert!(!out.exists(), "nothing was written");
+
+    let missing = dir.join("missing.jsonl");
+    batch(&missing, &out, &FAST).assert_user_error(&[path_str(&missing), "cannot read it"]);
+    let empty = dir.join("empty.jsonl");
+    std::fs::write(&empty, "\n\n").unwrap();
+    batch(&empty, &out, &FAST).assert_user_error(&[path_str(&empty), "has no lines"]);
+}
