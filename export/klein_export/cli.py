@@ -1,19 +1,62 @@
-"""Command line: `klein-export convert | tiny | verify | fixtures`."""
+"""Command line: `klein-export convert | quantize | tiny | verify | ranges | fixtures`."""
 
 import argparse
 import sys
 from pathlib import Path
 
 from .checkpoint import CheckpointError
+from .precision import PRECISIONS, PrecisionError
+from .quantize import BITS, DEFAULT_BLOCK_SIZE, DEFAULT_COMPONENTS, QuantizationConfig, QuantizationError, parse_components
 
 EXIT_USER_ERROR = 2
+
+
+def _quantization(args, required=False):
+    """The QuantizationConfig the flags ask for (None without --quantize)."""
+    if not args.quantize:
+        if required:
+            raise QuantizationError("--quantize int8|int4 is required")
+        given = [flag for flag, value in (("--components", args.components), ("--block-size", args.block_size)) if value is not None]
+        if given or args.asymmetric or args.accuracy_level:
+            raise QuantizationError(f"{', '.join(given) or 'the quantization flags'} apply with --quantize only")
+        return None
+    return QuantizationConfig(
+        bits=BITS[args.quantize],
+        block_size=DEFAULT_BLOCK_SIZE if args.block_size is None else args.block_size,
+        symmetric=not args.asymmetric,
+        accuracy_level=args.accuracy_level,
+        components=parse_components(",".join(DEFAULT_COMPONENTS) if args.components is None else args.components),
+    )
 
 
 def _convert(args):
     from .convert import convert
 
-    out = convert(args.checkpoint, args.out, force=args.force, name=args.name, variant=args.variant)
+    out = convert(
+        args.checkpoint,
+        args.out,
+        force=args.force,
+        name=args.name,
+        variant=args.variant,
+        precision=args.precision,
+        quantization=_quantization(args),
+    )
     print(out)
+    return 0
+
+
+def _quantize(args):
+    from .quantize import quantize_copy
+
+    print(quantize_copy(args.bundle, args.out, _quantization(args, required=True), force=args.force))
+    return 0
+
+
+def _ranges(args):
+    from .precision import measure_ranges, summarise_ranges
+
+    for line in summarise_ranges(measure_ranges(args.checkpoint, steps=args.steps, size=args.size), top=args.top):
+        print(line)
     return 0
 
 
@@ -27,12 +70,16 @@ def _tiny(args):
 
 
 def _verify(args):
-    from .verify import verify
+    from .verify import verify, verify_images
 
     failed = 0
     for result in verify(args.checkpoint, args.bundle):
         print(result.line(), flush=True)
         failed += not result.ok
+    if not args.no_images:
+        for result in verify_images(args.checkpoint, args.bundle):
+            print(result.line(), flush=True)
+            failed += not result.ok
     print(f"{'FAILED' if failed else 'passed'}: {failed} case(s) past tolerance")
     return 1 if failed else 0
 
@@ -42,6 +89,23 @@ def _fixtures(args):
 
     write_fixtures(args.checkpoint, args.out)
     return 0
+
+
+def _add_quantization_args(p):
+    p.add_argument("--quantize", choices=sorted(BITS), help="weight-only MatMulNBits quantization of the MatMul weights of --components")
+    p.add_argument("--block-size", type=int, help=f"weights per quantization block along K, a power of two >= 16 (default {DEFAULT_BLOCK_SIZE})")
+    p.add_argument(
+        "--components",
+        help=f"comma-separated components to quantize (default {','.join(DEFAULT_COMPONENTS)}; the VAE is never quantized)",
+    )
+    p.add_argument("--asymmetric", action="store_true", help="a zero point per block (default: symmetric, no zero points)")
+    p.add_argument(
+        "--accuracy-level",
+        type=int,
+        default=0,
+        choices=range(5),
+        help="MatMulNBits accuracy_level: 0 unset (float compute, the default), 1 fp32, 2 fp16, 3 bf16, 4 int8 compute of the activations",
+    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -54,7 +118,22 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--force", action="store_true", help="overwrite an existing bundle")
     c.add_argument("--name", help="model name recorded in the manifest (default: the bundle directory name)")
     c.add_argument("--variant", default="custom", choices=["4b", "9b", "tiny", "custom"], help="model variant recorded in the manifest")
+    c.add_argument(
+        "--precision",
+        default="fp32",
+        choices=PRECISIONS,
+        help="fp16: Linear/Conv/embedding weights and their products in float16; norms, modulation, attention, RoPE "
+        "and the residual stream stay float32 (bf16 is refused: ONNX Runtime's CPU provider cannot run it)",
+    )
+    _add_quantization_args(c)
     c.set_defaults(func=_convert)
+
+    q = sub.add_parser("quantize", help="bundle -> a copy with weight-only quantized graphs (no re-export)")
+    q.add_argument("--bundle", required=True, help="bundle to quantize (left unchanged)")
+    q.add_argument("--out", required=True, help="bundle directory to write")
+    q.add_argument("--force", action="store_true", help="overwrite an existing bundle")
+    _add_quantization_args(q)
+    q.set_defaults(func=_quantize)
 
     t = sub.add_parser("tiny", help="write a random-weight checkpoint (real classes, real tokenizer)")
     t.add_argument("--out", required=True)
@@ -67,10 +146,18 @@ def parser() -> argparse.ArgumentParser:
     )
     t.set_defaults(func=_tiny)
 
-    v = sub.add_parser("verify", help="torch vs ONNX Runtime, per component, at several shapes")
+    v = sub.add_parser("verify", help="torch fp32 vs ONNX Runtime per component at several shapes, and the final image vs diffusers")
     v.add_argument("--checkpoint", required=True)
     v.add_argument("--bundle", required=True)
+    v.add_argument("--no-images", action="store_true", help="skip the end-to-end images (diffusers fp32 vs the bundle)")
     v.set_defaults(func=_verify)
+
+    r = sub.add_parser("ranges", help="largest |activation| per module over a diffusers run, against the float16 range")
+    r.add_argument("--checkpoint", required=True)
+    r.add_argument("--steps", type=int, default=2, help="denoising steps (default 2)")
+    r.add_argument("--size", type=int, default=64, help="image side in pixels (default 64)")
+    r.add_argument("--top", type=int, default=40, help="rows to print (default 40)")
+    r.set_defaults(func=_ranges)
 
     f = sub.add_parser("fixtures", help="run diffusers' pipeline and write the runtime's reference fixtures")
     f.add_argument("--checkpoint", required=True)
@@ -83,7 +170,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.func(args)
-    except (CheckpointError, FileExistsError, FileNotFoundError) as e:
+    except (CheckpointError, FileExistsError, FileNotFoundError, PrecisionError, QuantizationError) as e:
         print(f"klein-export: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
 

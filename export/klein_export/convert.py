@@ -5,9 +5,11 @@ written to a sibling temporary directory and renamed into place only when comple
 export leaves nothing half-written behind.
 """
 
+import ctypes
 import gc
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -18,6 +20,8 @@ from . import contract
 from .checkpoint import Checkpoint
 from .manifest import HIDDEN_LAYERS, build_manifest, write_manifest
 from .onnx_export import export_graph
+from .precision import check_precision, to_float16
+from .quantize import QuantizationConfig, quantize_bundle
 from .tokenizer_facts import tokenizer_facts
 from .wrappers import TextEncoder, Transformer, VaeDecoder, VaeEncoder
 
@@ -26,28 +30,49 @@ class BundleExistsError(FileExistsError):
     """The output bundle exists and `force` was not given."""
 
 
+def _release_memory():
+    """Frees the last component for real: without malloc_trim, glibc keeps the freed weights in its
+    heap and the next component's peak adds to the last one's (the 4B did not fit in 24 GB)."""
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def _peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _export_text_encoder(ckpt, out):
+def _to_precision(module, component, precision):
+    """Applies `precision` to `module` in place; the PrecisionScheme (None for fp32)."""
+    return to_float16(module, component) if precision == "fp16" else None
+
+
+def _scheme_json(scheme, prefixes=("",)):
+    """The manifest's `precision_scheme` of the graph holding the modules under `prefixes`."""
+    return None if scheme is None else scheme.subset(prefixes).to_json()
+
+
+def _export_text_encoder(ckpt, out, precision):
     lm = ckpt.load_text_encoder(num_layers=max(HIDDEN_LAYERS))
     module = TextEncoder(lm, HIDDEN_LAYERS).eval()
+    scheme = _scheme_json(_to_precision(module, "text_encoder", precision))
     io = contract.text_encoder_io(lm.config.hidden_size * len(HIDDEN_LAYERS))
     # Example batch 2 (a size-1 example dimension is specialised to 1), one row padded.
     ids = torch.randint(0, lm.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 12, dtype=torch.int64)
     mask[1, 7:] = 0
     batch, seq = Dim("batch"), Dim("seq")
-    export_graph(module, (ids, mask), {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}, io, out)
-    return io
+    export_graph(module, (ids, mask), {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}, io, out, precision)
+    return ((io, scheme),)
 
 
-def _export_transformer(ckpt, out):
+def _export_transformer(ckpt, out, precision):
     model = ckpt.load_transformer()
     cfg = model.config
+    module = Transformer(model).eval()
+    scheme = _scheme_json(_to_precision(module, "transformer", precision))
     io = contract.transformer_io(cfg.in_channels, cfg.joint_attention_dim, len(cfg.axes_dims_rope))
     g = torch.Generator().manual_seed(0)
     tokens, seq = 20, 10
@@ -60,25 +85,35 @@ def _export_transformer(ckpt, out):
     )
     b, t, s = Dim("batch"), Dim("tokens"), Dim("seq")
     shapes = {"latents": {0: b, 1: t}, "prompt_embeds": {0: b, 1: s}, "timestep": {0: b}, "img_ids": {0: t}, "txt_ids": {0: s}}
-    export_graph(Transformer(model).eval(), args, shapes, io, out)
-    return io
+    export_graph(module, args, shapes, io, out, precision)
+    return ((io, scheme),)
 
 
-def _export_vae(ckpt, out):
+def _export_vae(ckpt, out, precision):
     vae = ckpt.load_vae()
+    scheme = _to_precision(vae, "vae", precision)  # one module behind both graphs
+    enc_scheme = _scheme_json(scheme, ("encoder.", "quant_conv"))
+    dec_scheme = _scheme_json(scheme, ("decoder.", "post_quant_conv"))
     latent_ch = vae.config.latent_channels * 4
     lat_h, lat_w = Dim("lat_h", min=1, max=1024), Dim("lat_w", min=1, max=1024)
     enc_io = contract.vae_encoder_io(latent_ch)
     image = torch.rand(2, 3, 48, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    export_graph(VaeEncoder(vae).eval(), (image,), {"image": {0: Dim("batch"), 2: 16 * lat_h, 3: 16 * lat_w}}, enc_io, out)
+    export_graph(VaeEncoder(vae).eval(), (image,), {"image": {0: Dim("batch"), 2: 16 * lat_h, 3: 16 * lat_w}}, enc_io, out, precision)
     dec_io = contract.vae_decoder_io(latent_ch)
     latents = torch.randn(2, latent_ch, 3, 4, generator=torch.Generator().manual_seed(0))
-    export_graph(VaeDecoder(vae).eval(), (latents,), {"latents": {0: Dim("batch"), 2: lat_h, 3: lat_w}}, dec_io, out)
-    return enc_io, dec_io
+    export_graph(VaeDecoder(vae).eval(), (latents,), {"latents": {0: Dim("batch"), 2: lat_h, 3: lat_w}}, dec_io, out, precision)
+    return ((enc_io, enc_scheme), (dec_io, dec_scheme))
 
 
-def convert(checkpoint, out, force=False, name=None, variant="custom", log=print):
-    """Export every component of `checkpoint` into the bundle directory `out`."""
+def convert(checkpoint, out, force=False, name=None, variant="custom", log=print, precision="fp32", quantization=None):
+    """Export every component of `checkpoint` into the bundle directory `out`.
+
+    `precision` is "fp32" or "fp16" (precision.py); `quantization` a QuantizationConfig or None
+    (quantize.py): its components are quantized once every graph is exported, one graph at a time.
+    """
+    check_precision(precision)
+    if quantization is not None and not isinstance(quantization, QuantizationConfig):
+        raise TypeError("quantization must be a QuantizationConfig or None")
     ckpt = Checkpoint(checkpoint)
     out = Path(out)
     if out.exists() and not force:
@@ -94,13 +129,17 @@ def convert(checkpoint, out, force=False, name=None, variant="custom", log=print
         graphs = {}
         for label, step in (("text_encoder", _export_text_encoder), ("transformer", _export_transformer), ("vae", _export_vae)):
             start = time.perf_counter()
-            result = step(ckpt, tmp)
-            for io in result if isinstance(result, tuple) else (result,):
-                graphs[io.component] = (io, "fp32", None)
-            gc.collect()
-            log(f"exported {label} in {time.perf_counter() - start:.1f} s (peak RSS {_peak_rss_mb():.0f} MB)")
+            for io, scheme in step(ckpt, tmp, precision):
+                graphs[io.component] = (io, precision, None, scheme)
+            _release_memory()
+            log(f"exported {label} ({precision}) in {time.perf_counter() - start:.1f} s (peak RSS {_peak_rss_mb():.0f} MB)")
         manifest = build_manifest(ckpt, facts, graphs, tmp, name or out.name, variant)
         write_manifest(manifest, tmp)
+        if quantization is not None:
+            # After every torch module is freed; one graph in memory at a time.
+            start = time.perf_counter()
+            quantize_bundle(tmp, quantization, log=log)
+            log(f"quantized in {time.perf_counter() - start:.1f} s (peak RSS {_peak_rss_mb():.0f} MB)")
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

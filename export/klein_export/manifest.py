@@ -104,7 +104,8 @@ def build_manifest(ckpt, tokenizer_facts: dict, graphs: dict, bundle_dir: Path, 
         "min_onnxruntime_version": MIN_ONNXRUNTIME_VERSION,
     }
     for component in COMPONENTS:
-        io, precision, quantization = graphs[component]
+        # (io, precision, quantization) or (io, precision, quantization, precision_scheme)
+        io, precision, quantization, *scheme = graphs[component]
         manifest["graphs"][component] = {
             "file": io.file,
             "precision": precision,
@@ -112,6 +113,8 @@ def build_manifest(ckpt, tokenizer_facts: dict, graphs: dict, bundle_dir: Path, 
             "inputs": [t.to_json() for t in io.inputs],
             "outputs": [t.to_json() for t in io.outputs],
         }
+        if scheme and scheme[0] is not None:
+            manifest["graphs"][component]["precision_scheme"] = scheme[0]
     for path in sorted(Path(bundle_dir).iterdir()):
         if path.is_file() and path.name != "manifest.json":
             manifest["files"][path.name] = file_entry(path)

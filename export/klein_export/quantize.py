@@ -1,0 +1,275 @@
+"""Weight-only quantization of exported graphs: `--quantize int8|int4` as ORT `MatMulNBits`.
+
+The selected graphs are quantized once every component is exported (the torch modules are freed),
+one graph in memory at a time, with ONNX Runtime's `MatMulNBitsQuantizer` (round to nearest,
+blockwise along K); `klein-export quantize` does the same to a copy of an existing bundle. Only `MatMul` nodes with a constant 2-D
+weight become `com.microsoft.MatMulNBits`: the projections and MLPs of Qwen3 and of the MM-DiT blocks,
+and the transformer's input/output projections. Left in float, by construction:
+
+- `Gemm` nodes: the transformer's timestep embedder, the shift/scale/gate modulation projections and
+  the final AdaLayerNorm (their input is 2-D `[batch, dim]`, so the exporter writes Gemm). Errors there
+  scale every token.
+- `MatMul` of two activations: attention scores and the attention-weighted sum.
+- the text encoder's embedding table (`Gather`; the quantizer offers 4-bit `GatherBlockQuantized` only).
+- norms, RoPE, the residual stream: not matrix products.
+
+The VAE is never quantized: it is a convolution network (`MatMulNBits` covers MatMul only) and its
+error lands directly on the pixels.
+"""
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from .manifest import file_entry, write_manifest
+from .onnx_export import EXTERNAL_DATA_THRESHOLD
+
+METHOD = "MatMulNBits"
+BITS = {"int8": 8, "int4": 4}
+QUANTIZABLE = ("text_encoder", "transformer")
+DEFAULT_COMPONENTS = QUANTIZABLE
+DEFAULT_BLOCK_SIZE = 32
+VAE_NAMES = ("vae", "vae_encoder", "vae_decoder")
+LEFT_IN_FLOAT = (
+    "Gemm (timestep embedder, modulation, final AdaLayerNorm), MatMul of two activations (attention), "
+    "Gather (embedding table), norms, RoPE, residual stream"
+)
+
+
+class QuantizationError(ValueError):
+    """The requested quantization is not one this exporter writes."""
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    bits: int
+    block_size: int = DEFAULT_BLOCK_SIZE
+    symmetric: bool = True
+    accuracy_level: int = 0
+    components: tuple = DEFAULT_COMPONENTS
+
+    def __post_init__(self):
+        if self.bits not in BITS.values():
+            raise QuantizationError(f"{self.bits} bits: expected one of {sorted(BITS.values())}")
+        # MatMulNBits: block_size is a power of two, at least 16.
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise QuantizationError(f"--block-size {self.block_size}: MatMulNBits needs a power of two >= 16")
+        if self.accuracy_level not in range(5):
+            raise QuantizationError(f"--accuracy-level {self.accuracy_level}: expected 0 (unset) to 4 (int8 compute)")
+        parse_components(",".join(self.components))
+
+
+def parse_components(text: str) -> tuple:
+    """`text_encoder,transformer` -> a tuple of components; the VAE is refused with the reason."""
+    names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    if not names:
+        raise QuantizationError("--components is empty: name text_encoder, transformer or both")
+    for name in names:
+        if name in VAE_NAMES:
+            raise QuantizationError(
+                f"--components {name}: the VAE is never quantized (a convolution network: MatMulNBits covers "
+                f"MatMul only, and its error lands directly on the pixels); quantizable: {', '.join(QUANTIZABLE)}"
+            )
+        if name not in QUANTIZABLE:
+            raise QuantizationError(f"--components {name!r}: unknown component; quantizable: {', '.join(QUANTIZABLE)}")
+    return names
+
+
+def _float_nodes(model: onnx.ModelProto) -> dict:
+    """Counts of matrix-product and embedding nodes that hold float weights or take two activations."""
+    weights = {i.name for i in model.graph.initializer}
+    counts = {}
+    for node in model.graph.node:
+        if node.op_type in ("MatMul", "Gemm", "Gather", "Conv") and node.domain in ("", "ai.onnx"):
+            if node.op_type == "Gather" and node.input[0] not in weights:
+                continue  # index bookkeeping, not an embedding table
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
+def _quantizer_class():
+    """MatMulNBitsQuantizer, imported without its module's `logging.basicConfig(level=INFO)` side effect."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    return MatMulNBitsQuantizer
+
+
+def quantize_graph(path: Path, config: QuantizationConfig) -> dict:
+    """Quantizes the graph at `path` in place; returns the scheme written to its metadata and the manifest."""
+    from onnxruntime import __version__ as ort_version
+
+    MatMulNBitsQuantizer = _quantizer_class()
+    path = Path(path)
+    model = onnx.load(str(path))  # external data, if any, is read into memory
+    quantizer = MatMulNBitsQuantizer(
+        model,
+        bits=config.bits,
+        block_size=config.block_size,
+        is_symmetric=config.symmetric,
+        accuracy_level=config.accuracy_level or None,
+        op_types_to_quantize=("MatMul",),
+    )
+    quantizer.process()
+    model = quantizer.model.model
+    quantized = sum(n.op_type == METHOD for n in model.graph.node)
+    if quantized == 0:
+        raise QuantizationError(f"{path.name}: no MatMul with a constant weight to quantize")
+    scheme = {
+        "method": METHOD,
+        "bits": config.bits,
+        "block_size": config.block_size,
+        "symmetric": config.symmetric,
+        "accuracy_level": config.accuracy_level,
+        "op_types": ["MatMul"],
+        "algorithm": "RTN",
+        "quantized_nodes": quantized,
+        "float_nodes": _float_nodes(model),
+        "left_in_float": LEFT_IN_FLOAT,
+        "quantizer": f"onnxruntime {ort_version} MatMulNBitsQuantizer",
+    }
+    meta = {p.key: p.value for p in model.metadata_props}
+    meta["klein.quantization"] = json.dumps(scheme, sort_keys=True)
+    del model.metadata_props[:]
+    for key, value in meta.items():
+        model.metadata_props.add(key=key, value=value)
+    save(model, path)
+    return scheme
+
+
+def save(model: onnx.ModelProto, path: Path):
+    """Writes `model` to `path`, its weights to `path.data` when the graph would pass protobuf's 2 GB."""
+    data = path.with_name(path.name + ".data")
+    data.unlink(missing_ok=True)  # onnx appends to an existing external-data file
+    weight_bytes = sum(t.ByteSize() for t in model.graph.initializer)
+    if weight_bytes >= EXTERNAL_DATA_THRESHOLD * 0.9:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name)
+    else:
+        onnx.save_model(model, str(path))
+
+
+def quantize_bundle(bundle_dir, config: QuantizationConfig, log=print):
+    """Quantizes `config.components` of the bundle in `bundle_dir` in place, one graph at a time,
+    and rewrites its manifest: each graph's `quantization`, and the size and hash of the files that
+    changed (a graph that shrinks under 2 GB loses its `.onnx.data` file)."""
+    bundle_dir = Path(bundle_dir)
+    manifest = json.loads((bundle_dir / "manifest.json").read_text(encoding="utf-8"))
+    changed = set()
+    for component in config.components:
+        spec = manifest["graphs"][component]
+        if spec.get("quantization") is not None:
+            raise QuantizationError(f"{bundle_dir / spec['file']}: already quantized ({spec['quantization']['bits']} bits)")
+        spec["quantization"] = quantize_graph(bundle_dir / spec["file"], config)
+        changed |= {spec["file"], spec["file"] + ".data"}
+        log(f"quantized {component} to {config.bits} bits: {spec['quantization']['quantized_nodes']} MatMulNBits nodes")
+    files = {}
+    for path in sorted(bundle_dir.iterdir()):
+        if path.is_file() and path.name != "manifest.json":
+            known = manifest["files"].get(path.name)
+            files[path.name] = file_entry(path) if path.name in changed or known is None else known
+    manifest["files"] = files
+    write_manifest(manifest, bundle_dir)
+    return manifest
+
+
+def quantize_copy(bundle, out, config: QuantizationConfig, force=False, log=print):
+    """`klein-export quantize`: copies the bundle `bundle` to `out` and quantizes the copy. The copy is
+    made in a sibling temporary directory and renamed into place when complete."""
+    import os
+    import shutil
+
+    bundle, out = Path(bundle), Path(out)
+    if not (bundle / "manifest.json").is_file():
+        raise FileNotFoundError(f"{bundle / 'manifest.json'}: missing (not a klein bundle)")
+    if out.exists() and not force:
+        raise FileExistsError(f"{out}: already exists; pass --force to overwrite it")
+    if out.resolve() == bundle.resolve():
+        raise QuantizationError(f"{out}: the output must differ from the input bundle")
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.copytree(bundle, tmp)
+        quantize_bundle(tmp, config, log=log)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# The same quantization applied to torch modules, for `verify`
+
+
+def dequantized(weight_kn, config: QuantizationConfig):
+    """The `[K, N]` MatMul weight as MatMulNBits sees it: quantized by the quantizer's own kernel
+    (`DefaultWeightOnlyQuantizer.qbits_block_quant`, what `quantize_graph` runs) and dequantized,
+    `w[k, n] = (code[n, k] - zero[n, k // block]) * scale[n, k // block]`."""
+    import numpy as np
+
+    _quantizer_class()  # the module import, without its logging side effect
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
+
+    bits, block = config.bits, config.block_size
+    quantizer = DefaultWeightOnlyQuantizer(
+        DefaultWeightOnlyQuantConfig(block_size=block, is_symmetric=config.symmetric, bits=bits)
+    )
+    k, n = weight_kn.shape
+    packed, scales, zero_points = quantizer.qbits_block_quant(np.ascontiguousarray(weight_kn))
+    k_blocks = scales.shape[-1]
+    scales = scales.reshape(n, k_blocks)
+
+    def unpack(data, count):  # uint8 rows -> `count` codes per row (4 bits: low nibble first)
+        data = data.reshape(n, -1)
+        if bits == 4:
+            data = np.stack([data & 0x0F, data >> 4], axis=-1).reshape(n, -1)
+        return data[:, :count].astype(np.float32)
+
+    codes = unpack(packed, k_blocks * block)
+    zero = np.full((n, k_blocks), 2 ** (bits - 1), np.float32) if config.symmetric else unpack(zero_points, k_blocks)
+    w = (codes - np.repeat(zero, block, axis=1)) * np.repeat(scales.astype(np.float32), block, axis=1)
+    return w[:, :k].T.astype(weight_kn.dtype)
+
+
+def emulate_quantization(module, config: QuantizationConfig, example_args):
+    """Replaces, in place, the weight of every `nn.Linear` of `module` that the exported graph holds as
+    a MatMul (input of rank 3 or more on `example_args`; rank-2 inputs export as Gemm, left in float)
+    by its dequantized value. Returns the number of weights replaced (the graph's MatMulNBits count)."""
+    import torch
+    from torch import nn
+
+    ranks, handles = {}, []
+
+    def record(name):
+        def hook(_module, args):
+            ranks[name] = args[0].dim()
+
+        return hook
+
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.Linear):
+            handles.append(sub.register_forward_pre_hook(record(name)))
+    try:
+        with torch.no_grad():
+            module(*example_args)
+    finally:
+        for h in handles:
+            h.remove()
+    replaced = 0
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.Linear) and ranks.get(name, 0) >= 3:
+            w = sub.weight.detach()
+            deq = dequantized(w.t().contiguous().numpy(), config)
+            with torch.no_grad():
+                sub.weight.copy_(torch.from_numpy(deq).t())
+            replaced += 1
+    return replaced
