@@ -5,12 +5,12 @@ written to a sibling temporary directory and renamed into place only when comple
 export leaves nothing half-written behind.
 """
 
-import ctypes
-import gc
+import multiprocessing
 import os
 import shutil
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -30,12 +30,30 @@ class BundleExistsError(FileExistsError):
     """The output bundle exists and `force` was not given."""
 
 
-def _release_memory():
-    """Frees the last component for real: without malloc_trim, glibc keeps the freed weights in its
-    heap and the next component's peak adds to the last one's (the 4B did not fit in 24 GB)."""
-    gc.collect()
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+_STEPS = {"text_encoder": "_export_text_encoder", "transformer": "_export_transformer", "vae": "_export_vae"}
+
+
+def _export_component(label, checkpoint_root, out, precision):
+    """Runs in a child process: exports one component, returns its graphs and the child's peak RSS."""
+    results = globals()[_STEPS[label]](Checkpoint(checkpoint_root), Path(out), precision)
+    return list(results), _peak_rss_mb()
+
+
+def _export_isolated(label, checkpoint_root, out, precision):
+    """Exports one component in a fresh process, so that its memory is really given back before the
+    next one loads (in one process the 4B's text encoder and transformer peaks added up past 22 GB,
+    glibc and torch keeping freed weights; each alone peaks at 19-20 GB)."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(_export_component, label, str(checkpoint_root), str(out), precision).result()
+
+
+def _remove_stale_partials(out: Path):
+    """Temporary bundles of exports whose process is gone (killed, e.g. out of memory)."""
+    for stale in out.parent.glob(f".{out.name}.partial-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and sys.platform.startswith("linux"):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _peak_rss_mb() -> float:
@@ -118,6 +136,7 @@ def convert(checkpoint, out, force=False, name=None, variant="custom", log=print
     out = Path(out)
     if out.exists() and not force:
         raise BundleExistsError(f"{out}: already exists; pass --force to overwrite it")
+    _remove_stale_partials(out)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -127,12 +146,12 @@ def convert(checkpoint, out, force=False, name=None, variant="custom", log=print
         shutil.copyfile(ckpt.root / "tokenizer" / "tokenizer.json", tmp / "tokenizer.json")
         del tokenizer
         graphs = {}
-        for label, step in (("text_encoder", _export_text_encoder), ("transformer", _export_transformer), ("vae", _export_vae)):
+        for label in _STEPS:
             start = time.perf_counter()
-            for io, scheme in step(ckpt, tmp, precision):
+            results, child_peak_mb = _export_isolated(label, ckpt.root, tmp, precision)
+            for io, scheme in results:
                 graphs[io.component] = (io, precision, None, scheme)
-            _release_memory()
-            log(f"exported {label} ({precision}) in {time.perf_counter() - start:.1f} s (peak RSS {_peak_rss_mb():.0f} MB)")
+            log(f"exported {label} ({precision}) in {time.perf_counter() - start:.1f} s (peak RSS {child_peak_mb:.0f} MB)")
         manifest = build_manifest(ckpt, facts, graphs, tmp, name or out.name, variant)
         write_manifest(manifest, tmp)
         if quantization is not None:
