@@ -21,7 +21,13 @@ pub struct PromptCache {
 impl PromptCache {
     /// A cache in `dir` for the bundle described by `manifest`.
     pub fn new(dir: PathBuf, manifest: &Manifest) -> PromptCache {
-        let file_hash = |name: &str| manifest.files.get(name).map(|f| f.sha256.clone()).unwrap_or_default();
+        let file_hash = |name: &str| {
+            manifest
+                .files
+                .get(name)
+                .map(|f| f.sha256.clone())
+                .unwrap_or_default()
+        };
         let bundle_key = format!(
             "{}:{}:{}",
             file_hash(&manifest.graphs.text_encoder.file),
@@ -36,7 +42,11 @@ impl PromptCache {
         hasher.update(self.bundle_key.as_bytes());
         hasher.update([0]);
         hasher.update(prompt.as_bytes());
-        let digest: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        let digest: String = hasher
+            .finalize()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
         self.dir.join(format!("{digest}.safetensors"))
     }
 
@@ -49,8 +59,11 @@ impl PromptCache {
         if view.dtype() != Dtype::F32 || shape.len() != 3 {
             return None;
         }
-        let values: Vec<f32> =
-            view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let values: Vec<f32> = view
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
         Array3::from_shape_vec((shape[0], shape[1], shape[2]), values).ok()
     }
 
@@ -63,10 +76,17 @@ impl PromptCache {
         })?;
         let data: Vec<u8> = embeds.iter().flat_map(|v| v.to_le_bytes()).collect();
         let (b, l, d) = embeds.dim();
-        let view = TensorView::new(Dtype::F32, vec![b, l, d], &data)
-            .map_err(|e| KleinError::Inference { stage: "prompt cache", message: e.to_string() })?;
-        let bytes = safetensors::serialize([(TENSOR, view)], None)
-            .map_err(|e| KleinError::Inference { stage: "prompt cache", message: e.to_string() })?;
+        let view = TensorView::new(Dtype::F32, vec![b, l, d], &data).map_err(|e| {
+            KleinError::Inference {
+                stage: "prompt cache",
+                message: e.to_string(),
+            }
+        })?;
+        let bytes =
+            safetensors::serialize([(TENSOR, view)], None).map_err(|e| KleinError::Inference {
+                stage: "prompt cache",
+                message: e.to_string(),
+            })?;
         write_atomic(&self.path(prompt), &bytes)
     }
 }

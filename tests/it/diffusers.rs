@@ -23,7 +23,12 @@ use serde::Deserialize;
 
 use crate::util::{init_runtime, repo};
 
-const CASES: [&str; 4] = ["t2i_square", "t2i_nonsquare", "edit_one_ref", "compose_three_refs"];
+const CASES: [&str; 4] = [
+    "t2i_square",
+    "t2i_nonsquare",
+    "edit_one_ref",
+    "compose_three_refs",
+];
 const REL_TOLERANCE: f32 = 1e-4;
 
 #[derive(Deserialize)]
@@ -46,7 +51,8 @@ struct Fixture {
 
 fn load(name: &str) -> Fixture {
     let dir = repo().join("tests/fixtures/diffusers").join(name);
-    let case: Case = serde_json::from_slice(&std::fs::read(dir.join("case.json")).unwrap()).unwrap();
+    let case: Case =
+        serde_json::from_slice(&std::fs::read(dir.join("case.json")).unwrap()).unwrap();
     let bytes = std::fs::read(dir.join("tensors.safetensors")).unwrap();
     let tensors = SafeTensors::deserialize(&bytes).unwrap();
     let (mut f32s, mut i64s, mut u8s) = (HashMap::new(), HashMap::new(), HashMap::new());
@@ -55,11 +61,17 @@ fn load(name: &str) -> Fixture {
         let data = view.data();
         match view.dtype() {
             Dtype::F32 => {
-                let v = data.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+                let v = data
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect();
                 f32s.insert(key, ArrayD::from_shape_vec(shape, v).unwrap());
             }
             Dtype::I64 => {
-                let v = data.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect();
+                let v = data
+                    .chunks_exact(8)
+                    .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+                    .collect();
                 i64s.insert(key, ArrayD::from_shape_vec(shape, v).unwrap());
             }
             Dtype::U8 => {
@@ -68,26 +80,47 @@ fn load(name: &str) -> Fixture {
             other => panic!("unexpected dtype {other:?} for {key}"),
         }
     }
-    Fixture { dir, case, f32s, i64s, u8s }
+    Fixture {
+        dir,
+        case,
+        f32s,
+        i64s,
+        u8s,
+    }
 }
 
 fn pipeline() -> Pipeline {
     init_runtime();
-    Pipeline::load(&repo().join("onnx/klein-tiny"), PipelineOptions::default().with_keep_text_encoder(true)).unwrap()
+    Pipeline::load(
+        &repo().join("onnx/klein-tiny"),
+        PipelineOptions::default().with_keep_text_encoder(true),
+    )
+    .unwrap()
 }
 
 /// Max abs difference, and the tolerance `REL_TOLERANCE * max|want|`.
 #[track_caller]
 fn assert_close(what: &str, got: &ArrayD<f32>, want: &ArrayD<f32>) {
     assert_eq!(got.shape(), want.shape(), "{what}: shape");
-    let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    let diff = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
     let scale = want.iter().map(|v| v.abs()).fold(0.0f32, f32::max);
     let tolerance = REL_TOLERANCE * scale;
-    assert!(diff <= tolerance, "{what}: max abs error {diff:e} > tolerance {tolerance:e} (max|want| {scale})");
+    assert!(
+        diff <= tolerance,
+        "{what}: max abs error {diff:e} > tolerance {tolerance:e} (max|want| {scale})"
+    );
 }
 
 fn references(p: &Pipeline, fx: &Fixture) -> Vec<klein::reference::ReferenceImage> {
-    fx.case.refs.iter().map(|r| p.load_reference(&fx.dir.join(r)).unwrap()).collect()
+    fx.case
+        .refs
+        .iter()
+        .map(|r| p.load_reference(&fx.dir.join(r)).unwrap())
+        .collect()
 }
 
 #[test]
@@ -101,8 +134,19 @@ fn token_ids_equal() {
         )
         .unwrap();
         let encoded = tokenizer.encode(&fx.case.prompt).unwrap();
-        assert_eq!(encoded.input_ids, fx.i64s["input_ids"].iter().copied().collect::<Vec<_>>(), "{name}: input ids");
-        assert_eq!(encoded.attention_mask, fx.i64s["attention_mask"].iter().copied().collect::<Vec<_>>(), "{name}: mask");
+        assert_eq!(
+            encoded.input_ids,
+            fx.i64s["input_ids"].iter().copied().collect::<Vec<_>>(),
+            "{name}: input ids"
+        );
+        assert_eq!(
+            encoded.attention_mask,
+            fx.i64s["attention_mask"]
+                .iter()
+                .copied()
+                .collect::<Vec<_>>(),
+            "{name}: mask"
+        );
     }
 }
 
@@ -112,7 +156,11 @@ fn prompt_embeddings_match() {
     for name in CASES {
         let fx = load(name);
         let got = p.encode_prompt(&fx.case.prompt).unwrap().embeds.into_dyn();
-        assert_close(&format!("{name}: prompt_embeds"), &got, &fx.f32s["prompt_embeds"]);
+        assert_close(
+            &format!("{name}: prompt_embeds"),
+            &got,
+            &fx.f32s["prompt_embeds"],
+        );
     }
 }
 
@@ -121,8 +169,14 @@ fn noise_from_seed_is_torchs() {
     let p = pipeline();
     for name in CASES {
         let fx = load(name);
-        let got = p.prepare_latents(fx.case.seed, 1, fx.case.width, fx.case.height).into_dyn();
-        assert_eq!(got, fx.f32s["noise"], "{name}: noise of seed {}", fx.case.seed);
+        let got = p
+            .prepare_latents(fx.case.seed, 1, fx.case.width, fx.case.height)
+            .into_dyn();
+        assert_eq!(
+            got, fx.f32s["noise"],
+            "{name}: noise of seed {}",
+            fx.case.seed
+        );
     }
 }
 
@@ -131,9 +185,23 @@ fn schedule_matches() {
     let p = pipeline();
     for name in CASES {
         let fx = load(name);
-        let s = p.schedule(fx.case.steps, fx.case.height as usize / 16, fx.case.width as usize / 16).unwrap();
-        assert_eq!(s.sigmas, fx.f32s["sigmas"].iter().copied().collect::<Vec<_>>(), "{name}: sigmas");
-        assert_eq!(s.timesteps, fx.f32s["timesteps"].iter().copied().collect::<Vec<_>>(), "{name}: timesteps");
+        let s = p
+            .schedule(
+                fx.case.steps,
+                fx.case.height as usize / 16,
+                fx.case.width as usize / 16,
+            )
+            .unwrap();
+        assert_eq!(
+            s.sigmas,
+            fx.f32s["sigmas"].iter().copied().collect::<Vec<_>>(),
+            "{name}: sigmas"
+        );
+        assert_eq!(
+            s.timesteps,
+            fx.f32s["timesteps"].iter().copied().collect::<Vec<_>>(),
+            "{name}: timesteps"
+        );
     }
 }
 
@@ -143,8 +211,16 @@ fn reference_tokens_match() {
     for name in ["edit_one_ref", "compose_three_refs"] {
         let fx = load(name);
         let refs = p.encode_references(&references(&p, &fx)).unwrap();
-        assert_eq!(refs.ids.clone().into_dyn(), fx.i64s["ref_ids"], "{name}: reference ids");
-        assert_close(&format!("{name}: reference tokens"), &refs.tokens.into_dyn(), &fx.f32s["ref_tokens"]);
+        assert_eq!(
+            refs.ids.clone().into_dyn(),
+            fx.i64s["ref_ids"],
+            "{name}: reference ids"
+        );
+        assert_close(
+            &format!("{name}: reference tokens"),
+            &refs.tokens.into_dyn(),
+            &fx.f32s["ref_tokens"],
+        );
     }
 }
 
@@ -154,10 +230,20 @@ fn each_denoising_step_matches() {
     for name in CASES {
         let fx = load(name);
         let (h, w) = (fx.case.height as usize / 16, fx.case.width as usize / 16);
-        let embeds = fx.f32s["prompt_embeds"].clone().into_dimensionality().unwrap();
-        let embeds = PromptEmbeds { embeds, truncated: false };
+        let embeds = fx.f32s["prompt_embeds"]
+            .clone()
+            .into_dimensionality()
+            .unwrap();
+        let embeds = PromptEmbeds {
+            embeds,
+            truncated: false,
+        };
         let refs = if fx.case.refs.is_empty() {
-            ReferenceTokens { tokens: Array3::zeros((1, 0, 128)), ids: ndarray::Array2::zeros((0, 4)), count: 0 }
+            ReferenceTokens {
+                tokens: Array3::zeros((1, 0, 128)),
+                ids: ndarray::Array2::zeros((0, 4)),
+                count: 0,
+            }
         } else {
             ReferenceTokens {
                 tokens: fx.f32s["ref_tokens"].clone().into_dimensionality().unwrap(),
@@ -166,14 +252,20 @@ fn each_denoising_step_matches() {
             }
         };
         let schedule = p.schedule(fx.case.steps, h, w).unwrap();
-        let ctx = p.denoise_context(1, h, w, &embeds, None, &refs, schedule).unwrap();
+        let ctx = p
+            .denoise_context(1, h, w, &embeds, None, &refs, schedule)
+            .unwrap();
         let noise = fx.f32s["noise"].clone().into_dimensionality().unwrap();
         let mut previous = pack_latents(noise.view()); // [1, 128, h, w] -> [1, h*w, 128]
         for step in 0..fx.case.steps {
             let mut latents = previous.clone();
             p.denoise_step(&mut latents, step, &ctx).unwrap();
             let want = &fx.f32s[&format!("latents_step{step}")];
-            assert_close(&format!("{name}: latents after step {step}"), &latents.into_dyn(), want);
+            assert_close(
+                &format!("{name}: latents after step {step}"),
+                &latents.into_dyn(),
+                want,
+            );
             previous = want.clone().into_dimensionality().unwrap();
         }
     }
@@ -184,22 +276,42 @@ fn final_images_match_diffusers() {
     let mut p = pipeline();
     for name in CASES {
         let fx = load(name);
-        let mut request = Request::new(fx.case.prompt.clone()).with_seed(fx.case.seed).with_steps(fx.case.steps);
+        let mut request = Request::new(fx.case.prompt.clone())
+            .with_seed(fx.case.seed)
+            .with_steps(fx.case.steps);
         request.references = references(&p, &fx);
         if fx.case.refs.is_empty() || name == "compose_three_refs" {
             request = request.with_size(fx.case.width, fx.case.height);
         }
         let g = p.generate(&request, None).unwrap();
-        assert_eq!((g.width, g.height), (fx.case.width, fx.case.height), "{name}: size");
+        assert_eq!(
+            (g.width, g.height),
+            (fx.case.width, fx.case.height),
+            "{name}: size"
+        );
         let want = &fx.u8s["image"];
         let got = &g.images[0].pixels;
         assert_eq!(got.len(), want.len(), "{name}: pixel count");
-        let diffs: Vec<u8> = got.iter().zip(want.iter()).map(|(a, b)| a.abs_diff(*b)).collect();
+        let diffs: Vec<u8> = got
+            .iter()
+            .zip(want.iter())
+            .map(|(a, b)| a.abs_diff(*b))
+            .collect();
         let max = diffs.iter().copied().max().unwrap_or(0);
-        let pixels = diffs.chunks_exact(3).filter(|px| px.iter().any(|d| *d > 0)).count();
+        let pixels = diffs
+            .chunks_exact(3)
+            .filter(|px| px.iter().any(|d| *d > 0))
+            .count();
         let fraction = pixels as f64 / (diffs.len() / 3) as f64;
-        eprintln!("{name}: max diff {max} level(s), {:.3}% of pixels differ", 100.0 * fraction);
+        eprintln!(
+            "{name}: max diff {max} level(s), {:.3}% of pixels differ",
+            100.0 * fraction
+        );
         assert!(max <= 1, "{name}: max diff {max} levels");
-        assert!(fraction <= 0.01, "{name}: {:.3}% of pixels differ", 100.0 * fraction);
+        assert!(
+            fraction <= 0.01,
+            "{name}: {:.3}% of pixels differ",
+            100.0 * fraction
+        );
     }
 }
