@@ -611,26 +611,10 @@ fn fix_png_crcs(png: &mut [u8]) {
             Some(end) if end + 4 <= png.len() => end,
             _ => return,
         };
-        let crc = crc32(&png[at + 4..end]);
+        let crc = crc32fast::hash(&png[at + 4..end]);
         png[end..end + 4].copy_from_slice(&crc.to_be_bytes());
         at = end + 4;
     }
-}
-
-/// CRC-32 (PNG's, ISO 3309).
-fn crc32(bytes: &[u8]) -> u32 {
-    let mut crc = !0u32;
-    for &byte in bytes {
-        crc ^= u32::from(byte);
-        for _ in 0..8 {
-            crc = if crc & 1 != 0 {
-                (crc >> 1) ^ 0xEDB8_8320
-            } else {
-                crc >> 1
-            };
-        }
-    }
-    !crc
 }
 
 /// An edit of the parsed JSON (one node changed), written back compact or pretty; `None` when the
