@@ -103,7 +103,7 @@ fn output(c: &mut Criterion) {
         height,
         pixels: test_pixels(width, height),
     };
-    // What the CLI writes (src/main.rs, png_text): prompt, seed, steps, guidance, size, model...
+    // What the CLI writes (src/bin/klein/main.rs, png_text): prompt, seed, steps, guidance, size, model...
     let text: Vec<(String, String)> = [
         ("prompt", "a red fox in the snow, golden hour, photograph"),
         ("seed", "42"),

@@ -1,0 +1,423 @@
+//! `klein generate --prompts FILE --out-dir DIR`: one generation per JSON line, one pipeline for all,
+//! outputs that exist skipped, and a `summary.json` written after every line.
+use std::time::Instant;
+
+use klein::batch::{parse_batch, BatchLine, PromptMemo};
+use serde::Serialize;
+
+use super::*;
+
+const SUMMARY_FILE: &str = "summary.json";
+/// The batch summary, `summary.json` in the output directory.
+#[derive(Serialize)]
+struct Summary<'a> {
+    prompts: String,
+    out_dir: String,
+    model: Option<String>,
+    lines: &'a [LineRecord],
+    totals: Totals,
+}
+
+#[derive(Serialize, Default)]
+struct Totals {
+    lines: usize,
+    ok: usize,
+    skipped: usize,
+    error: usize,
+    not_run: usize,
+    seconds: f64,
+}
+
+/// What happened to one line of the prompts file.
+#[derive(Serialize)]
+struct LineRecord {
+    /// 1-based line number in the prompts file.
+    line: usize,
+    name: String,
+    /// The output file (absent for a line whose name is unusable).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    output: Option<String>,
+    prompt: Option<String>,
+    /// The seed used (or, for a skipped line, the one stored in the existing PNG).
+    seed: Option<u64>,
+    status: Status,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    message: Option<String>,
+    /// `user` (exit code 2) or `runtime` (exit code 1), for errors.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error_kind: Option<&'static str>,
+    seconds: f64,
+}
+
+#[derive(Serialize, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+enum Status {
+    Ok,
+    Skipped,
+    Error,
+    /// Not run because an earlier line hit a bundle or device error, which every line would hit.
+    NotRun,
+    /// Not run yet (seen only in the summary written while the batch runs).
+    Pending,
+}
+
+/// Seconds rounded to milliseconds, for the summary.
+fn seconds(elapsed: std::time::Duration) -> f64 {
+    (elapsed.as_secs_f64() * 1000.0).round() / 1000.0
+}
+
+/// Errors that every later line would hit as well: the batch stops at the first one.
+fn is_fatal(error: &anyhow::Error) -> bool {
+    error.chain().any(|e| {
+        e.downcast_ref::<KleinError>().is_some_and(|k| {
+            matches!(
+                k,
+                KleinError::Bundle { .. }
+                    | KleinError::RuntimeLibrary(..)
+                    | KleinError::Device { .. }
+            )
+        })
+    })
+}
+
+/// The seed stored in an existing output PNG, if it can be read.
+fn stored_seed(path: &Path) -> Option<u64> {
+    let file = std::fs::File::open(path).ok()?;
+    let reader = png::Decoder::new(std::io::BufReader::new(file))
+        .read_info()
+        .ok()?;
+    let chunk = reader
+        .info()
+        .utf8_text
+        .iter()
+        .find(|chunk| chunk.keyword == "seed")?;
+    chunk.get_text().ok()?.parse().ok()
+}
+
+struct BatchRun<'a> {
+    prompts: &'a Path,
+    out_dir: &'a Path,
+    model: Option<String>,
+    records: Vec<LineRecord>,
+    started: Instant,
+}
+
+impl BatchRun<'_> {
+    fn totals(&self) -> Totals {
+        let count = |status| self.records.iter().filter(|r| r.status == status).count();
+        Totals {
+            lines: self.records.len(),
+            ok: count(Status::Ok),
+            skipped: count(Status::Skipped),
+            error: count(Status::Error),
+            not_run: count(Status::NotRun),
+            seconds: seconds(self.started.elapsed()),
+        }
+    }
+
+    /// Writes `summary.json` atomically: a reader never sees half of it.
+    fn write_summary(&self) -> anyhow::Result<PathBuf> {
+        let summary = Summary {
+            prompts: self.prompts.display().to_string(),
+            out_dir: self.out_dir.display().to_string(),
+            model: self.model.clone(),
+            lines: &self.records,
+            totals: self.totals(),
+        };
+        let path = self.out_dir.join(SUMMARY_FILE);
+        let mut json = serde_json::to_vec_pretty(&summary)?;
+        json.push(b'\n');
+        write_atomic(&path, &json)?;
+        Ok(path)
+    }
+}
+
+/// `klein generate --prompts FILE --out-dir DIR`: one image per line, on one loaded pipeline.
+/// Exit code 2 if a line failed for a user error, else 1 if one failed in the runtime, else 0.
+pub(crate) fn generate_batch(
+    args: &GenerateArgs,
+    prompts: &Path,
+    out_dir: &Path,
+) -> anyhow::Result<ExitCode> {
+    let started = Instant::now();
+    let text = std::fs::read_to_string(prompts).map_err(|e| {
+        UsageError(format!(
+            "--prompts {}: cannot read it ({e}); give a JSON Lines file, one {{\"prompt\": ...}} per line",
+            prompts.display()
+        ))
+    })?;
+    if out_dir.exists() && !out_dir.is_dir() {
+        return Err(UsageError(format!(
+            "--out-dir {} exists and is not a directory",
+            out_dir.display()
+        ))
+        .into());
+    }
+    std::fs::create_dir_all(out_dir).map_err(|e| {
+        UsageError(format!(
+            "--out-dir {}: cannot create it ({e})",
+            out_dir.display()
+        ))
+    })?;
+    let base = prompts
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let reporter = Reporter::new(args.quiet);
+    let mut run = BatchRun {
+        prompts,
+        out_dir,
+        model: None,
+        records: Vec::new(),
+        started,
+    };
+
+    // 1. Every line: refused, skipped (its output exists) or to run.
+    let mut to_run: Vec<(usize, BatchLine, PathBuf)> = Vec::new();
+    for parsed in parse_batch(&text, base) {
+        match parsed {
+            Err(error) => {
+                eprintln!(
+                    "klein: error: {}: line {}: {}",
+                    prompts.display(),
+                    error.line,
+                    error.message
+                );
+                run.records.push(LineRecord {
+                    line: error.line,
+                    name: error.name,
+                    output: None,
+                    prompt: error.prompt,
+                    seed: None,
+                    status: Status::Error,
+                    message: Some(error.message),
+                    error_kind: Some("user"),
+                    seconds: 0.0,
+                });
+            }
+            Ok(line) => {
+                let output = out_dir.join(format!("{}.png", line.name));
+                let skipped = output.exists();
+                if skipped {
+                    reporter.say(format!(
+                        "line {} ({}): skipped, {} exists",
+                        line.line,
+                        line.name,
+                        output.display()
+                    ));
+                }
+                run.records.push(LineRecord {
+                    line: line.line,
+                    name: line.name.clone(),
+                    output: Some(output.display().to_string()),
+                    prompt: Some(line.prompt.clone()),
+                    seed: line
+                        .seed
+                        .or_else(|| skipped.then(|| stored_seed(&output)).flatten()),
+                    status: if skipped {
+                        Status::Skipped
+                    } else {
+                        Status::Pending
+                    },
+                    message: skipped.then(|| {
+                        "the output exists (outputs are written whole; delete it to make it again)"
+                            .to_string()
+                    }),
+                    error_kind: None,
+                    seconds: 0.0,
+                });
+                if !skipped {
+                    to_run.push((run.records.len() - 1, line, output));
+                }
+            }
+        }
+    }
+    if run.records.is_empty() {
+        return Err(UsageError(format!(
+            "--prompts {} has no lines; give one {{\"prompt\": ...}} object per line",
+            prompts.display()
+        ))
+        .into());
+    }
+
+    // 2. The lines to run, on one pipeline that keeps the text encoder loaded.
+    if !to_run.is_empty() {
+        let model = default_model(args.model.clone());
+        let options = pipeline_options(args).with_keep_text_encoder(true);
+        let mut pipeline = Pipeline::load(&model, options)?;
+        let bundle_hash = bundle_sha256(&pipeline)?;
+        run.model = Some(pipeline.manifest().model.name.clone());
+        reporter.say(format!(
+            "model: {} ({}), {} line(s) to run",
+            pipeline.manifest().model.name,
+            model.display(),
+            to_run.len()
+        ));
+        let mut memo = PromptMemo::new(to_run.iter().map(|(_, line, _)| line.prompt.as_str()));
+        let mut fatal: Option<String> = None;
+        let mut warned_guidance = false;
+        let total = to_run.len();
+        for (n, (index, line, output)) in to_run.into_iter().enumerate() {
+            if let Some(reason) = &fatal {
+                memo.forget(&line.prompt);
+                let record = &mut run.records[index];
+                record.status = Status::NotRun;
+                record.message = Some(format!("not run: an earlier line failed with: {reason}"));
+                continue;
+            }
+            let line_started = Instant::now();
+            let seed = line.seed.unwrap_or_else(random_seed);
+            let guidance = line.guidance.or(args.guidance);
+            if !warned_guidance {
+                warned_guidance = warn_ignored_guidance(&pipeline, guidance);
+            }
+            let job = BatchJob {
+                line: &line,
+                seed,
+                output: &output,
+                bundle_hash: &bundle_hash,
+                progress: format!("[{}/{total}] ", n + 1),
+            };
+            let result = job.run(&mut pipeline, &mut memo, args, &reporter);
+            reporter.clear();
+            let record = &mut run.records[index];
+            record.seed = Some(seed);
+            record.seconds = seconds(line_started.elapsed());
+            match result {
+                Ok(()) => {
+                    record.status = Status::Ok;
+                    println!("{}", output.display());
+                }
+                Err(error) => {
+                    eprintln!(
+                        "klein: error: line {} ({}): {error:#}",
+                        line.line, line.name
+                    );
+                    record.status = Status::Error;
+                    record.message = Some(format!("{error:#}"));
+                    record.error_kind = Some(if is_user_error(&error) {
+                        "user"
+                    } else {
+                        "runtime"
+                    });
+                    if is_fatal(&error) {
+                        fatal = Some(format!("{error:#}"));
+                    }
+                }
+            }
+            // Kept current while the batch runs: after a crash it says how far it got.
+            if let Err(error) = run.write_summary() {
+                eprintln!("klein: warning: {error:#}");
+            }
+        }
+        reporter.say(format!("device: {}", device_name(&pipeline)));
+    }
+
+    // 3. The summary, and the exit code.
+    let summary = run.write_summary()?;
+    let totals = run.totals();
+    let user_errors = run
+        .records
+        .iter()
+        .filter(|r| r.error_kind == Some("user"))
+        .count();
+    reporter.say(format!(
+        "batch: {} line(s): {} ok, {} skipped, {} failed ({user_errors} user error(s)), {} not run, in {:.1} s; summary in {}",
+        totals.lines,
+        totals.ok,
+        totals.skipped,
+        totals.error,
+        totals.not_run,
+        totals.seconds,
+        summary.display()
+    ));
+    Ok(if user_errors > 0 {
+        ExitCode::from(2)
+    } else if totals.error > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// One line of a batch, ready to run.
+struct BatchJob<'a> {
+    line: &'a BatchLine,
+    seed: u64,
+    output: &'a Path,
+    bundle_hash: &'a str,
+    /// `[n/total] `, before the stage names of the progress bar.
+    progress: String,
+}
+
+impl BatchJob<'_> {
+    /// Loads the references, takes the prompt's embeddings from the memo (or leaves them to the
+    /// pipeline), generates and writes the PNG atomically.
+    fn run(
+        &self,
+        pipeline: &mut Pipeline,
+        memo: &mut PromptMemo,
+        args: &GenerateArgs,
+        reporter: &Reporter,
+    ) -> anyhow::Result<()> {
+        let line = self.line;
+        let (request, (width, height)) = match self.request(pipeline, args) {
+            Ok(checked) => checked,
+            Err(error) => {
+                memo.forget(&line.prompt);
+                return Err(error);
+            }
+        };
+        let request = match memo.take(&line.prompt, |p| pipeline.encode_prompt(p))? {
+            Some(embeds) => request.with_prompt_embeds(embeds),
+            None => request,
+        };
+        reporter.say(format!(
+            "{}line {} ({}): seed {}, {width}x{height}",
+            self.progress, line.line, line.name, self.seed
+        ));
+        let generation =
+            pipeline.generate(&request, Some(&mut reporter.callback(&self.progress)))?;
+        reporter.clear();
+        reporter.report(
+            pipeline,
+            &generation,
+            args.timings,
+            &format!("line {}: ", line.line),
+        );
+        let text = png_text(
+            pipeline,
+            &generation,
+            &line.prompt,
+            &line.refs,
+            &device_name(pipeline),
+            self.bundle_hash,
+        )?;
+        let image = generation
+            .images
+            .first()
+            .context("the pipeline returned no image")?;
+        write_atomic(self.output, &encode_png(image, &text)?)?;
+        Ok(())
+    }
+
+    /// The request of the line (its values, else the command line's, references loaded) and its
+    /// output size, checked before the prompt is encoded.
+    fn request(
+        &self,
+        pipeline: &Pipeline,
+        args: &GenerateArgs,
+    ) -> anyhow::Result<(Request, (u32, u32))> {
+        let line = self.line;
+        let mut request = Request::new(line.prompt.clone()).with_seed(self.seed);
+        for path in &line.refs {
+            request = request.with_reference(pipeline.load_reference(path)?);
+        }
+        request.width = line.width.or(args.width);
+        request.height = line.height.or(args.height);
+        request.steps = line.steps.or(args.steps);
+        request.guidance = line.guidance.or(args.guidance);
+        let size = pipeline.output_size(&request)?;
+        Ok((request, size))
+    }
+}
