@@ -7,6 +7,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 KLEIN_ORT_DYLIB="$(scripts/setup-ort.sh)"
 export KLEIN_ORT_DYLIB
 source scripts/python-env.sh
+# The build first: the C API test links the example against the cdylib this produces.
+cargo build --release
 cargo test --release
 cargo check --release --features cuda,coreml
 python -m pytest -q export/tests

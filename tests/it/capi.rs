@@ -37,12 +37,13 @@ fn compile_c_example(dir: &Path) -> PathBuf {
         std::env::consts::DLL_SUFFIX
     ));
     let include = lib_dir.join("include");
-    // Integration tests build every crate-type of the library (rlib, cdylib, staticlib) and run
-    // build.rs first, so both are there.
+    // `cargo test` links integration tests against the rlib only: the cdylib and the header come from
+    // `cargo build` of the same profile, which scripts/test.sh runs first.
     for file in [&library, &include.join("klein.h")] {
         assert!(
             file.is_file(),
-            "{} is missing: the library's cdylib build or build.rs did not produce it",
+            "{} is missing: run `cargo build --release` (or without --release for a debug test run) \
+             before the tests; scripts/test.sh does",
             file.display()
         );
     }
