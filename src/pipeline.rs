@@ -391,11 +391,12 @@ impl Pipeline {
                 &self.manifest.graphs.vae_encoder,
                 Stage::LoadVaeEncoder,
             ),
-            _ => (
+            "vae_decoder" => (
                 &mut self.vae_decoder,
                 &self.manifest.graphs.vae_decoder,
                 Stage::LoadVaeDecoder,
             ),
+            other => return Err(internal("graph", format!("no graph named `{other}`"))),
         };
         if slot.is_none() {
             notify(progress, Progress::StageStarted(stage))?;
