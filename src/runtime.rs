@@ -787,6 +787,9 @@ fn register_cuda(
     builder
         .with_execution_providers([ort::ep::CUDA::default()
             .with_device_id(id)
+            // cuDNN's heuristic instead of the default exhaustive benchmark: the VAE's convolutions
+            // change shape with every output size, and an exhaustive search per shape costs seconds.
+            .with_conv_algorithm_search(ort::ep::cuda::ConvAlgorithmSearch::Heuristic)
             .build()
             .error_on_failure()])
         .map_err(|e| LoadFailure::Device(error_chain(&e)))
@@ -817,7 +820,11 @@ fn register_coreml(builder: SessionBuilder) -> std::result::Result<SessionBuilde
         Err(e) => return Err(LoadFailure::Device(error_chain(&e))),
     }
     builder
-        .with_execution_providers([ort::ep::CoreML::default().build().error_on_failure()])
+        .with_execution_providers([ort::ep::CoreML::default()
+            // MLProgram (Core ML 5+) runs float16 and more operators than the NeuralNetwork format.
+            .with_model_format(ort::ep::coreml::ModelFormat::MLProgram)
+            .build()
+            .error_on_failure()])
         .map_err(|e| LoadFailure::Device(error_chain(&e)))
 }
 
