@@ -6,9 +6,7 @@ export leaves nothing half-written behind.
 """
 
 import multiprocessing
-import os
 import shutil
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -17,6 +15,7 @@ import torch
 from torch.export import Dim
 
 from . import contract
+from .atomic import atomic_directory
 from .checkpoint import Checkpoint
 from .manifest import HIDDEN_LAYERS, build_manifest, write_manifest
 from .onnx_export import export_graph
@@ -46,14 +45,6 @@ def _export_isolated(label, checkpoint_root, out, precision):
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
         return pool.submit(_export_component, label, str(checkpoint_root), str(out), precision).result()
-
-
-def _remove_stale_partials(out: Path):
-    """Temporary bundles of exports whose process is gone (killed, e.g. out of memory)."""
-    for stale in out.parent.glob(f".{out.name}.partial-*"):
-        pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and sys.platform.startswith("linux"):
-            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _peak_rss_mb() -> float:
@@ -136,11 +127,7 @@ def convert(checkpoint, out, force=False, name=None, variant="custom", log=print
     out = Path(out)
     if out.exists() and not force:
         raise BundleExistsError(f"{out}: already exists; pass --force to overwrite it")
-    _remove_stale_partials(out)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_directory(out) as tmp:
         tokenizer = ckpt.load_tokenizer()
         facts = tokenizer_facts(tokenizer)
         shutil.copyfile(ckpt.root / "tokenizer" / "tokenizer.json", tmp / "tokenizer.json")
@@ -159,10 +146,4 @@ def convert(checkpoint, out, force=False, name=None, variant="custom", log=print
             start = time.perf_counter()
             quantize_bundle(tmp, quantization, log=log)
             log(f"quantized in {time.perf_counter() - start:.1f} s (peak RSS {_peak_rss_mb():.0f} MB)")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -182,8 +182,9 @@ def quantize_bundle(bundle_dir, config: QuantizationConfig, log=print):
 def quantize_copy(bundle, out, config: QuantizationConfig, force=False, log=print):
     """`klein-export quantize`: copies the bundle `bundle` to `out` and quantizes the copy. The copy is
     made in a sibling temporary directory and renamed into place when complete."""
-    import os
     import shutil
+
+    from .atomic import atomic_directory
 
     bundle, out = Path(bundle), Path(out)
     if not (bundle / "manifest.json").is_file():
@@ -192,17 +193,9 @@ def quantize_copy(bundle, out, config: QuantizationConfig, force=False, log=prin
         raise FileExistsError(f"{out}: already exists; pass --force to overwrite it")
     if out.resolve() == bundle.resolve():
         raise QuantizationError(f"{out}: the output must differ from the input bundle")
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        shutil.copytree(bundle, tmp)
+    with atomic_directory(out) as tmp:
+        shutil.copytree(bundle, tmp, dirs_exist_ok=True)
         quantize_bundle(tmp, config, log=log)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -1,0 +1,37 @@
+"""Bundles are written whole or not at all: into a temporary sibling directory, renamed into place."""
+
+import os
+import shutil
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def _remove_stale_partials(out: Path):
+    """Temporary directories of writers whose process is gone (killed, e.g. out of memory)."""
+    if not sys.platform.startswith("linux"):
+        return
+    for stale in out.parent.glob(f".{out.name}.partial-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+@contextmanager
+def atomic_directory(out):
+    """Yields an empty temporary directory beside `out`; when the block completes it replaces `out`,
+    and when it raises it is removed, so `out` is never half-written."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(out)
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
