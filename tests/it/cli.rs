@@ -9,11 +9,10 @@ use std::collections::BTreeMap;
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, SystemTime};
 
 use sha2::{Digest, Sha256};
 
-use crate::util::{assert_mentions, ort_library, repo, temp_dir, test_cache_dir};
+use crate::util::{assert_mentions, backdate, ort_library, repo, temp_dir, test_cache_dir};
 
 /// Fast generation flags: 64x64 pixels (4x4 latents), 2 steps.
 pub(crate) const FAST: [&str; 6] = ["--width", "64", "--height", "64", "--steps", "2"];
@@ -586,19 +585,6 @@ fn corrupt_graph_is_refused_by_the_hash_check_or_the_loader() {
         ],
     );
     klein(["info", bundle.arg(), "--verify"]).assert_user_error(&["text_encoder.onnx", "sha256"]);
-}
-
-/// Sets every file of `dir` to have been modified an hour ago: a settled bundle, which gets a
-/// verification stamp (files modified within 2 s of a verification do not).
-pub(crate) fn backdate(dir: &Path) {
-    let past = SystemTime::now() - Duration::from_secs(3600);
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let file = std::fs::File::options()
-            .write(true)
-            .open(entry.unwrap().path())
-            .unwrap();
-        file.set_modified(past).unwrap();
-    }
 }
 
 /// The stamp files under `<cache>/verified/`.

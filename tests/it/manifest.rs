@@ -2,7 +2,6 @@
 //! `tests/fixtures/bundle_manifest.json` (the README's example with FLUX.2-klein-4B numbers).
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime};
 
 use klein::manifest::{
     DimSpec, Dtype, Manifest, ModelVariant, PaddingSide, Precision, Verification,
@@ -12,7 +11,7 @@ use klein::KleinError;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use crate::util::{assert_mentions, fixture, temp_dir};
+use crate::util::{assert_mentions, backdate, fixture, temp_dir};
 
 /// Contents of the bundle's files; only sizes and hashes matter to the manifest.
 const FILES: &[(&str, &[u8])] = &[
@@ -290,19 +289,6 @@ fn contradictory_numbers_are_refused() {
 }
 
 // ---- hash verification with a stamp ----
-
-/// Sets every file of `dir` to have been modified an hour ago: a settled bundle, which gets a
-/// verification stamp (files modified within 2 s of a verification do not).
-fn backdate(dir: &Path) {
-    let past = SystemTime::now() - Duration::from_secs(3600);
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let file = std::fs::File::options()
-            .write(true)
-            .open(entry.unwrap().path())
-            .unwrap();
-        file.set_modified(past).unwrap();
-    }
-}
 
 /// A settled bundle and an empty cache directory.
 fn stamped_bundle(name: &str) -> (PathBuf, PathBuf, Manifest) {

@@ -2,6 +2,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, SystemTime};
 
 use klein::pipeline::{Pipeline, PipelineOptions};
 use klein::runtime::{self, Device, RuntimeOptions};
@@ -78,5 +79,18 @@ pub fn assert_mentions(message: &str, needles: &[&str]) {
             message.contains(needle),
             "expected the message to mention `{needle}`; got:\n{message}"
         );
+    }
+}
+
+/// Sets every file of `dir` to have been modified an hour ago: a settled bundle, which gets a
+/// verification stamp (files modified within 2 s of a verification do not).
+pub fn backdate(dir: &Path) {
+    let past = SystemTime::now() - Duration::from_secs(3600);
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let file = std::fs::File::options()
+            .write(true)
+            .open(entry.unwrap().path())
+            .unwrap();
+        file.set_modified(past).unwrap();
     }
 }
