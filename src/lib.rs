@@ -18,6 +18,7 @@ pub mod prompt_cache;
 pub mod reference;
 pub mod runtime;
 pub mod schedule;
+pub mod support;
 pub mod tokenize;
 
 pub use error::{KleinError, Result};

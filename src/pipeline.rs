@@ -24,8 +24,12 @@ use crate::noise::randn;
 use crate::output::{to_rgb_images, RgbImage};
 use crate::prompt_cache::PromptCache;
 use crate::reference::{load_reference, preprocess_reference, ReferenceImage};
-use crate::runtime::{self, load_graph, Device, Graph, RuntimeOptions, SessionConfig, TensorInput};
+use crate::runtime::{
+    self, load_graph, CoreMlOptions, CudaOptions, Device, Graph, RuntimeOptions, SessionConfig,
+    TensorInput,
+};
 use crate::schedule::{compute_empirical_mu, schedule, Schedule};
+use crate::support;
 use crate::tokenize::PromptTokenizer;
 
 /// Largest output side in pixels. The transformer's attention is quadratic in the token count;
@@ -57,6 +61,10 @@ pub struct PipelineOptions {
     pub cache_dir: Option<PathBuf>,
     /// Directory of the on-disk prompt-embedding cache (`None`: no cache).
     pub prompt_cache_dir: Option<PathBuf>,
+    /// CUDA provider settings (with a CUDA device, or auto).
+    pub cuda: CudaOptions,
+    /// CoreML provider settings (with the CoreML device, or auto).
+    pub coreml: CoreMlOptions,
 }
 
 impl Default for PipelineOptions {
@@ -69,6 +77,8 @@ impl Default for PipelineOptions {
             verify_hashes: true,
             cache_dir: None,
             prompt_cache_dir: None,
+            cuda: CudaOptions::default(),
+            coreml: CoreMlOptions::default(),
         }
     }
 }
@@ -100,6 +110,14 @@ impl PipelineOptions {
     }
     pub fn with_prompt_cache_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.prompt_cache_dir = Some(dir.into());
+        self
+    }
+    pub fn with_cuda(mut self, cuda: CudaOptions) -> Self {
+        self.cuda = cuda;
+        self
+    }
+    pub fn with_coreml(mut self, coreml: CoreMlOptions) -> Self {
+        self.coreml = coreml;
         self
     }
 }
@@ -311,8 +329,19 @@ impl Pipeline {
             verify_hashes,
             cache_dir,
             prompt_cache_dir,
+            cuda,
+            coreml,
         } = options;
         let manifest = Manifest::load(dir)?;
+        // Before hashing or loading anything: can this device run the bundle at all?
+        support::check_bundle(device, &manifest.graphs, dir)?;
+        if let Some(cache) = &coreml.cache_dir {
+            std::fs::create_dir_all(cache).map_err(|source| KleinError::Io {
+                path: cache.clone(),
+                action: "creating the CoreML model cache directory",
+                source,
+            })?;
+        }
         let verification = if verify_hashes {
             let cache_dir = cache_dir.or_else(default_cache_dir);
             Some(manifest.verify_hashes_cached(dir, cache_dir.as_deref())?)
@@ -322,7 +351,10 @@ impl Pipeline {
         let tokenizer =
             PromptTokenizer::load(&dir.join(&manifest.tokenizer.file), &manifest.tokenizer)?;
         runtime::init(runtime_options)?;
-        let mut session = SessionConfig::default().with_device(device);
+        let mut session = SessionConfig::default()
+            .with_device(device)
+            .with_cuda(cuda)
+            .with_coreml(coreml);
         if let Some(threads) = threads {
             session = session.with_intra_threads(threads);
         }

@@ -435,6 +435,95 @@ impl OptimizationLevel {
     }
 }
 
+/// How cuDNN picks a convolution algorithm for each new input shape (CUDA).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ConvSearch {
+    /// cuDNN's heuristic, no benchmarking (klein's default: the VAE's convolutions change shape
+    /// with every output size, and an exhaustive search per shape costs seconds).
+    #[default]
+    Heuristic,
+    /// Benchmark every algorithm on the first run of each shape (ONNX Runtime's default): the
+    /// fastest kernels for repeated runs at one size.
+    Exhaustive,
+    /// cuDNN's default algorithm, no search at all.
+    Default,
+}
+
+impl FromStr for ConvSearch {
+    type Err = KleinError;
+
+    /// Parses `heuristic`, `exhaustive` or `default`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "heuristic" => Ok(ConvSearch::Heuristic),
+            "exhaustive" => Ok(ConvSearch::Exhaustive),
+            "default" => Ok(ConvSearch::Default),
+            _ => Err(KleinError::Request(format!(
+                "unknown cuDNN conv search `{s}`; use heuristic, exhaustive or default"
+            ))),
+        }
+    }
+}
+
+/// The CUDA execution provider's settings people tune; each `None` keeps ONNX Runtime's default.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub struct CudaOptions {
+    /// Largest size of ONNX Runtime's CUDA memory arena, in bytes (`gpu_mem_limit`).
+    pub memory_limit: Option<usize>,
+    /// Grow the arena by what each allocation asks instead of by powers of two
+    /// (`arena_extend_strategy`): a smaller peak on a shared GPU, more allocations.
+    pub arena_same_as_requested: bool,
+    /// cuDNN's convolution algorithm search.
+    pub conv_search: ConvSearch,
+    /// TF32 tensor-core products for float32 MatMul/Conv on Ampere and newer (`use_tf32`):
+    /// faster, with 10-bit mantissa products.
+    pub tf32: Option<bool>,
+}
+
+/// The hardware CoreML may run a graph on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ComputeUnits {
+    /// CPU, GPU and Neural Engine: CoreML decides per operation.
+    #[default]
+    All,
+    /// CPU and GPU.
+    CpuAndGpu,
+    /// CPU and Neural Engine.
+    CpuAndNeuralEngine,
+    /// CPU only.
+    CpuOnly,
+}
+
+impl FromStr for ComputeUnits {
+    type Err = KleinError;
+
+    /// Parses `all`, `cpu-gpu`, `cpu-ane` or `cpu`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "all" => Ok(ComputeUnits::All),
+            "cpu-gpu" => Ok(ComputeUnits::CpuAndGpu),
+            "cpu-ane" => Ok(ComputeUnits::CpuAndNeuralEngine),
+            "cpu" => Ok(ComputeUnits::CpuOnly),
+            _ => Err(KleinError::Request(format!(
+                "unknown CoreML compute units `{s}`; use all, cpu-gpu, cpu-ane (Neural Engine) or cpu"
+            ))),
+        }
+    }
+}
+
+/// The CoreML execution provider's settings.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub struct CoreMlOptions {
+    /// Where CoreML may run the graphs.
+    pub compute_units: ComputeUnits,
+    /// Directory where compiled CoreML models are kept between processes
+    /// (`ModelCacheDirectory`), keyed by the `COREML_CACHE_KEY` the exporter writes into each
+    /// graph (a digest of the graph and its weights). `None`: every load compiles again.
+    pub cache_dir: Option<PathBuf>,
+}
+
 /// Options of every session [`load_graph`] builds.
 #[derive(Debug, Clone, Default)]
 #[non_exhaustive]
@@ -445,6 +534,10 @@ pub struct SessionConfig {
     pub intra_threads: Option<usize>,
     /// Graph optimisation level.
     pub optimization: OptimizationLevel,
+    /// Settings of the CUDA provider (used when the device is CUDA, or auto picks it).
+    pub cuda: CudaOptions,
+    /// Settings of the CoreML provider (used when the device is CoreML, or auto picks it).
+    pub coreml: CoreMlOptions,
 }
 
 impl SessionConfig {
@@ -463,6 +556,18 @@ impl SessionConfig {
     /// Uses this graph optimisation level.
     pub fn with_optimization(mut self, level: OptimizationLevel) -> Self {
         self.optimization = level;
+        self
+    }
+
+    /// Uses these CUDA settings.
+    pub fn with_cuda(mut self, cuda: CudaOptions) -> Self {
+        self.cuda = cuda;
+        self
+    }
+
+    /// Uses these CoreML settings.
+    pub fn with_coreml(mut self, coreml: CoreMlOptions) -> Self {
+        self.coreml = coreml;
         self
     }
 }
@@ -627,6 +732,8 @@ pub fn load_graph(name: &'static str, path: &Path, config: &SessionConfig) -> Re
         device,
         intra_threads,
         optimization,
+        cuda,
+        coreml,
     } = config.clone();
     if !path.is_file() {
         return Err(KleinError::Bundle {
@@ -646,7 +753,7 @@ pub fn load_graph(name: &'static str, path: &Path, config: &SessionConfig) -> Re
                 .map_err(|e| LoadFailure::Session(error_chain(&e)))?,
             None => builder,
         };
-        let mut builder = register_device(builder, device)?;
+        let mut builder = register_device(builder, device, &cuda, &coreml)?;
         builder.commit_from_file(path).map_err(|e| match e.code() {
             // The file itself is not a graph ONNX Runtime can read: a bad bundle, not a bad run.
             ErrorCode::InvalidProtobuf | ErrorCode::InvalidGraph | ErrorCode::NoModel => {
@@ -757,11 +864,13 @@ impl LoadFailure {
 fn register_device(
     builder: SessionBuilder,
     device: Device,
+    cuda: &CudaOptions,
+    coreml: &CoreMlOptions,
 ) -> std::result::Result<SessionBuilder, LoadFailure> {
     match device {
         Device::Cpu | Device::Auto => Ok(builder),
-        Device::Cuda(id) => register_cuda(builder, id),
-        Device::CoreMl => register_coreml(builder),
+        Device::Cuda(id) => register_cuda(builder, id, cuda),
+        Device::CoreMl => register_coreml(builder, coreml),
     }
 }
 
@@ -769,8 +878,10 @@ fn register_device(
 fn register_cuda(
     builder: SessionBuilder,
     id: u32,
+    options: &CudaOptions,
 ) -> std::result::Result<SessionBuilder, LoadFailure> {
-    use ort::ep::ExecutionProvider;
+    use ort::ep::cuda::ConvAlgorithmSearch;
+    use ort::ep::{ArenaExtendStrategy, ExecutionProvider};
     let id = i32::try_from(id)
         .map_err(|_| LoadFailure::Device(format!("CUDA device id {id} is too large")))?;
     match ort::ep::CUDA::is_available() {
@@ -784,14 +895,24 @@ fn register_cuda(
         }
         Err(e) => return Err(LoadFailure::Device(error_chain(&e))),
     }
+    let mut ep = ort::ep::CUDA::default()
+        .with_device_id(id)
+        .with_conv_algorithm_search(match options.conv_search {
+            ConvSearch::Heuristic => ConvAlgorithmSearch::Heuristic,
+            ConvSearch::Exhaustive => ConvAlgorithmSearch::Exhaustive,
+            ConvSearch::Default => ConvAlgorithmSearch::Default,
+        });
+    if let Some(limit) = options.memory_limit {
+        ep = ep.with_memory_limit(limit);
+    }
+    if options.arena_same_as_requested {
+        ep = ep.with_arena_extend_strategy(ArenaExtendStrategy::SameAsRequested);
+    }
+    if let Some(tf32) = options.tf32 {
+        ep = ep.with_tf32(tf32);
+    }
     builder
-        .with_execution_providers([ort::ep::CUDA::default()
-            .with_device_id(id)
-            // cuDNN's heuristic instead of the default exhaustive benchmark: the VAE's convolutions
-            // change shape with every output size, and an exhaustive search per shape costs seconds.
-            .with_conv_algorithm_search(ort::ep::cuda::ConvAlgorithmSearch::Heuristic)
-            .build()
-            .error_on_failure()])
+        .with_execution_providers([ep.build().error_on_failure()])
         .map_err(|e| LoadFailure::Device(error_chain(&e)))
 }
 
@@ -799,6 +920,7 @@ fn register_cuda(
 fn register_cuda(
     _builder: SessionBuilder,
     _id: u32,
+    _options: &CudaOptions,
 ) -> std::result::Result<SessionBuilder, LoadFailure> {
     Err(LoadFailure::Device(
         "this klein was built without CUDA support; rebuild with `--features cuda`".to_string(),
@@ -806,7 +928,11 @@ fn register_cuda(
 }
 
 #[cfg(feature = "coreml")]
-fn register_coreml(builder: SessionBuilder) -> std::result::Result<SessionBuilder, LoadFailure> {
+fn register_coreml(
+    builder: SessionBuilder,
+    options: &CoreMlOptions,
+) -> std::result::Result<SessionBuilder, LoadFailure> {
+    use ort::ep::coreml::{ComputeUnits as Units, ModelFormat};
     use ort::ep::ExecutionProvider;
     match ort::ep::CoreML::is_available() {
         Ok(true) => {}
@@ -819,17 +945,28 @@ fn register_coreml(builder: SessionBuilder) -> std::result::Result<SessionBuilde
         }
         Err(e) => return Err(LoadFailure::Device(error_chain(&e))),
     }
+    let mut ep = ort::ep::CoreML::default()
+        // MLProgram (Core ML 5+) runs float16 and more operators than the NeuralNetwork format.
+        .with_model_format(ModelFormat::MLProgram)
+        .with_compute_units(match options.compute_units {
+            ComputeUnits::All => Units::All,
+            ComputeUnits::CpuAndGpu => Units::CPUAndGPU,
+            ComputeUnits::CpuAndNeuralEngine => Units::CPUAndNeuralEngine,
+            ComputeUnits::CpuOnly => Units::CPUOnly,
+        });
+    if let Some(dir) = &options.cache_dir {
+        ep = ep.with_model_cache_dir(dir.display());
+    }
     builder
-        .with_execution_providers([ort::ep::CoreML::default()
-            // MLProgram (Core ML 5+) runs float16 and more operators than the NeuralNetwork format.
-            .with_model_format(ort::ep::coreml::ModelFormat::MLProgram)
-            .build()
-            .error_on_failure()])
+        .with_execution_providers([ep.build().error_on_failure()])
         .map_err(|e| LoadFailure::Device(error_chain(&e)))
 }
 
 #[cfg(not(feature = "coreml"))]
-fn register_coreml(_builder: SessionBuilder) -> std::result::Result<SessionBuilder, LoadFailure> {
+fn register_coreml(
+    _builder: SessionBuilder,
+    _options: &CoreMlOptions,
+) -> std::result::Result<SessionBuilder, LoadFailure> {
     Err(LoadFailure::Device(
         "this klein was built without CoreML support; rebuild with `--features coreml`".to_string(),
     ))

@@ -148,7 +148,7 @@ pub(crate) fn generate(prompt: &str, output: &Path, extra: &[&str]) -> Run {
 /// A generation that must fail with a user error: it writes to an empty directory, and that
 /// directory must still be empty afterwards (no output, no temporary file).
 #[track_caller]
-fn assert_refused(extra: &[&str], needles: &[&str]) -> Run {
+pub(crate) fn assert_refused(extra: &[&str], needles: &[&str]) -> Run {
     let out_dir = temp_dir("cli-refused");
     let run = generate("a cat", &out_dir.join("out.png"), extra);
     run.assert_user_error(needles);
@@ -295,7 +295,7 @@ pub(crate) fn corrupt(file: &Path) {
 }
 
 /// Edits the copied bundle's manifest.json as JSON.
-fn edit_manifest(bundle: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+pub(crate) fn edit_manifest(bundle: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
     let path = bundle.join("manifest.json");
     let mut manifest: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();

@@ -13,7 +13,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use klein::manifest::Manifest;
 use klein::output::{encode_png, write_atomic};
 use klein::pipeline::{Generation, Pipeline, PipelineOptions, Progress, Request, MAX_BATCH};
-use klein::runtime::{Device, RuntimeOptions};
+use klein::runtime::{
+    ComputeUnits, ConvSearch, CoreMlOptions, CudaOptions, Device, RuntimeOptions,
+};
 use klein::KleinError;
 
 mod batch;
@@ -93,6 +95,42 @@ struct GenerateArgs {
     /// Threads per operator [default: ONNX Runtime's choice]
     #[arg(long)]
     threads: Option<usize>,
+    /// CUDA: largest size of ONNX Runtime's GPU memory arena, in GiB [default: no limit]
+    #[arg(
+        long,
+        value_name = "GIB",
+        help_heading = "CUDA (--device cuda or auto)"
+    )]
+    cuda_mem_limit: Option<f64>,
+    /// CUDA: grow the memory arena by what each allocation needs, not by powers of two
+    #[arg(long, help_heading = "CUDA (--device cuda or auto)")]
+    cuda_arena_exact: bool,
+    /// CUDA: cuDNN convolution algorithm search: heuristic, exhaustive or default
+    #[arg(
+        long,
+        value_name = "SEARCH",
+        default_value = "heuristic",
+        help_heading = "CUDA (--device cuda or auto)"
+    )]
+    cuda_conv_search: ConvSearch,
+    /// CUDA: TF32 tensor cores for float32 products (Ampere and newer) [default: ONNX Runtime's]
+    #[arg(long, value_name = "on|off", value_parser = on_off, help_heading = "CUDA (--device cuda or auto)")]
+    cuda_tf32: Option<bool>,
+    /// CoreML: where graphs may run: all, cpu-gpu, cpu-ane (Neural Engine) or cpu
+    #[arg(
+        long,
+        value_name = "UNITS",
+        default_value = "all",
+        help_heading = "CoreML (--device coreml or auto)"
+    )]
+    coreml_units: ComputeUnits,
+    /// CoreML: keep compiled models in DIR between runs (created if missing)
+    #[arg(
+        long,
+        value_name = "DIR",
+        help_heading = "CoreML (--device coreml or auto)"
+    )]
+    coreml_cache: Option<PathBuf>,
     /// Output PNG file; with --num-images N, files NAME-1.png ... NAME-N.png
     #[arg(short, long, default_value = "klein.png")]
     output: PathBuf,
@@ -225,7 +263,74 @@ fn pipeline_options(args: &GenerateArgs) -> PipelineOptions {
     if let Some(dir) = &args.prompt_cache {
         options = options.with_prompt_cache_dir(dir);
     }
-    options
+    let mut cuda = CudaOptions::default();
+    cuda.memory_limit = args
+        .cuda_mem_limit
+        .map(|gib| (gib * (1u64 << 30) as f64) as usize);
+    cuda.arena_same_as_requested = args.cuda_arena_exact;
+    cuda.conv_search = args.cuda_conv_search;
+    cuda.tf32 = args.cuda_tf32;
+    let mut coreml = CoreMlOptions::default();
+    coreml.compute_units = args.coreml_units;
+    coreml.cache_dir = args.coreml_cache.clone();
+    options.with_cuda(cuda).with_coreml(coreml)
+}
+
+/// `on`/`off` (also true/false, yes/no, 1/0).
+fn on_off(s: &str) -> Result<bool, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "on" | "true" | "yes" | "1" => Ok(true),
+        "off" | "false" | "no" | "0" => Ok(false),
+        _ => Err(format!("`{s}` is not on or off")),
+    }
+}
+
+/// Device-specific flags given for a device they do not apply to: a mistake worth stopping for
+/// (`--coreml-cache` with `--device cuda` would otherwise be silently ignored).
+fn check_device_flags(args: &GenerateArgs) -> Result<(), String> {
+    let cuda_flags = [
+        ("--cuda-mem-limit", args.cuda_mem_limit.is_some()),
+        ("--cuda-arena-exact", args.cuda_arena_exact),
+        (
+            "--cuda-conv-search",
+            args.cuda_conv_search != ConvSearch::default(),
+        ),
+        ("--cuda-tf32", args.cuda_tf32.is_some()),
+    ];
+    let coreml_flags = [
+        (
+            "--coreml-units",
+            args.coreml_units != ComputeUnits::default(),
+        ),
+        ("--coreml-cache", args.coreml_cache.is_some()),
+    ];
+    let (cuda_ok, coreml_ok) = match args.device {
+        Device::Cuda(_) => (true, false),
+        Device::CoreMl => (false, true),
+        Device::Auto => (true, true),
+        Device::Cpu => (false, false),
+    };
+    for (flags, ok) in [(&cuda_flags[..], cuda_ok), (&coreml_flags[..], coreml_ok)] {
+        if let Some((flag, _)) = flags.iter().find(|(_, given)| *given && !ok) {
+            return Err(format!(
+                "{flag} does not apply to --device {}; it applies with --device {} or auto",
+                args.device,
+                if flag.starts_with("--cuda") {
+                    "cuda"
+                } else {
+                    "coreml"
+                }
+            ));
+        }
+    }
+    if let Some(gib) = args.cuda_mem_limit {
+        if !(gib.is_finite() && gib > 0.0 && gib < 1e6) {
+            return Err(format!(
+                "--cuda-mem-limit {gib}: give a positive number of GiB"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Progress on stderr: a bar when stderr is a terminal and --quiet is not given.
@@ -310,6 +415,7 @@ fn warn_ignored_guidance(pipeline: &Pipeline, guidance: Option<f64>) -> bool {
 }
 
 fn generate(args: GenerateArgs) -> anyhow::Result<ExitCode> {
+    check_device_flags(&args).map_err(UsageError)?;
     match (&args.prompts, &args.out_dir, &args.prompt) {
         (Some(prompts), Some(out_dir), _) => batch::generate_batch(&args, prompts, out_dir),
         (_, _, Some(prompt)) => generate_one(&args, prompt).map(|()| ExitCode::SUCCESS),
