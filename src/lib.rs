@@ -7,6 +7,7 @@
 #![deny(unsafe_code)]
 
 pub mod batch;
+pub mod buckets;
 pub mod capi;
 pub mod error;
 pub mod latents;

@@ -23,6 +23,7 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::buckets::StaticShapes;
 use crate::error::{KleinError, Result};
 use crate::output::write_atomic;
 use crate::reference::ReferenceLimits;
@@ -81,6 +82,10 @@ pub struct Manifest {
     pub scheduler: SchedulerSpec,
     /// The four ONNX graphs and their I/O contracts.
     pub graphs: GraphsSpec,
+    /// Fixed-shape graphs per output size (`klein-export convert --static-shapes`); absent for
+    /// the usual dynamic bundles.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub static_shapes: Option<StaticShapes>,
     /// Every file of the bundle (relative path) with its size and SHA-256.
     pub files: BTreeMap<String, FileEntry>,
     /// What wrote the bundle.
@@ -736,6 +741,13 @@ impl Manifest {
                  in size (diffusers uses 10)"
             ));
         }
+        if let Some(shapes) = &self.static_shapes {
+            problems.extend(shapes.problems(
+                self.latents.pixel_multiple,
+                self.tokenizer.max_sequence_length,
+                crate::pipeline::MAX_SIDE,
+            ));
+        }
         if problems.is_empty() {
             Ok(())
         } else {
@@ -747,7 +759,8 @@ impl Manifest {
     fn check_files(&self, bundle_dir: &Path, manifest_path: &Path) -> Result<()> {
         let bundle_error = |path: PathBuf, reason: String| KleinError::Bundle { path, reason };
         let needed = std::iter::once(("tokenizer", &self.tokenizer.file))
-            .chain(self.graphs.iter().map(|(name, g)| (name, &g.file)));
+            .chain(self.graphs.iter().map(|(name, g)| (name, &g.file)))
+            .chain(self.static_shapes.iter().flat_map(StaticShapes::files));
         for (what, file) in needed {
             if !self.files.contains_key(file) {
                 return Err(bundle_error(

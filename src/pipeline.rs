@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use ndarray::{concatenate, s, Array2, Array3, Array4, ArrayView3, Axis, Ix3, Ix4};
 
+use crate::buckets::PER_BUCKET;
 use crate::error::{KleinError, Result};
 use crate::latents::{
     pack_latents, prepare_image_ids, prepare_latent_ids, prepare_text_ids, unpack_latents,
@@ -260,6 +261,9 @@ pub struct DenoiseContext {
     img_ids: Array2<i64>,
     /// `[B, N, 128]` reference tokens, appended after the latents at every step.
     ref_tokens: Array3<f32>,
+    /// The output's latent grid, `image_tokens = lat_h * lat_w`.
+    lat_h: usize,
+    lat_w: usize,
     image_tokens: usize,
     schedule: Schedule,
 }
@@ -296,6 +300,8 @@ pub struct Pipeline {
     transformer: Option<Graph>,
     vae_encoder: Option<Graph>,
     vae_decoder: Option<Graph>,
+    /// Static-shape bundles: the bucket whose graphs the transformer and VAE slots hold.
+    bucket: Option<usize>,
     device_used: Option<Device>,
 }
 
@@ -371,6 +377,7 @@ impl Pipeline {
             transformer: None,
             vae_encoder: None,
             vae_decoder: None,
+            bucket: None,
             device_used: None,
         })
     }
@@ -407,6 +414,7 @@ impl Pipeline {
         name: &'static str,
         progress: &mut Option<Callback<'_>>,
     ) -> Result<&mut Graph> {
+        let file = self.graph_file(name)?;
         let (slot, spec, stage) = match name {
             "text_encoder" => (
                 &mut self.text_encoder,
@@ -433,15 +441,62 @@ impl Pipeline {
         if slot.is_none() {
             notify(progress, Progress::StageStarted(stage))?;
             let start = Instant::now();
-            let graph = load_graph(name, &self.dir.join(&spec.file), &self.session)?;
+            let path = self.dir.join(file);
+            let graph = load_graph(name, &path, &self.session)?;
             graph.check_io(spec)?;
-            spec.check_metadata(name, graph.metadata(), &self.dir.join(&spec.file))?;
+            spec.check_metadata(name, graph.metadata(), &path)?;
             self.device_used = Some(graph.device());
             *slot = Some(graph);
             notify(progress, Progress::StageFinished(stage, start.elapsed()))?;
         }
         slot.as_mut()
             .ok_or_else(|| unreachable!("the slot was filled above"))
+    }
+
+    /// The file of graph `name`: the current bucket's for the per-bucket graphs of a static-shape
+    /// bundle, else the manifest's.
+    fn graph_file(&self, name: &str) -> Result<String> {
+        let spec = match name {
+            "text_encoder" => &self.manifest.graphs.text_encoder,
+            "transformer" => &self.manifest.graphs.transformer,
+            "vae_encoder" => &self.manifest.graphs.vae_encoder,
+            "vae_decoder" => &self.manifest.graphs.vae_decoder,
+            other => return Err(internal("graph", format!("no graph named `{other}`"))),
+        };
+        let Some(shapes) = &self.manifest.static_shapes else {
+            return Ok(spec.file.clone());
+        };
+        if !PER_BUCKET.contains(&name) {
+            return Ok(spec.file.clone());
+        }
+        let bucket = self
+            .bucket
+            .and_then(|b| shapes.buckets.get(b))
+            .ok_or_else(|| internal("graph", format!("no bucket chosen for the {name} graph")))?;
+        // A bundle without references keeps its dynamic VAE encoder.
+        Ok(bucket.files.get(name).unwrap_or(&spec.file).clone())
+    }
+
+    /// Static-shape bundles: makes `index` the current bucket, releasing the graphs of another.
+    fn switch_bucket(&mut self, index: usize) {
+        if self.bucket != Some(index) {
+            self.transformer = None;
+            self.vae_encoder = None;
+            self.vae_decoder = None;
+            self.bucket = Some(index);
+        }
+    }
+
+    /// Static-shape bundles: switches to the bucket of a `width` x `height` output (a request
+    /// error when there is none); no-op for dynamic bundles.
+    fn use_bucket_of_size(&mut self, width: u32, height: u32) -> Result<()> {
+        if let Some(shapes) = &self.manifest.static_shapes {
+            let index = shapes
+                .bucket_for_size(width, height)
+                .map_err(request_error)?;
+            self.switch_bucket(index);
+        }
+        Ok(())
     }
 
     /// Stage 2: the prompt's embeddings `[1, L, 3*hidden]` (from the cache when enabled).
@@ -531,6 +586,9 @@ impl Pipeline {
     ) -> Result<ReferenceTokens> {
         let channels = self.manifest.latents.channels;
         let scale = self.manifest.references.time_offset_scale;
+        if let Some(first) = references.first() {
+            self.use_bucket_of_size(first.width, first.height)?;
+        }
         let graph = self.graph("vae_encoder", progress)?;
         notify(progress, Progress::StageStarted(Stage::EncodeReferences))?;
         let start = Instant::now();
@@ -624,6 +682,15 @@ impl Pipeline {
     ) -> Result<DenoiseContext> {
         let image_tokens = lat_h * lat_w;
         check_token_budget(image_tokens, references.ids.nrows(), references.count)?;
+        if let Some(shapes) = &self.manifest.static_shapes {
+            if batch != shapes.batch || references.count != shapes.refs {
+                return Err(request_error(format!(
+                    "this bundle has static shapes (for CoreML): {} image(s) per call with {} reference(s), \
+                     not {batch} with {}",
+                    shapes.batch, shapes.refs, references.count
+                )));
+            }
+        }
         // [1, L, D] -> [B, L, D]: every image of a prompt shares its embeddings.
         let repeat = |e: &PromptEmbeds| -> Result<Array3<f32>> {
             concatenate(Axis(0), &vec![e.embeds.view(); batch])
@@ -646,6 +713,8 @@ impl Pipeline {
         let ref_tokens = concatenate(Axis(0), &vec![references.tokens.view(); batch])
             .map_err(|e| internal("reference tokens", e))?;
         Ok(DenoiseContext {
+            lat_h,
+            lat_w,
             txt_ids: prepare_text_ids(text.dim().1),
             text,
             negative,
@@ -686,6 +755,8 @@ impl Pipeline {
                 ctx.schedule.num_steps()
             )));
         }
+        let m = self.manifest.latents.pixel_multiple as usize;
+        self.use_bucket_of_size((ctx.lat_w * m) as u32, (ctx.lat_h * m) as u32)?;
         let graph = self.graph("transformer", progress)?;
         // [B, h*w, 128] ; [B, N, 128] -> [B, h*w + N, 128]
         let input = concatenate(Axis(1), &[latents.view(), ctx.ref_tokens.view()])
@@ -728,6 +799,8 @@ impl Pipeline {
         ctx: &DenoiseContext,
         progress: &mut Option<Callback<'_>>,
     ) -> Result<Array3<f32>> {
+        let m = self.manifest.latents.pixel_multiple as usize;
+        self.use_bucket_of_size((ctx.lat_w * m) as u32, (ctx.lat_h * m) as u32)?;
         self.graph("transformer", progress)?;
         notify(progress, Progress::StageStarted(Stage::Denoise))?;
         let start = Instant::now();
@@ -767,6 +840,8 @@ impl Pipeline {
         progress: &mut Option<Callback<'_>>,
     ) -> Result<Vec<RgbImage>> {
         let grid = unpack_latents(latents, lat_h, lat_w)?; // [B, h*w, 128] -> [B, 128, h, w]
+        let m = self.manifest.latents.pixel_multiple;
+        self.use_bucket_of_size(lat_w as u32 * m, lat_h as u32 * m)?;
         let graph = self.graph("vae_decoder", progress)?;
         notify(progress, Progress::StageStarted(Stage::Decode))?;
         let start = Instant::now();
@@ -846,6 +921,17 @@ impl Pipeline {
             .map(|r| (r.width / m * (r.height / m)) as usize)
             .sum();
         check_token_budget(lat_h * lat_w, ref_tokens, request.references.len())?;
+        if let Some(shapes) = &self.manifest.static_shapes {
+            let sizes: Vec<(u32, u32)> = request
+                .references
+                .iter()
+                .map(|r| (r.width, r.height))
+                .collect();
+            let index = shapes
+                .bucket_for_request(width, height, &sizes)
+                .map_err(request_error)?;
+            self.switch_bucket(index);
+        }
         let noise = match &request.initial_latents {
             Some(latents) => {
                 let want = (batch, self.manifest.latents.channels, lat_h, lat_w);
@@ -905,13 +991,30 @@ impl Pipeline {
         // 4-6. Latents, schedule, denoising.
         let schedule = self.schedule(steps, lat_h, lat_w)?;
         let negative = negative.as_ref().map(|n| (n, guidance));
-        let ctx =
-            self.denoise_context(batch, lat_h, lat_w, embeds, negative, &references, schedule)?;
-        let packed = pack_latents(noise.view()); // [B, 128, h, w] -> [B, h*w, 128]
-        let latents = self.denoise_with(packed, &ctx, progress)?;
+        // Static graphs take one image per call: image i denoises row i of the batch's noise,
+        // as it would in one batched call.
+        let chunk = match &self.manifest.static_shapes {
+            Some(shapes) => shapes.batch,
+            None => batch,
+        };
+        let mut images = Vec::with_capacity(batch);
+        for first in (0..batch).step_by(chunk) {
+            let rows = s![first..(first + chunk).min(batch), .., .., ..];
+            let ctx = self.denoise_context(
+                noise.slice(rows).dim().0,
+                lat_h,
+                lat_w,
+                embeds,
+                negative,
+                &references,
+                schedule.clone(),
+            )?;
+            let packed = pack_latents(noise.slice(rows)); // [B, 128, h, w] -> [B, h*w, 128]
+            let latents = self.denoise_with(packed, &ctx, progress)?;
 
-        // 7. Decode.
-        let images = self.decode_with(latents.view(), lat_h, lat_w, progress)?;
+            // 7. Decode.
+            images.extend(self.decode_with(latents.view(), lat_h, lat_w, progress)?);
+        }
         Ok(Generation {
             images,
             width,

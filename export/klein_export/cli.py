@@ -7,6 +7,7 @@ from pathlib import Path
 from .checkpoint import CheckpointError
 from .precision import PRECISIONS, PrecisionError
 from .quantize import BITS, DEFAULT_BLOCK_SIZE, DEFAULT_COMPONENTS, QuantizationConfig, QuantizationError, parse_components
+from .static_shapes import StaticShapesError
 
 EXIT_USER_ERROR = 2
 
@@ -40,6 +41,8 @@ def _convert(args):
         variant=args.variant,
         precision=args.precision,
         quantization=_quantization(args),
+        static_shapes=args.static_shapes,
+        refs=args.refs,
     )
     print(out)
     return 0
@@ -125,6 +128,13 @@ def parser() -> argparse.ArgumentParser:
         help="fp16: Linear/Conv/embedding weights and their products in float16; norms, modulation, attention, RoPE "
         "and the residual stream stay float32 (bf16 is refused: ONNX Runtime's CPU provider cannot run it)",
     )
+    c.add_argument(
+        "--static-shapes",
+        metavar="WxH,...",
+        help="fixed-shape graphs for CoreML, one set per WIDTHxHEIGHT bucket (e.g. 1024x1024,768x1024,1024x768), batch 1; "
+        "the runtime picks the bucket of the requested size and refuses others",
+    )
+    c.add_argument("--refs", type=int, default=0, help="with --static-shapes: reference images per generation, each of the output's size (default 0)")
     _add_quantization_args(c)
     c.set_defaults(func=_convert)
 
@@ -170,7 +180,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.func(args)
-    except (CheckpointError, FileExistsError, FileNotFoundError, PrecisionError, QuantizationError) as e:
+    except (CheckpointError, FileExistsError, FileNotFoundError, PrecisionError, QuantizationError, StaticShapesError) as e:
         print(f"klein-export: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
 

@@ -17,10 +17,12 @@ from torch.export import Dim
 from . import contract
 from .atomic import atomic_directory
 from .checkpoint import Checkpoint
-from .manifest import HIDDEN_LAYERS, build_manifest, write_manifest
+from .cache_key import stamp_bundle
+from .manifest import HIDDEN_LAYERS, build_manifest, bundle_files, write_manifest
 from .onnx_export import export_graph
 from .precision import check_precision, to_float16
 from .quantize import QuantizationConfig, quantize_bundle
+from .static_shapes import StaticShapesError, check_refs, make_static, parse_buckets
 from .tokenizer_facts import tokenizer_facts
 from .wrappers import TextEncoder, Transformer, VaeDecoder, VaeEncoder
 
@@ -114,11 +116,15 @@ def _export_vae(ckpt, out, precision):
     return ((enc_io, enc_scheme), (dec_io, dec_scheme))
 
 
-def convert(checkpoint, out, force=False, name=None, variant="custom", log=print, precision="fp32", quantization=None):
+def convert(
+    checkpoint, out, force=False, name=None, variant="custom", log=print, precision="fp32", quantization=None, static_shapes=None, refs=0
+):
     """Export every component of `checkpoint` into the bundle directory `out`.
 
     `precision` is "fp32" or "fp16" (precision.py); `quantization` a QuantizationConfig or None
     (quantize.py): its components are quantized once every graph is exported, one graph at a time.
+    `static_shapes` ("1024x1024,768x1024", static_shapes.py) makes fixed-shape graphs for CoreML,
+    per size bucket, each taking `refs` references of the output's size.
     """
     check_precision(precision)
     if quantization is not None and not isinstance(quantization, QuantizationConfig):
@@ -127,6 +133,16 @@ def convert(checkpoint, out, force=False, name=None, variant="custom", log=print
     out = Path(out)
     if out.exists() and not force:
         raise BundleExistsError(f"{out}: already exists; pass --force to overwrite it")
+    buckets = None
+    if static_shapes is not None:
+        if quantization is not None:
+            raise StaticShapesError("--static-shapes is for CoreML, which cannot run MatMulNBits: leave out --quantize")
+        check_refs(refs)
+        vae = ckpt.vae_config
+        multiple = 2 ** (len(vae["block_out_channels"]) - 1) * vae.get("patch_size", [2, 2])[0]
+        buckets = parse_buckets(static_shapes, multiple)
+    elif refs:
+        raise StaticShapesError("--refs applies with --static-shapes only")
     with atomic_directory(out) as tmp:
         tokenizer = ckpt.load_tokenizer()
         facts = tokenizer_facts(tokenizer)
@@ -139,7 +155,12 @@ def convert(checkpoint, out, force=False, name=None, variant="custom", log=print
             for io, scheme in results:
                 graphs[io.component] = (io, precision, None, scheme)
             log(f"exported {label} ({precision}) in {time.perf_counter() - start:.1f} s (peak RSS {child_peak_mb:.0f} MB)")
-        manifest = build_manifest(ckpt, facts, graphs, tmp, name or out.name, variant)
+        manifest = build_manifest(ckpt, facts, graphs, name or out.name, variant)
+        if buckets is not None:
+            seq = facts["max_sequence_length"]
+            manifest["static_shapes"] = make_static(tmp, manifest["graphs"], buckets, refs, seq, manifest["latents"]["pixel_multiple"], log)
+        stamp_bundle(tmp)
+        manifest["files"] = bundle_files(tmp)
         write_manifest(manifest, tmp)
         if quantization is not None:
             # After every torch module is freed; one graph in memory at a time.

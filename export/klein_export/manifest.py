@@ -42,7 +42,8 @@ def _versions() -> dict:
     }
 
 
-def build_manifest(ckpt, tokenizer_facts: dict, graphs: dict, bundle_dir: Path, name: str, variant: str) -> dict:
+def build_manifest(ckpt, tokenizer_facts: dict, graphs: dict, name: str, variant: str) -> dict:
+    """Everything but `files` (see `bundle_files`)."""
     te, tr, vae, sch = ckpt.text_encoder_config, ckpt.transformer_config, ckpt.vae_config, ckpt.scheduler_config
     hidden = te["hidden_size"]
     distilled = ckpt.is_distilled
@@ -115,10 +116,19 @@ def build_manifest(ckpt, tokenizer_facts: dict, graphs: dict, bundle_dir: Path, 
         }
         if scheme and scheme[0] is not None:
             manifest["graphs"][component]["precision_scheme"] = scheme[0]
+    return manifest
+
+
+def bundle_files(bundle_dir: Path, known: dict = None, changed=None) -> dict:
+    """The manifest's `files`: size and sha256 of every file but manifest.json. Entries of `known`
+    are reused for files not in `changed` (None: hash everything)."""
+    known = known or {}
+    files = {}
     for path in sorted(Path(bundle_dir).iterdir()):
         if path.is_file() and path.name != "manifest.json":
-            manifest["files"][path.name] = file_entry(path)
-    return manifest
+            reuse = changed is not None and path.name not in changed and path.name in known
+            files[path.name] = known[path.name] if reuse else file_entry(path)
+    return files
 
 
 def write_manifest(manifest: dict, bundle_dir: Path):

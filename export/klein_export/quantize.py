@@ -24,7 +24,8 @@ from pathlib import Path
 
 import onnx
 
-from .manifest import file_entry, write_manifest
+from .cache_key import stamp_bundle
+from .manifest import bundle_files, write_manifest
 from .onnx_export import EXTERNAL_DATA_THRESHOLD
 
 METHOD = "MatMulNBits"
@@ -161,6 +162,10 @@ def quantize_bundle(bundle_dir, config: QuantizationConfig, log=print):
     changed (a graph that shrinks under 2 GB loses its `.onnx.data` file)."""
     bundle_dir = Path(bundle_dir)
     manifest = json.loads((bundle_dir / "manifest.json").read_text(encoding="utf-8"))
+    if manifest.get("static_shapes"):
+        raise QuantizationError(
+            f"{bundle_dir}: a static-shape bundle is for CoreML, which cannot run MatMulNBits; quantize a bundle without --static-shapes"
+        )
     changed = set()
     for component in config.components:
         spec = manifest["graphs"][component]
@@ -169,12 +174,8 @@ def quantize_bundle(bundle_dir, config: QuantizationConfig, log=print):
         spec["quantization"] = quantize_graph(bundle_dir / spec["file"], config)
         changed |= {spec["file"], spec["file"] + ".data"}
         log(f"quantized {component} to {config.bits} bits: {spec['quantization']['quantized_nodes']} MatMulNBits nodes")
-    files = {}
-    for path in sorted(bundle_dir.iterdir()):
-        if path.is_file() and path.name != "manifest.json":
-            known = manifest["files"].get(path.name)
-            files[path.name] = file_entry(path) if path.name in changed or known is None else known
-    manifest["files"] = files
+    stamp_bundle(bundle_dir, [manifest["graphs"][c]["file"] for c in config.components])
+    manifest["files"] = bundle_files(bundle_dir, manifest["files"], changed)
     write_manifest(manifest, bundle_dir)
     return manifest
 

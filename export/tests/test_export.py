@@ -59,6 +59,7 @@ def test_manifest_schema_and_hashes(tiny_bundle):
             "klein.precision": "fp32",
             "klein.quantization": "none",
             "klein.format_version": str(FORMAT_VERSION),
+            "COREML_CACHE_KEY": meta["COREML_CACHE_KEY"],  # test_static_shapes.py checks it
         }
         assert [i.name for i in model.graph.input] == [t["name"] for t in spec["inputs"]]
         assert [o.name for o in model.graph.output] == [t["name"] for t in spec["outputs"]]

@@ -577,7 +577,14 @@ fn info(args: InfoArgs) -> anyhow::Result<()> {
     );
     println!("graphs:");
     for (name, spec) in manifest.graphs.iter() {
-        let bytes = manifest.files.get(&spec.file).map(|f| f.bytes).unwrap_or(0);
+        // The graph, its external data and, in static-shape bundles, every bucket's graph and
+        // the shared weights: the files named `<component>.*`.
+        let bytes: u64 = manifest
+            .files
+            .iter()
+            .filter(|(file, _)| file.starts_with(&format!("{name}.")))
+            .map(|(_, f)| f.bytes)
+            .sum();
         let quant = spec
             .quantization
             .as_ref()
@@ -588,6 +595,15 @@ fn info(args: InfoArgs) -> anyhow::Result<()> {
             "  {name:13} {:>10.1} MB  {}  quantization {quant}",
             bytes as f64 / 1e6,
             spec.precision
+        );
+    }
+    if let Some(shapes) = &manifest.static_shapes {
+        println!(
+            "static shapes: {} (batch {}, {} tokens, {} reference(s) of the output's size)",
+            shapes.sizes(),
+            shapes.batch,
+            shapes.seq,
+            shapes.refs
         );
     }
     let e = &manifest.exporter;

@@ -1,0 +1,188 @@
+"""`convert --static-shapes` (fixed-shape graphs per size bucket, for CoreML) and the
+`COREML_CACHE_KEY` of every graph; the klein CLI on a static bundle.
+
+The bucket graphs are the dynamic graphs with fixed input shapes: on the same inputs ONNX Runtime
+must give the same outputs (measured: bit-equal; asserted within 1e-6 relative, room for a
+different kernel choice at a fixed shape). klein's images from the static bundle must equal the
+dynamic bundle's within the project's fp32 image tolerance (at most 1 level, in at most 1% of
+pixels; measured: byte-equal).
+"""
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from PIL import Image
+
+from klein_export.cache_key import KEY, stamp
+from klein_export.cli import main
+from klein_export.convert import convert
+
+REPO = Path(__file__).resolve().parents[2]
+KLEIN = REPO / "target" / "release" / "klein"
+BUCKETS = [(64, 64), (96, 64)]  # references must be 64 px or more a side
+
+
+@pytest.fixture(scope="module")
+def static_bundle(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("static") / "klein-tiny-static"
+    return convert(tiny_checkpoint, out, variant="tiny", static_shapes="64x64,96x64", refs=1, log=lambda _: None)
+
+
+def _manifest(bundle):
+    return json.loads((bundle / "manifest.json").read_text())
+
+
+def _session(path):
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _feeds(component, width, height, rng):
+    lat_h, lat_w = height // 16, width // 16
+    tokens = 2 * lat_h * lat_w  # output + one reference of the output's size
+    return {
+        "transformer": {
+            "latents": rng.standard_normal((1, tokens, 128), dtype=np.float32),
+            "prompt_embeds": rng.standard_normal((1, 512, 48), dtype=np.float32),
+            "timestep": np.array([0.6], np.float32),
+            "img_ids": rng.integers(0, 8, (tokens, 4)),
+            "txt_ids": rng.integers(0, 8, (512, 4)),
+        },
+        "vae_decoder": {"latents": rng.standard_normal((1, 128, lat_h, lat_w), dtype=np.float32)},
+        "vae_encoder": {"image": rng.uniform(-1, 1, (1, 3, height, width)).astype(np.float32)},
+    }[component]
+
+
+def test_manifest_lists_buckets_sharing_weights(static_bundle):
+    manifest = _manifest(static_bundle)
+    shapes = manifest["static_shapes"]
+    assert (shapes["batch"], shapes["seq"], shapes["refs"]) == (1, 512, 1)
+    assert [(b["width"], b["height"]) for b in shapes["buckets"]] == BUCKETS
+    for bucket in shapes["buckets"]:
+        name = f"{bucket['width']}x{bucket['height']}"
+        assert bucket["files"] == {c: f"{c}.{name}.onnx" for c in ("transformer", "vae_decoder", "vae_encoder")}
+    assert {c: g["file"] for c, g in manifest["graphs"].items()} == {
+        "text_encoder": "text_encoder.onnx",
+        "transformer": "transformer.64x64.onnx",
+        "vae_encoder": "vae_encoder.64x64.onnx",
+        "vae_decoder": "vae_decoder.64x64.onnx",
+    }
+    files = {p.name for p in static_bundle.iterdir()} - {"manifest.json"}
+    assert set(manifest["files"]) == files
+    assert not {"transformer.onnx", "vae_decoder.onnx", "vae_encoder.onnx"} & files, "dynamic graphs removed"
+    for component in ("transformer", "vae_decoder", "vae_encoder"):
+        weights = static_bundle / f"{component}.weights"
+        graphs = [static_bundle / f"{component}.{w}x{h}.onnx" for w, h in BUCKETS]
+        # Each bucket graph is structure only: its large initializers live in the one shared file.
+        for graph in graphs:
+            model = onnx.load(str(graph), load_external_data=False)
+            external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+            assert external and {e.value for t in external for e in t.external_data if e.key == "location"} == {weights.name}
+            assert graph.stat().st_size < weights.stat().st_size / 5, graph.name
+
+
+def test_bucket_graphs_have_fixed_shapes_and_compute_what_the_dynamic_graphs_do(static_bundle, tiny_bundle):
+    rng = np.random.default_rng(0)
+    for width, height in BUCKETS:
+        for component in ("transformer", "vae_decoder", "vae_encoder"):
+            path = static_bundle / f"{component}.{width}x{height}.onnx"
+            model = onnx.load(str(path), load_external_data=False)
+            for value in list(model.graph.input) + list(model.graph.output):
+                dims = value.type.tensor_type.shape.dim
+                assert all(d.HasField("dim_value") for d in dims), f"{path.name}: {value.name} is not static"
+            feeds = _feeds(component, width, height, rng)
+            got = _session(path).run(None, feeds)[0]
+            want = _session(tiny_bundle / f"{component}.onnx").run(None, feeds)[0]
+            assert got.shape == want.shape
+            assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), f"{path.name}"
+    ids = {"input_ids": rng.integers(0, 1000, (1, 512)), "attention_mask": np.ones((1, 512), np.int64)}
+    te = static_bundle / "text_encoder.onnx"
+    assert np.array_equal(_session(te).run(None, ids)[0], _session(tiny_bundle / "text_encoder.onnx").run(None, ids)[0])
+    with pytest.raises(Exception, match="latents"):
+        _session(static_bundle / "transformer.64x64.onnx").run(None, _feeds("transformer", 96, 64, rng))
+
+
+def test_every_graph_carries_its_coreml_cache_key(static_bundle, tiny_bundle, tmp_path):
+    keys = {}
+    for bundle in (static_bundle, tiny_bundle):
+        for path in sorted(bundle.glob("*.onnx")):
+            meta = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+            key = meta[KEY]
+            assert len(key) == 64 and key.isalnum(), path.name
+            keys[(bundle.name, path.name)] = key
+    assert len(set(keys.values())) == len(keys), "every graph has its own key (bucket graphs differ in shapes)"
+    # Stamping again gives the same key; other weights give another.
+    copy = tmp_path / "vae_decoder.onnx"
+    copy.write_bytes((tiny_bundle / "vae_decoder.onnx").read_bytes())
+    assert stamp(copy) == keys[(tiny_bundle.name, "vae_decoder.onnx")]
+    model = onnx.load(str(copy))
+    weight = next(t for t in model.graph.initializer if t.dims and t.data_type == onnx.TensorProto.FLOAT)
+    array = onnx.numpy_helper.to_array(weight).copy()
+    array.flat[0] += 1.0
+    weight.CopyFrom(onnx.numpy_helper.from_array(array, weight.name))
+    onnx.save_model(model, str(copy))
+    assert stamp(copy) != keys[(tiny_bundle.name, "vae_decoder.onnx")]
+
+
+def _klein(*args):
+    assert KLEIN.is_file(), f"{KLEIN} is missing: build it with `cargo build --release` (scripts/test.sh does)"
+    return subprocess.run([str(KLEIN), *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def _image(path):
+    return np.asarray(Image.open(path).convert("RGB"), dtype=np.int16)
+
+
+@pytest.mark.parametrize("width, height", BUCKETS)
+def test_klein_runs_each_bucket_as_the_dynamic_bundle(static_bundle, tiny_bundle, tmp_path, width, height):
+    ref = tmp_path / "ref.png"
+    rng = np.random.default_rng(width)
+    Image.fromarray((rng.random((height, width, 3)) * 255).astype(np.uint8)).save(ref)
+    common = ["--width", width, "--height", height, "--steps", 2, "--seed", 11, "--ref", ref, "--num-images", 2, "-q"]
+    for name, bundle in (("static", static_bundle), ("dynamic", tiny_bundle)):
+        run = _klein("generate", "a red fox", "-m", bundle, "-o", tmp_path / f"{name}.png", *common)
+        assert run.returncode == 0, run.stderr
+    for i in (1, 2):
+        got, want = _image(tmp_path / f"static-{i}.png"), _image(tmp_path / f"dynamic-{i}.png")
+        assert got.shape == (height, width, 3)
+        assert np.abs(got - want).max() <= 1 and (got != want).any(axis=-1).mean() <= 0.01, f"image {i}"
+
+
+def test_klein_refuses_a_size_or_reference_count_outside_the_buckets(static_bundle, tmp_path):
+    ref = tmp_path / "ref.png"
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(ref)
+    cases = [
+        (["--width", 80, "--height", 48, "--ref", ref], ["generates only 64x64, 96x64, not 80x48", "--static-shapes"]),
+        (["--width", 64, "--height", 64], ["exactly 1 reference image(s)", "the request has 0"]),
+        (["--width", 96, "--height", 64, "--ref", ref], ["output's size 96x64", "reference 1 is 64x64"]),
+    ]
+    for args, needles in cases:
+        out = tmp_path / "out.png"
+        run = _klein("generate", "a cat", "-m", static_bundle, "-o", out, "--steps", 1, *args)
+        assert run.returncode == 2, run.stderr
+        assert all(n in run.stderr for n in needles), run.stderr
+        assert "panicked" not in run.stderr and not out.exists()
+    info = _klein("info", static_bundle)
+    assert info.returncode == 0 and "static shapes: 64x64, 96x64 (batch 1, 512 tokens, 1 reference(s)" in info.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--static-shapes", "64x64,1000"], "`1000` is not WIDTHxHEIGHT"),
+        (["--static-shapes", "64x72"], "multiple of 16"),
+        (["--static-shapes", "64x64,64x64"], "given twice"),
+        (["--static-shapes", "64x64", "--refs", "9"], "--refs 9"),
+        (["--refs", "1"], "--refs applies with --static-shapes only"),
+        (["--static-shapes", "64x64", "--quantize", "int8"], "leave out --quantize"),
+    ],
+)
+def test_bad_static_shape_options_are_refused(tiny_checkpoint, tmp_path, capsys, args, message):
+    out = tmp_path / "bundle"
+    assert main(["convert", "--checkpoint", str(tiny_checkpoint), "--out", str(out), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
