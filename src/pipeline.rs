@@ -11,6 +11,7 @@
 //! Pipelines in separate threads give exactly the images of one running the same requests in turn.
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use ndarray::{concatenate, s, Array2, Array3, Array4, ArrayView3, Axis, Ix3, Ix4};
@@ -253,6 +254,9 @@ pub struct ReferenceTokens {
 /// What the transformer sees at every step besides the latents ([`Pipeline::denoise_context`]).
 #[derive(Debug, Clone)]
 pub struct DenoiseContext {
+    /// Identifies this context's constant inputs to [`Graph::run_with_constants`] (clones share
+    /// it: they hold the same data).
+    id: u64,
     /// `[B, L, D]` prompt embeddings, and the negative ones with the guidance scale.
     text: Array3<f32>,
     negative: Option<(Array3<f32>, f32)>,
@@ -712,7 +716,9 @@ impl Pipeline {
         // [1, N, 128] -> [B, N, 128]
         let ref_tokens = concatenate(Axis(0), &vec![references.tokens.view(); batch])
             .map_err(|e| internal("reference tokens", e))?;
+        static CONTEXTS: AtomicU64 = AtomicU64::new(0);
         Ok(DenoiseContext {
+            id: CONTEXTS.fetch_add(1, Ordering::Relaxed),
             lat_h,
             lat_w,
             txt_ids: prepare_text_ids(text.dim().1),
@@ -762,14 +768,21 @@ impl Pipeline {
         let input = concatenate(Axis(1), &[latents.view(), ctx.ref_tokens.view()])
             .map_err(|e| internal("latents", e))?;
         let timestep = ndarray::Array1::from_elem(batch, ctx.schedule.transformer_timestep(step)); // [B]
-        let mut run = |prompt: &Array3<f32>| -> Result<Array3<f32>> {
-            let mut out = graph.run(&[
-                ("latents", TensorInput::from(input.view())),
-                ("prompt_embeds", TensorInput::from(prompt.view())),
-                ("timestep", TensorInput::from(timestep.view())),
-                ("img_ids", TensorInput::from(ctx.img_ids.view())),
-                ("txt_ids", TensorInput::from(ctx.txt_ids.view())),
-            ])?;
+                                                                                                   // The prompt embeddings and ids are bound once per context and prompt (key: context id
+                                                                                                   // x 2, + 1 for the negative prompt): on CUDA they stay on the GPU across the steps.
+        let mut run = |prompt: &Array3<f32>, key: u64| -> Result<Array3<f32>> {
+            let mut out = graph.run_with_constants(
+                key,
+                &[
+                    ("prompt_embeds", TensorInput::from(prompt.view())),
+                    ("img_ids", TensorInput::from(ctx.img_ids.view())),
+                    ("txt_ids", TensorInput::from(ctx.txt_ids.view())),
+                ],
+                &[
+                    ("latents", TensorInput::from(input.view())),
+                    ("timestep", TensorInput::from(timestep.view())),
+                ],
+            )?;
             let velocity = out
                 .take("velocity")?
                 .into_dimensionality::<Ix3>()
@@ -777,9 +790,9 @@ impl Pipeline {
             // [B, h*w + N, 128] -> [B, h*w, 128]: reference tokens are inputs only
             Ok(velocity.slice_move(s![.., ..image_tokens, ..]))
         };
-        let mut velocity = run(&ctx.text)?;
+        let mut velocity = run(&ctx.text, 2 * ctx.id)?;
         if let Some((negative, g)) = &ctx.negative {
-            let uncond = run(negative)?;
+            let uncond = run(negative, 2 * ctx.id + 1)?;
             // v = v_neg + g * (v - v_neg)
             velocity.zip_mut_with(&uncond, |v, &n| *v = n + g * (*v - n));
         }

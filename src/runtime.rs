@@ -40,9 +40,10 @@ use half::{bf16, f16};
 use ndarray::{ArrayD, ArrayView, ArrayViewD, CowArray, Dimension, IxDyn};
 use ort::environment::Environment;
 use ort::error::ErrorCode;
+use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
 use ort::session::builder::{GraphOptimizationLevel, SessionBuilder};
-use ort::session::{Session, SessionInputValue};
-use ort::value::{Outlet, TensorElementType, TensorRef, ValueType};
+use ort::session::{IoBinding, Session, SessionInputValue, SessionOutputs};
+use ort::value::{DynValue, DynValueRef, Outlet, Tensor, TensorElementType, TensorRef, ValueType};
 
 use crate::error::{KleinError, Result};
 use crate::manifest::{DimSpec, Dtype, GraphSpec, TensorSpec};
@@ -672,6 +673,82 @@ enum PreparedInput<'a> {
     Bf16(ArrayD<bf16>),
 }
 
+impl PreparedInput<'_> {
+    /// An ONNX Runtime tensor viewing this data.
+    fn tensor(&self, stage: &'static str, path: &Path) -> Result<DynValueRef<'_>> {
+        let made = match self {
+            PreparedInput::F32(a) => TensorRef::from_array_view(a).map(|t| t.into_dyn()),
+            PreparedInput::I64(a) => TensorRef::from_array_view(a).map(|t| t.into_dyn()),
+            PreparedInput::F16(a) => TensorRef::from_array_view(a).map(|t| t.into_dyn()),
+            PreparedInput::Bf16(a) => TensorRef::from_array_view(a).map(|t| t.into_dyn()),
+        };
+        made.map_err(|e| run_error(stage, path, &e))
+    }
+
+    /// An ONNX Runtime tensor owning this data. `IoBinding::bind_input` clones a tensor that
+    /// borrows its data, and in ort 2.0.0-rc.15 that clone deadlocks (it takes a lock it already
+    /// holds); an owned tensor is bound as it is.
+    fn into_owned_tensor(self, stage: &'static str, path: &Path) -> Result<DynValue> {
+        let made = match self {
+            PreparedInput::F32(a) => Tensor::from_array(a.into_owned()).map(|t| t.into_dyn()),
+            PreparedInput::I64(a) => Tensor::from_array(a.into_owned()).map(|t| t.into_dyn()),
+            PreparedInput::F16(a) => Tensor::from_array(a).map(|t| t.into_dyn()),
+            PreparedInput::Bf16(a) => Tensor::from_array(a).map(|t| t.into_dyn()),
+        };
+        made.map_err(|e| run_error(stage, path, &e))
+    }
+}
+
+/// Bindings one graph keeps for [`Graph::run_with_constants`]: a prompt and its negative.
+const MAX_BINDINGS: usize = 2;
+
+fn run_error(stage: &'static str, path: &Path, e: &ort::Error) -> KleinError {
+    KleinError::Inference {
+        stage,
+        message: format!("running {}: {}", path.display(), error_chain(e)),
+    }
+}
+
+/// Every output of a run, converted to `f32`.
+fn extract_outputs(stage: &'static str, results: &SessionOutputs<'_>) -> Result<Outputs> {
+    let fail = |message: String| KleinError::Inference { stage, message };
+    let mut values = Vec::with_capacity(results.len());
+    for (name, value) in results.iter() {
+        let extract_error =
+            |e: ort::Error| fail(format!("reading output `{name}`: {}", error_chain(&e)));
+        let array = match value.dtype() {
+            ValueType::Tensor {
+                ty: TensorElementType::Float32,
+                ..
+            } => value
+                .try_extract_array::<f32>()
+                .map_err(extract_error)?
+                .to_owned(),
+            ValueType::Tensor {
+                ty: TensorElementType::Float16,
+                ..
+            } => value
+                .try_extract_array::<f16>()
+                .map_err(extract_error)?
+                .mapv(f32::from),
+            ValueType::Tensor {
+                ty: TensorElementType::Bfloat16,
+                ..
+            } => value
+                .try_extract_array::<bf16>()
+                .map_err(extract_error)?
+                .mapv(f32::from),
+            other => {
+                return Err(fail(format!(
+                    "output `{name}` is {other}; klein reads float32/float16/bfloat16 outputs only"
+                )))
+            }
+        };
+        values.push((name.to_string(), array));
+    }
+    Ok(Outputs { stage, values })
+}
+
 /// The outputs of one [`Graph::run`], converted to owned `f32` arrays.
 #[derive(Debug)]
 pub struct Outputs {
@@ -709,6 +786,8 @@ pub struct Graph {
     inputs: Vec<TensorInfo>,
     outputs: Vec<TensorInfo>,
     metadata: BTreeMap<String, String>,
+    /// [`Graph::run_with_constants`]'s bound inputs, by key, oldest first.
+    bindings: Vec<(u64, IoBinding)>,
 }
 
 impl fmt::Debug for Graph {
@@ -841,6 +920,7 @@ pub fn load_graph(name: &'static str, path: &Path, config: &SessionConfig) -> Re
         inputs,
         outputs,
         metadata,
+        bindings: Vec::new(),
     })
 }
 
@@ -1046,12 +1126,107 @@ impl Graph {
     /// float32 inputs (converted for float16/bfloat16 ones) and `i64` data to int64 inputs.
     /// Non-contiguous views are copied to standard layout. Returns every output as `f32`.
     pub fn run(&mut self, inputs: &[(&str, TensorInput<'_>)]) -> Result<Outputs> {
+        let prepared = self.prepare(inputs, &[])?;
+        let stage = self.name;
+        let path = &self.path;
+        let mut session_inputs: Vec<(Cow<'_, str>, SessionInputValue<'_>)> =
+            Vec::with_capacity(prepared.len());
+        for (name, value) in &prepared {
+            let value = value.tensor(stage, path)?;
+            session_inputs.push((Cow::Borrowed(*name), value.into()));
+        }
+        let results = self
+            .session
+            .run(session_inputs)
+            .map_err(|e| run_error(stage, path, &e))?;
+        extract_outputs(stage, &results)
+    }
+
+    /// Runs like [`Graph::run`], with the inputs in `constants` bound once per `key` and reused
+    /// while later calls give the same key (ONNX Runtime's IoBinding). On CUDA they are copied to
+    /// the GPU once instead of at every call: the prompt embeddings and position ids stay on the
+    /// device across the denoising steps, and only the latents and timestep travel. `constants`
+    /// are read only when `key` is new; the graph keeps the two most recent keys (a prompt and
+    /// its negative under guidance). `inputs` are the graph's other inputs.
+    pub fn run_with_constants(
+        &mut self,
+        key: u64,
+        constants: &[(&str, TensorInput<'_>)],
+        inputs: &[(&str, TensorInput<'_>)],
+    ) -> Result<Outputs> {
+        let stage = self.name;
+        let constant_names: Vec<&str> = constants.iter().map(|(n, _)| *n).collect();
+        let prepared = self.prepare(inputs, &constant_names)?;
+        let index = match self.bindings.iter().position(|(k, _)| *k == key) {
+            Some(index) => index,
+            None => {
+                let binding = self.bind(constants)?;
+                if self.bindings.len() == MAX_BINDINGS {
+                    self.bindings.remove(0);
+                }
+                self.bindings.push((key, binding));
+                self.bindings.len() - 1
+            }
+        };
+        let path = &self.path;
+        let (_, binding) = &mut self.bindings[index];
+        for (name, value) in prepared {
+            let value = value.into_owned_tensor(stage, path)?;
+            binding
+                .bind_input(name, &value)
+                .map_err(|e| run_error(stage, path, &e))?;
+        }
+        let results = self
+            .session
+            .run_binding(binding)
+            .map_err(|e| run_error(stage, path, &e))?;
+        extract_outputs(stage, &results)
+    }
+
+    /// A binding of `constants` (copied now to where the session wants them) and of every output
+    /// to host memory.
+    fn bind(&self, constants: &[(&str, TensorInput<'_>)]) -> Result<IoBinding> {
+        let (stage, path) = (self.name, &self.path);
+        let fail = |e: ort::Error| run_error(stage, path, &e);
+        let mut binding = self.session.create_binding().map_err(fail)?;
+        let others: Vec<&str> = self
+            .inputs
+            .iter()
+            .map(|i| i.name.as_str())
+            .filter(|n| !constants.iter().any(|(c, _)| c == n))
+            .collect();
+        for (name, value) in self.prepare(constants, &others)? {
+            let value = value.into_owned_tensor(stage, path)?;
+            binding.bind_input(name, &value).map_err(fail)?;
+        }
+        let host = MemoryInfo::new(
+            AllocationDevice::CPU,
+            0,
+            AllocatorType::Device,
+            MemoryType::Default,
+        )
+        .map_err(fail)?;
+        for output in &self.outputs {
+            binding
+                .bind_output_to_device(&output.name, &host)
+                .map_err(fail)?;
+        }
+        Ok(binding)
+    }
+
+    /// Checks `inputs` against the graph (known names, each once, element types) and converts
+    /// them to the graph's element types. Together with `elsewhere` (inputs given another way)
+    /// they must cover every graph input.
+    fn prepare<'a, 'n>(
+        &self,
+        inputs: &'a [(&'n str, TensorInput<'_>)],
+        elsewhere: &[&str],
+    ) -> Result<Vec<(&'n str, PreparedInput<'a>)>> {
         let stage = self.name;
         let fail = |message: String| KleinError::Inference { stage, message };
-
-        let mut prepared = Vec::with_capacity(inputs.len());
+        let mut prepared: Vec<(&str, PreparedInput<'_>)> = Vec::with_capacity(inputs.len());
         for (name, input) in inputs {
-            if prepared.iter().any(|(n, _)| n == name) {
+            if prepared.iter().any(|(n, _)| n == name) || elsewhere.contains(name) {
                 return Err(fail(format!("input `{name}` given twice")));
             }
             let info = self
@@ -1087,73 +1262,12 @@ impl Graph {
             };
             prepared.push((*name, value));
         }
-        if let Some(missing) = self
-            .inputs
-            .iter()
-            .find(|i| !prepared.iter().any(|(n, _)| *n == i.name))
-        {
+        if let Some(missing) = self.inputs.iter().find(|i| {
+            !prepared.iter().any(|(n, _)| *n == i.name) && !elsewhere.contains(&i.name.as_str())
+        }) {
             return Err(fail(format!("input `{}` was not given", missing.name)));
         }
-
-        let ort_error = |e: ort::Error| {
-            fail(format!(
-                "running {}: {}",
-                self.path.display(),
-                error_chain(&e)
-            ))
-        };
-        let mut session_inputs: Vec<(Cow<'_, str>, SessionInputValue<'_>)> =
-            Vec::with_capacity(prepared.len());
-        for (name, value) in &prepared {
-            let value: SessionInputValue<'_> = match value {
-                PreparedInput::F32(a) => TensorRef::from_array_view(a).map_err(ort_error)?.into(),
-                PreparedInput::I64(a) => TensorRef::from_array_view(a).map_err(ort_error)?.into(),
-                PreparedInput::F16(a) => TensorRef::from_array_view(a).map_err(ort_error)?.into(),
-                PreparedInput::Bf16(a) => TensorRef::from_array_view(a).map_err(ort_error)?.into(),
-            };
-            session_inputs.push((Cow::Borrowed(*name), value));
-        }
-
-        let path = &self.path;
-        let results = self
-            .session
-            .run(session_inputs)
-            .map_err(|e| fail(format!("running {}: {}", path.display(), error_chain(&e))))?;
-        let mut values = Vec::with_capacity(results.len());
-        for (name, value) in results.iter() {
-            let extract_error =
-                |e: ort::Error| fail(format!("reading output `{name}`: {}", error_chain(&e)));
-            let array = match value.dtype() {
-                ValueType::Tensor {
-                    ty: TensorElementType::Float32,
-                    ..
-                } => value
-                    .try_extract_array::<f32>()
-                    .map_err(extract_error)?
-                    .to_owned(),
-                ValueType::Tensor {
-                    ty: TensorElementType::Float16,
-                    ..
-                } => value
-                    .try_extract_array::<f16>()
-                    .map_err(extract_error)?
-                    .mapv(f32::from),
-                ValueType::Tensor {
-                    ty: TensorElementType::Bfloat16,
-                    ..
-                } => value
-                    .try_extract_array::<bf16>()
-                    .map_err(extract_error)?
-                    .mapv(f32::from),
-                other => {
-                    return Err(fail(format!(
-                    "output `{name}` is {other}; klein reads float32/float16/bfloat16 outputs only"
-                )))
-                }
-            };
-            values.push((name.to_string(), array));
-        }
-        Ok(Outputs { stage, values })
+        Ok(prepared)
     }
 }
 

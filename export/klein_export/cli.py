@@ -73,6 +73,10 @@ def _tiny(args):
 
 
 def _verify(args):
+    if args.against:
+        return _verify_against(args)
+    if not args.checkpoint:
+        raise CheckpointError("verify needs --checkpoint (or --against REFERENCE_BUNDLE)")
     from .verify import verify, verify_images
 
     failed = 0
@@ -85,6 +89,21 @@ def _verify(args):
             failed += not result.ok
     print(f"{'FAILED' if failed else 'passed'}: {failed} case(s) past tolerance")
     return 1 if failed else 0
+
+
+def _verify_against(args):
+    from .against import component_differences, image_difference
+
+    for bundle in (args.bundle, args.against):
+        if not (Path(bundle) / "manifest.json").is_file():
+            raise FileNotFoundError(f"{Path(bundle) / 'manifest.json'}: missing (not a klein bundle)")
+    for difference in component_differences(args.bundle, args.against, args.size, args.size):
+        print(difference.line(), flush=True)
+    if args.no_images:
+        return 0
+    result = image_difference(args.bundle, args.against, args.size, args.size)
+    print(result.line(), flush=True)
+    return 0 if result.ok else 1
 
 
 def _fixtures(args):
@@ -157,9 +176,16 @@ def parser() -> argparse.ArgumentParser:
     t.set_defaults(func=_tiny)
 
     v = sub.add_parser("verify", help="torch fp32 vs ONNX Runtime per component at several shapes, and the final image vs diffusers")
-    v.add_argument("--checkpoint", required=True)
+    v.add_argument("--checkpoint", help="the checkpoint the bundle was exported from (not needed with --against)")
     v.add_argument("--bundle", required=True)
-    v.add_argument("--no-images", action="store_true", help="skip the end-to-end images (diffusers fp32 vs the bundle)")
+    v.add_argument(
+        "--against",
+        metavar="REFERENCE_BUNDLE",
+        help="instead of torch: compare with another bundle of the same checkpoint (its fp32 export), in ONNX Runtime, "
+        "one session at a time: per-component errors and the final image's PSNR",
+    )
+    v.add_argument("--size", type=int, default=512, help="with --against: image side in pixels (default 512)")
+    v.add_argument("--no-images", action="store_true", help="skip the end-to-end images")
     v.set_defaults(func=_verify)
 
     r = sub.add_parser("ranges", help="largest |activation| per module over a diffusers run, against the float16 range")

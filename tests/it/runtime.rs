@@ -98,6 +98,83 @@ fn float16_graph_takes_and_returns_f32() {
     assert_eq!(y, expected, "expected {expected:?}, got {y:?}");
 }
 
+/// `run_with_constants` binds `ids` once per key (IoBinding) and gives what `run` gives: the
+/// first key's constants stay bound while its later calls pass other ones (ignored), a new key
+/// binds its own, and keys beyond the two kept are bound again.
+#[test]
+fn constants_are_bound_once_per_key() {
+    let mut graph = load("affine", &cpu()).unwrap();
+    let ids_a = array![[1i64, 2, 3]];
+    let ids_b = array![[10i64, 20, 30]];
+    let y = |graph: &mut runtime::Graph, key: u64, ids: &Array2<i64>, x: f32| {
+        let x = array![[x, x, x]];
+        graph
+            .run_with_constants(
+                key,
+                &[("ids", ids.view().into())],
+                &[("x", x.view().into())],
+            )
+            .unwrap()
+            .take("y")
+            .unwrap()
+    };
+    // y = 2x + ids
+    assert_eq!(
+        y(&mut graph, 7, &ids_a, 1.0),
+        array![[3.0f32, 4.0, 5.0]].into_dyn()
+    );
+    assert_eq!(
+        y(&mut graph, 7, &ids_b, 2.0),
+        array![[5.0f32, 6.0, 7.0]].into_dyn(),
+        "key 7 keeps the ids bound first"
+    );
+    assert_eq!(
+        y(&mut graph, 8, &ids_b, 0.0),
+        array![[10.0f32, 20.0, 30.0]].into_dyn()
+    );
+    assert_eq!(
+        y(&mut graph, 7, &ids_b, 0.0),
+        array![[1.0f32, 2.0, 3.0]].into_dyn()
+    );
+    // Keys 9 then 10 push 7 out (two are kept): 7 binds the ids it is given now.
+    y(&mut graph, 9, &ids_a, 0.0);
+    y(&mut graph, 10, &ids_a, 0.0);
+    assert_eq!(
+        y(&mut graph, 7, &ids_b, 0.0),
+        array![[10.0f32, 20.0, 30.0]].into_dyn()
+    );
+    let plain = graph
+        .run(&[
+            ("x", Array2::<f32>::zeros((1, 3)).view().into()),
+            ("ids", ids_b.view().into()),
+        ])
+        .unwrap()
+        .take("y")
+        .unwrap();
+    assert_eq!(plain, array![[10.0f32, 20.0, 30.0]].into_dyn());
+    // The same input checks as `run`: given twice, or missing.
+    let x = Array2::<f32>::zeros((1, 3));
+    for (constants, inputs, needle) in [
+        (
+            vec![("ids", ids_a.view().into())],
+            vec![("ids", ids_a.view().into())],
+            "input `ids` given twice",
+        ),
+        (
+            vec![],
+            vec![("x", x.view().into())],
+            "input `ids` was not given",
+        ),
+    ] {
+        let constants: Inputs<'_> = constants;
+        let inputs: Inputs<'_> = inputs;
+        let err = graph
+            .run_with_constants(11, &constants, &inputs)
+            .unwrap_err();
+        assert_mentions(&err.to_string(), &["affine", needle]);
+    }
+}
+
 /// Named inputs of one `Graph::run` call.
 type Inputs<'a> = Vec<(&'a str, TensorInput<'a>)>;
 
