@@ -16,6 +16,7 @@ import pytest
 from onnx import TensorProto
 
 from klein_export import FORMAT_VERSION
+from klein_export.against import component_differences, image_difference
 from klein_export.cli import main
 from klein_export.contract import COMPONENTS
 from klein_export.convert import convert
@@ -243,3 +244,22 @@ def test_activation_ranges_are_measured(tiny_checkpoint):
     print("\n".join(lines))
     # Random weights stay far inside the float16 range (onnx/README.md, "Precision and quantization").
     assert max(max(r.max_in, r.max_out) for r in ranges) < FLOAT16_MAX / 10
+
+
+def test_verify_against_the_fp32_bundle(tiny_bundle, bundles, capsys):
+    """`verify --against`: ORT against ORT, no torch. A bundle against itself differs by nothing; fp16
+    differs a little and int8 more in the text encoder and transformer, never in the VAE (not
+    quantized); the image passes the scheme's PSNR bar (verify.PSNR_THRESHOLD)."""
+    same = {d.component: d for d in component_differences(tiny_bundle, tiny_bundle, 64, 64)}
+    assert set(same) == set(COMPONENTS) and all(d.max_abs == 0 for d in same.values())
+    assert image_difference(tiny_bundle, tiny_bundle, 64, 64).psnr == float("inf")
+    fp16 = {d.component: d for d in component_differences(bundles["fp16"], tiny_bundle, 64, 64)}
+    int8 = {d.component: d for d in component_differences(bundles["int8"], tiny_bundle, 64, 64)}
+    for component in QUANTIZED:
+        assert 0 < fp16[component].rms_rel < int8[component].rms_rel, component
+    assert int8["vae_decoder"].max_abs == 0 and int8["vae_encoder"].max_abs == 0
+    assert 0 < fp16["vae_decoder"].rms_rel < 1e-2
+    assert main(["verify", "--bundle", str(bundles["int8"]), "--against", str(tiny_bundle), "--size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("rms_rel") == 4 and "fp32+int8 PSNR" in out and "(min 24)" in out
+    assert main(["verify", "--bundle", str(bundles["int8"])]) == 2, "no checkpoint and no --against"
