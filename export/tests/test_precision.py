@@ -60,7 +60,10 @@ def _manifest(bundle):
 
 
 def _metadata(path):
-    return {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+    """The klein.* metadata of a graph, which must also carry a COREML_CACHE_KEY (test_static_shapes.py)."""
+    meta = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+    assert len(meta.pop("COREML_CACHE_KEY")) == 64, path
+    return meta
 
 
 def _check_files(bundle, manifest):
