@@ -85,11 +85,11 @@ def main(argv=None) -> int:
                     print(f"{name}: {d.line()}", flush=True)
 
     want = load_rgb(work / f"{reference}-rep1.png")
-    header = ["bundle", "size GB", "peak RSS GiB", "time s", "PSNR dB", "pixels differ %", "text encoder rms/max rel", "transformer rms/max rel", "VAE decoder rms/max rel"]
+    header = ["bundle", "size MB", "peak RSS MiB", "time s", "PSNR dB", "pixels differ %", "text encoder rms/max rel", "transformer rms/max rel", "VAE decoder rms/max rel"]
     rows = []
     for name, bundle in bundles.items():
         err = image_error(load_rgb(work / f"{name}-rep1.png"), want)
-        cells = [name, f"{bundle_bytes(bundle) / 1e9:.2f}", f"{median([r['rss'] for r in runs[name]]) / 2**30:.2f}", f"{median([r['wall'] for r in runs[name]]):.1f}"]
+        cells = [name, f"{bundle_bytes(bundle) / 1e6:.1f}", f"{median([r['rss'] for r in runs[name]]) / 2**20:.0f}", f"{median([r['wall'] for r in runs[name]]):.1f}"]
         cells += ["ref" if name == reference else f"{err['psnr']:.1f}", "ref" if name == reference else f"{err['differ']:.2f}"]
         for component in ("text_encoder", "transformer", "vae_decoder"):
             d = components.get(name, {}).get(component)
