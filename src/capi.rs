@@ -29,13 +29,13 @@ use std::any::Any;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::ops::ControlFlow;
 use std::panic::{self, AssertUnwindSafe};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::ptr;
 use std::slice;
 
 use crate::error::KleinError;
 use crate::pipeline::{Pipeline, PipelineOptions, Progress, Request};
-use crate::runtime::RuntimeOptions;
+use crate::runtime::{CoreMlOptions, CudaOptions, RuntimeOptions};
 
 /// The result of every call.
 #[repr(i32)]
@@ -73,6 +73,13 @@ pub struct KleinOptions {
     /// Path of the ONNX Runtime shared library; NULL: `ORT_DYLIB_PATH`, then the path baked in at
     /// build time (`KLEIN_ORT_DYLIB`), then next to the executable.
     pub ort_library: *const c_char,
+    /// CoreML: `"all"`, `"cpu-gpu"`, `"cpu-ane"` (Neural Engine) or `"cpu"`; NULL: `"all"`.
+    pub coreml_units: *const c_char,
+    /// CoreML: directory where compiled models are kept between runs (created if missing); NULL:
+    /// compile at every load. An app should pass a directory of its own caches.
+    pub coreml_cache_dir: *const c_char,
+    /// CUDA: largest size of ONNX Runtime's GPU memory arena in bytes; 0: no limit.
+    pub cuda_memory_limit: u64,
 }
 
 /// What to generate: one image. Zero-initialise, then set what you need.
@@ -403,6 +410,9 @@ unsafe fn pipeline_options(options: &KleinOptions) -> Result<PipelineOptions, Fa
         device,
         threads,
         ort_library,
+        coreml_units,
+        coreml_cache_dir,
+        cuda_memory_limit,
     } = *options;
     let mut result = PipelineOptions::default();
     // SAFETY: the caller's guarantee.
@@ -416,7 +426,19 @@ unsafe fn pipeline_options(options: &KleinOptions) -> Result<PipelineOptions, Fa
     if let Some(library) = unsafe { optional_str(ort_library, "options.ort_library") }? {
         result = result.with_runtime(RuntimeOptions::default().with_library(library));
     }
-    Ok(result)
+    let mut coreml = CoreMlOptions::default();
+    // SAFETY: the caller's guarantee.
+    if let Some(units) = unsafe { optional_str(coreml_units, "options.coreml_units") }? {
+        coreml.compute_units = units.parse()?;
+    }
+    // SAFETY: the caller's guarantee.
+    coreml.cache_dir =
+        unsafe { optional_str(coreml_cache_dir, "options.coreml_cache_dir") }?.map(PathBuf::from);
+    let mut cuda = CudaOptions::default();
+    if cuda_memory_limit > 0 {
+        cuda.memory_limit = Some(usize::try_from(cuda_memory_limit).unwrap_or(usize::MAX));
+    }
+    Ok(result.with_coreml(coreml).with_cuda(cuda))
 }
 
 /// The [`Request`] for a C request, with its reference images loaded and preprocessed.

@@ -182,6 +182,9 @@ fn entry_points_check_their_arguments() {
         device: cpu.as_ptr(),
         threads: 1,
         ort_library: library.as_ptr(),
+        coreml_units: ptr::null(),
+        coreml_cache_dir: ptr::null(),
+        cuda_memory_limit: 0,
     };
     let mut pipeline: *mut KleinPipeline = ptr::null_mut();
 
@@ -212,6 +215,31 @@ fn entry_points_check_their_arguments() {
         &message,
         &["unknown device `tpu`", "cpu, cuda, cuda:N, coreml or auto"],
     );
+
+    let bad_units = KleinOptions {
+        coreml_units: c"gpu".as_ptr(),
+        ..options
+    };
+    let (status, message) =
+        call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &bad_units, &mut pipeline, m) });
+    assert_eq!(status, KLEIN_ERROR_USER, "{message}");
+    assert_mentions(&message, &["unknown CoreML compute units `gpu`", "cpu-ane"]);
+
+    // The CoreML cache directory is created at load, whatever the device.
+    let cache = crate::util::temp_dir("capi-coreml-cache").join("compiled");
+    let cache_c = CString::new(cache.to_str().unwrap()).unwrap();
+    let with_cache = KleinOptions {
+        coreml_units: c"cpu-gpu".as_ptr(),
+        coreml_cache_dir: cache_c.as_ptr(),
+        cuda_memory_limit: 1 << 30,
+        ..options
+    };
+    let mut other: *mut KleinPipeline = ptr::null_mut();
+    let (status, message) =
+        call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &with_cache, &mut other, m) });
+    assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
+    assert!(cache.is_dir());
+    unsafe { klein_pipeline_free(other) };
 
     let (status, message) = call(|m| unsafe {
         klein_pipeline_load(c"/no/such/bundle".as_ptr(), &options, &mut pipeline, m)
