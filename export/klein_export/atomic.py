@@ -17,6 +17,17 @@ def _remove_stale_partials(out: Path):
             shutil.rmtree(stale, ignore_errors=True)
 
 
+def _readable_files(directory: Path):
+    """Gives every file the mode a new file gets under the umask (0644 usually). onnx writes
+    external-data files 0600, which makes a bundle copied to a shared or system location unreadable
+    to its other users."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in directory.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
+
+
 @contextmanager
 def atomic_directory(out):
     """Yields an empty temporary directory beside `out`; when the block completes it replaces `out`,
@@ -29,6 +40,7 @@ def atomic_directory(out):
     tmp.mkdir()
     try:
         yield tmp
+        _readable_files(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

@@ -9,6 +9,7 @@ pixels; measured: byte-equal).
 """
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -83,6 +84,10 @@ def test_manifest_lists_buckets_sharing_weights(static_bundle):
             external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
             assert external and {e.value for t in external for e in t.external_data if e.key == "location"} == {weights.name}
             assert graph.stat().st_size < weights.stat().st_size / 5, graph.name
+        # onnx writes external data 0600; the bundle's files get the umask's mode like any new file.
+        umask = os.umask(0)
+        os.umask(umask)
+        assert weights.stat().st_mode & 0o777 == graphs[0].stat().st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_bucket_graphs_have_fixed_shapes_and_compute_what_the_dynamic_graphs_do(static_bundle, tiny_bundle):
