@@ -460,13 +460,12 @@ impl Pipeline {
     /// The file of graph `name`: the current bucket's for the per-bucket graphs of a static-shape
     /// bundle, else the manifest's.
     fn graph_file(&self, name: &str) -> Result<String> {
-        let spec = match name {
-            "text_encoder" => &self.manifest.graphs.text_encoder,
-            "transformer" => &self.manifest.graphs.transformer,
-            "vae_encoder" => &self.manifest.graphs.vae_encoder,
-            "vae_decoder" => &self.manifest.graphs.vae_decoder,
-            other => return Err(internal("graph", format!("no graph named `{other}`"))),
-        };
+        let (_, spec) = self
+            .manifest
+            .graphs
+            .iter()
+            .find(|(component, _)| *component == name)
+            .ok_or_else(|| internal("graph", format!("no graph named `{name}`")))?;
         let Some(shapes) = &self.manifest.static_shapes else {
             return Ok(spec.file.clone());
         };

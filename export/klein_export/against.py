@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .verify import PSNR_THRESHOLD, _latent_ids, _session, _text_ids, bundle_image, psnr, scheme_name
+from .verify import _latent_ids, _psnr_threshold, _session, _text_ids, bundle_image, psnr, scheme_name
 
 PROMPT = "a red fox in the snow, golden hour, photograph"
 
@@ -99,15 +99,10 @@ class ImageDifference:
 
 def image_difference(bundle, reference, width=512, height=512, seed=0, steps=None) -> ImageDifference:
     """The final image of `bundle` against `reference`'s, same prompt, seed and size. The threshold is
-    verify's for the coarsest graph of `bundle` (verify.PSNR_THRESHOLD)."""
+    verify's for the coarsest graph of `bundle` (verify._psnr_threshold)."""
     graphs = json.loads((Path(bundle) / "manifest.json").read_text(encoding="utf-8"))["graphs"]
-
-    def threshold(spec):
-        q = spec.get("quantization")
-        return min(PSNR_THRESHOLD[spec["precision"]], PSNR_THRESHOLD[q["bits"]]) if q else PSNR_THRESHOLD[spec["precision"]]
-
-    coarsest = min(graphs.values(), key=threshold)
+    coarsest = min(graphs.values(), key=_psnr_threshold)
     got = bundle_image(bundle, PROMPT, seed, width, height, steps)
     want = bundle_image(reference, PROMPT, seed, width, height, steps)
     scheme = scheme_name(coarsest["precision"], coarsest.get("quantization"))
-    return ImageDifference(f"{width}x{height} seed {seed}", scheme, psnr(got, want), threshold(coarsest))
+    return ImageDifference(f"{width}x{height} seed {seed}", scheme, psnr(got, want), _psnr_threshold(coarsest))
