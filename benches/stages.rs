@@ -1,10 +1,10 @@
 //! Criterion benches of the pure-Rust stages (no ONNX Runtime): what klein adds around the graphs.
 //!
-//! - `noise/randn_1x128x64x64`: the seed's initial noise for a 1024x1024 image ([`klein::noise::randn`]).
+//! - `noise/randn_1x128x64x64`: the seed's initial noise for a 1024x1024 image ([`klein::stages::noise::randn`]).
 //! - `latents/pack_1x128x64x64`, `latents/unpack_1x4096x128`: `[B, C, h, w] <-> [B, h*w, C]`.
-//! - `reference/preprocess_1536x1024`: a 1.5 MP RGB image through [`klein::reference::preprocess_reference`]:
+//! - `reference/preprocess_1536x1024`: a 1.5 MP RGB image through [`klein::stages::reference::preprocess_reference`]:
 //!   the Lanczos resize to 1 MP (1254x836), the centre crop to multiples of 16, the float conversion.
-//! - `output/encode_png_1024x1024`: [`klein::output::encode_png`] of a 1024x1024 RGB image with the
+//! - `output/encode_png_1024x1024`: [`klein::stages::output::encode_png`] of a 1024x1024 RGB image with the
 //!   CLI's kind of text metadata.
 //!
 //! `cargo bench --bench stages` (add `-- --quick` for a short run; `-- reference` for one group).
@@ -15,10 +15,10 @@ use std::path::Path;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use image::DynamicImage;
-use klein::latents::{pack_latents, unpack_latents};
-use klein::noise::randn;
-use klein::output::{encode_png, RgbImage};
-use klein::reference::{preprocess_reference, ReferenceLimits};
+use klein::stages::latents::{pack_latents, unpack_latents};
+use klein::stages::noise::randn;
+use klein::stages::output::{encode_png, RgbImage};
+use klein::stages::reference::{preprocess_reference, ReferenceLimits};
 use ndarray::{Array3, Array4};
 
 /// Latent grid of a 1024x1024 image: 1024 / 16.

@@ -9,7 +9,7 @@
 # Prints the absolute path of the library on stdout (messages go to stderr), so a build script can do
 #   export KLEIN_ORT_DYLIB="$(scripts/setup-ort.sh)"
 #   cargo build
-# and bake the path into the binary (see src/runtime.rs for the full search order).
+# and bake the path into the binary (see src/runtime/mod.rs for the full search order).
 set -euo pipefail
 
 # Keep in step with the `api-31` feature of `ort` in Cargo.toml: ort refuses an older library.

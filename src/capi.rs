@@ -29,7 +29,7 @@ use std::any::Any;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::ops::ControlFlow;
 use std::panic::{self, AssertUnwindSafe};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::ptr;
 use std::slice;
 
@@ -429,14 +429,15 @@ unsafe fn pipeline_options(options: &KleinOptions) -> Result<PipelineOptions, Fa
     let mut coreml = CoreMlOptions::default();
     // SAFETY: the caller's guarantee.
     if let Some(units) = unsafe { optional_str(coreml_units, "options.coreml_units") }? {
-        coreml.compute_units = units.parse()?;
+        coreml = coreml.with_compute_units(units.parse()?);
     }
     // SAFETY: the caller's guarantee.
-    coreml.cache_dir =
-        unsafe { optional_str(coreml_cache_dir, "options.coreml_cache_dir") }?.map(PathBuf::from);
+    if let Some(dir) = unsafe { optional_str(coreml_cache_dir, "options.coreml_cache_dir") }? {
+        coreml = coreml.with_cache_dir(dir);
+    }
     let mut cuda = CudaOptions::default();
     if cuda_memory_limit > 0 {
-        cuda.memory_limit = Some(usize::try_from(cuda_memory_limit).unwrap_or(usize::MAX));
+        cuda = cuda.with_memory_limit(usize::try_from(cuda_memory_limit).unwrap_or(usize::MAX));
     }
     Ok(result.with_coreml(coreml).with_cuda(cuda))
 }

@@ -1,25 +1,24 @@
 //! klein: a portable runtime for the FLUX.2-klein image models on ONNX Runtime.
 //!
-//! The pipeline follows diffusers' `Flux2KleinPipeline` stage by stage; each stage lives in its own
-//! module. Only [`runtime`] talks to ONNX Runtime.
+//! The pipeline follows diffusers' `Flux2KleinPipeline` stage by stage. The crate is layered, each
+//! layer using only those above it in this list:
+//! - [`error`], [`limits`], [`fsutil`]: errors, every bound on user-given numbers, file helpers;
+//! - [`stages`]: the pure stages (tokenizer, noise, latents, schedule, references, output);
+//! - [`runtime`]: ONNX Runtime (the only module that uses `ort`);
+//! - [`bundle`]: the bundle on disk (manifest, graph contract, hashes, buckets, device support);
+//! - [`pipeline`]: the stages run on a bundle's graphs;
+//! - [`capi`]: the C API.
 #![warn(clippy::unwrap_used)]
 // `unsafe` lives in `capi` only (the C API), which allows it for itself.
 #![deny(unsafe_code)]
 
-pub mod batch;
-pub mod buckets;
+pub mod bundle;
 pub mod capi;
 pub mod error;
-pub mod latents;
-pub mod manifest;
-pub mod noise;
-pub mod output;
+pub mod fsutil;
+pub mod limits;
 pub mod pipeline;
-pub mod prompt_cache;
-pub mod reference;
 pub mod runtime;
-pub mod schedule;
-pub mod support;
-pub mod tokenize;
+pub mod stages;
 
 pub use error::{KleinError, Result};

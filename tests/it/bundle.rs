@@ -6,10 +6,11 @@ use std::fs::File;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
-use klein::manifest::Manifest;
+use klein::bundle::contract::check_graph;
+use klein::bundle::manifest::Manifest;
 use klein::pipeline::{Pipeline, PipelineOptions};
 use klein::runtime::{self, Device, RuntimeOptions, SessionConfig};
-use klein::tokenize::PromptTokenizer;
+use klein::stages::tokenize::PromptTokenizer;
 use klein::KleinError;
 use ndarray::{Array1, Array2, Array3, Array4};
 
@@ -29,11 +30,10 @@ fn tiny_bundle_satisfies_its_manifest() {
     let config = SessionConfig::default()
         .with_device(Device::Cpu)
         .with_intra_threads(1);
-    for (name, spec) in manifest.graphs.iter() {
-        let graph = runtime::load_graph(name, &dir.join(&spec.file), &config).unwrap();
-        graph.check_io(spec).unwrap();
-        spec.check_metadata(name, graph.metadata(), graph.path())
-            .unwrap();
+    for (component, spec) in manifest.graphs.iter() {
+        let graph =
+            runtime::load_graph(component.as_str(), &dir.join(&spec.file), &config).unwrap();
+        check_graph(component, spec, &graph).unwrap();
     }
 
     let tokenizer =

@@ -15,8 +15,8 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use klein::latents::pack_latents;
 use klein::pipeline::{Pipeline, PipelineOptions, PromptEmbeds, ReferenceTokens, Request};
+use klein::stages::latents::pack_latents;
 use ndarray::{Array3, ArrayD, IxDyn};
 use safetensors::{Dtype, SafeTensors};
 use serde::Deserialize;
@@ -115,7 +115,7 @@ fn assert_close(what: &str, got: &ArrayD<f32>, want: &ArrayD<f32>) {
     );
 }
 
-fn references(p: &Pipeline, fx: &Fixture) -> Vec<klein::reference::ReferenceImage> {
+fn references(p: &Pipeline, fx: &Fixture) -> Vec<klein::stages::reference::ReferenceImage> {
     fx.case
         .refs
         .iter()
@@ -128,7 +128,7 @@ fn token_ids_equal() {
     let p = pipeline();
     for name in CASES {
         let fx = load(name);
-        let tokenizer = klein::tokenize::PromptTokenizer::load(
+        let tokenizer = klein::stages::tokenize::PromptTokenizer::load(
             &repo().join("onnx/klein-tiny/tokenizer.json"),
             &p.manifest().tokenizer,
         )
@@ -155,7 +155,11 @@ fn prompt_embeddings_match() {
     let mut p = pipeline();
     for name in CASES {
         let fx = load(name);
-        let got = p.encode_prompt(&fx.case.prompt).unwrap().embeds.into_dyn();
+        let got = p
+            .encode_prompt(&fx.case.prompt, None)
+            .unwrap()
+            .embeds
+            .into_dyn();
         assert_close(
             &format!("{name}: prompt_embeds"),
             &got,
@@ -210,7 +214,7 @@ fn reference_tokens_match() {
     let mut p = pipeline();
     for name in ["edit_one_ref", "compose_three_refs"] {
         let fx = load(name);
-        let refs = p.encode_references(&references(&p, &fx)).unwrap();
+        let refs = p.encode_references(&references(&p, &fx), None).unwrap();
         assert_eq!(
             refs.ids.clone().into_dyn(),
             fx.i64s["ref_ids"],
@@ -259,7 +263,7 @@ fn each_denoising_step_matches() {
         let mut previous = pack_latents(noise.view()); // [1, 128, h, w] -> [1, h*w, 128]
         for step in 0..fx.case.steps {
             let mut latents = previous.clone();
-            p.denoise_step(&mut latents, step, &ctx).unwrap();
+            p.denoise_step(&mut latents, step, &ctx, None).unwrap();
             let want = &fx.f32s[&format!("latents_step{step}")];
             assert_close(
                 &format!("{name}: latents after step {step}"),

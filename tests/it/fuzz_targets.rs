@@ -8,13 +8,14 @@
 use std::path::{Path, PathBuf};
 
 use image::DynamicImage;
-use klein::latents::prepare_image_ids;
-use klein::manifest::{Manifest, PaddingSide, MANIFEST_FILE};
-use klein::reference::{
+use klein::bundle::manifest::{Manifest, MANIFEST_FILE};
+use klein::stages::latents::prepare_image_ids;
+use klein::stages::reference::{
     decode_reference_bytes, preprocess_reference, ReferenceImage, ReferenceLimits,
 };
-use klein::schedule::{compute_empirical_mu, schedule};
-use klein::tokenize::PromptTokenizer;
+use klein::stages::schedule::{compute_empirical_mu, schedule};
+use klein::stages::tokenize::PaddingSide;
+use klein::stages::tokenize::PromptTokenizer;
 
 /// Every target, by the name used on the command line and as the folder of its inputs.
 pub const TARGETS: [&str; 3] = ["manifest", "reference", "tokenizer"];
@@ -190,7 +191,7 @@ fn manifest(input: &[u8]) -> Outcome {
     }
     // The schedule of the default steps at the smallest and the largest output.
     let steps = (manifest.model.default_steps as usize).min(1000);
-    for image_tokens in [1, klein::pipeline::MAX_IMAGE_TOKENS] {
+    for image_tokens in [1, klein::limits::MAX_IMAGE_TOKENS] {
         let mu = compute_empirical_mu(&manifest.scheduler.empirical_mu, image_tokens, steps);
         if let Ok(s) = schedule(steps, mu, &manifest.scheduler.shift) {
             if s.sigmas.iter().chain(&s.timesteps).any(|v| !v.is_finite()) {
@@ -204,7 +205,7 @@ fn manifest(input: &[u8]) -> Outcome {
     }
     // Reference position ids for the most references the token budget admits.
     let side = (manifest.references.limits.min_side.max(1) / multiple).max(1) as usize;
-    let most = klein::pipeline::MAX_IMAGE_TOKENS / (side * side);
+    let most = klein::limits::MAX_IMAGE_TOKENS / (side * side);
     let ids = prepare_image_ids(&[(1, 1), (1, 1)], manifest.references.time_offset_scale);
     if ids.nrows() != 2 {
         return Outcome::Violation(format!(

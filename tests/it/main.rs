@@ -12,6 +12,7 @@ mod devices;
 mod diffusers;
 mod fuzz_regressions;
 mod fuzz_targets;
+mod layers;
 mod manifest;
 mod prompt_cache;
 mod runtime;

@@ -3,10 +3,11 @@
 
 use std::path::{Path, PathBuf};
 
-use klein::manifest::{
-    DimSpec, Dtype, Manifest, ModelVariant, PaddingSide, Precision, Verification,
-};
-use klein::schedule::TimeShiftType;
+use klein::bundle::manifest::{DimSpec, Manifest, ModelVariant, Precision};
+use klein::bundle::Verification;
+use klein::runtime::Dtype;
+use klein::stages::schedule::TimeShiftType;
+use klein::stages::tokenize::PaddingSide;
 use klein::KleinError;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -85,7 +86,7 @@ fn a_valid_bundle_loads_with_every_field() {
     assert_eq!(m.scheduler.empirical_mu.a1, 8.73809524e-05);
     assert_eq!(m.scheduler.empirical_mu.seq_len_threshold, 4300);
 
-    let names: Vec<&str> = m.graphs.iter().map(|(name, _)| name).collect();
+    let names: Vec<&str> = m.graphs.iter().map(|(c, _)| c.as_str()).collect();
     assert_eq!(
         names,
         ["text_encoder", "transformer", "vae_encoder", "vae_decoder"]
@@ -126,7 +127,7 @@ fn scheduler_options_reach_the_schedule_checks() {
     assert_eq!((limits.min_side, limits.max_area), (64, 1048576));
     assert_eq!(
         m.scheduler.empirical_mu,
-        klein::schedule::EmpiricalMu::FLUX2
+        klein::stages::schedule::EmpiricalMu::FLUX2
     );
 }
 

@@ -18,7 +18,7 @@ fn pipeline(cache: &std::path::Path) -> Pipeline {
 fn cached_embeddings_equal_fresh_ones() {
     let cache = temp_dir("prompt-cache");
     let fresh = pipeline(&cache)
-        .encode_prompt("a lighthouse at dusk")
+        .encode_prompt("a lighthouse at dusk", None)
         .unwrap()
         .embeds;
     let entries: Vec<_> = std::fs::read_dir(&cache)
@@ -29,7 +29,7 @@ fn cached_embeddings_equal_fresh_ones() {
 
     // A new pipeline reads the entry: swap in another prompt's entry and it is what comes back.
     let other = pipeline(&cache)
-        .encode_prompt("another prompt")
+        .encode_prompt("another prompt", None)
         .unwrap()
         .embeds;
     assert_ne!(fresh, other);
@@ -40,7 +40,7 @@ fn cached_embeddings_equal_fresh_ones() {
         .unwrap();
     std::fs::copy(&other_entry, &entries[0]).unwrap();
     let hit = pipeline(&cache)
-        .encode_prompt("a lighthouse at dusk")
+        .encode_prompt("a lighthouse at dusk", None)
         .unwrap()
         .embeds;
     assert_eq!(
@@ -51,7 +51,7 @@ fn cached_embeddings_equal_fresh_ones() {
     // A corrupt entry is a miss: the prompt is encoded again and the entry rewritten.
     std::fs::write(&entries[0], b"not safetensors").unwrap();
     let again = pipeline(&cache)
-        .encode_prompt("a lighthouse at dusk")
+        .encode_prompt("a lighthouse at dusk", None)
         .unwrap()
         .embeds;
     assert_eq!(again, fresh);

@@ -1,7 +1,8 @@
 //! ONNX Runtime sessions on the tiny graphs of `tests/fixtures/graphs/`
 //! (regenerate with `tests/fixtures/make_tiny_graphs.py`).
 
-use klein::manifest::GraphSpec;
+use klein::bundle::contract::check_io;
+use klein::bundle::manifest::GraphSpec;
 use klein::runtime::{self, Device, SessionConfig, TensorInput};
 use klein::KleinError;
 use ndarray::{array, Array2};
@@ -229,11 +230,11 @@ fn run_rejects_bad_inputs_with_the_stage_and_reason() {
 #[test]
 fn io_check_accepts_the_contract_and_names_every_mismatch() {
     let graph = load("affine", &cpu()).unwrap();
-    graph.check_io(&affine_spec()).unwrap();
+    check_io(&affine_spec(), &graph).unwrap();
 
     let mut renamed = affine_spec();
     renamed.inputs[0].name = "latents".to_string();
-    let reason = bundle_reason(graph.check_io(&renamed));
+    let reason = bundle_reason(check_io(&renamed, &graph));
     assert_mentions(
         &reason,
         &[
@@ -244,20 +245,20 @@ fn io_check_accepts_the_contract_and_names_every_mismatch() {
     );
 
     let mut retyped = affine_spec();
-    retyped.inputs[1].dtype = klein::manifest::Dtype::Float32;
-    let reason = bundle_reason(graph.check_io(&retyped));
+    retyped.inputs[1].dtype = klein::runtime::Dtype::Float32;
+    let reason = bundle_reason(check_io(&retyped, &graph));
     assert_mentions(&reason, &["input `ids`: expected float32, found int64"]);
 
     let mut resized = affine_spec();
-    resized.outputs[0].shape[1] = klein::manifest::DimSpec::Fixed(4);
-    let reason = bundle_reason(graph.check_io(&resized));
+    resized.outputs[0].shape[1] = klein::bundle::manifest::DimSpec::Fixed(4);
+    let reason = bundle_reason(check_io(&resized, &graph));
     assert_mentions(&reason, &["output `y` dimension 1: expected 4", "found 3"]);
 
     let mut reranked = affine_spec();
     reranked.outputs[0]
         .shape
-        .push(klein::manifest::DimSpec::Named("extra".into()));
-    let reason = bundle_reason(graph.check_io(&reranked));
+        .push(klein::bundle::manifest::DimSpec::Named("extra".into()));
+    let reason = bundle_reason(check_io(&reranked, &graph));
     assert_mentions(
         &reason,
         &[
@@ -296,7 +297,7 @@ fn metadata_props_are_read_back_and_checked() {
         &["klein.component is `affine`, expected `transformer`"],
     );
     let mut fp16 = affine_spec();
-    fp16.precision = klein::manifest::Precision::Fp16;
+    fp16.precision = klein::bundle::manifest::Precision::Fp16;
     let reason = bundle_reason(fp16.check_metadata("affine", meta, graph.path()));
     assert_mentions(
         &reason,

@@ -4,8 +4,8 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use klein::manifest::{PaddingSide, TokenizerSpec};
-use klein::tokenize::PromptTokenizer;
+use klein::stages::tokenize::PromptTokenizer;
+use klein::stages::tokenize::{PaddingSide, TokenizerSpec};
 use klein::KleinError;
 use serde::Deserialize;
 

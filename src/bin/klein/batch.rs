@@ -1,11 +1,21 @@
 //! `klein generate --prompts FILE --out-dir DIR`: one generation per JSON line, one pipeline for all,
 //! outputs that exist skipped, and a `summary.json` written after every line.
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 use std::time::Instant;
 
-use klein::batch::{parse_batch, BatchLine, PromptMemo};
+use anyhow::Context;
+use klein::fsutil::write_atomic;
+use klein::pipeline::{Pipeline, PromptMemo, Request};
+use klein::stages::output::encode_png;
+use klein::KleinError;
 use serde::Serialize;
 
-use super::*;
+use crate::args::{default_model, pipeline_options, GenerateArgs};
+use crate::jsonl::{parse_batch, BatchLine};
+use crate::outputs::{bundle_sha256, png_text, random_seed};
+use crate::report::{device_name, warn_ignored_guidance, Reporter};
+use crate::{is_user_error, UsageError};
 
 const SUMMARY_FILE: &str = "summary.json";
 /// The batch summary, `summary.json` in the output directory.
@@ -171,67 +181,7 @@ pub(crate) fn generate_batch(
         records: Vec::new(),
         started,
     };
-
-    // 1. Every line: refused, skipped (its output exists) or to run.
-    let mut to_run: Vec<(usize, BatchLine, PathBuf)> = Vec::new();
-    for parsed in parse_batch(&text, base) {
-        match parsed {
-            Err(error) => {
-                eprintln!(
-                    "klein: error: {}: line {}: {}",
-                    prompts.display(),
-                    error.line,
-                    error.message
-                );
-                run.records.push(LineRecord {
-                    line: error.line,
-                    name: error.name,
-                    output: None,
-                    prompt: error.prompt,
-                    seed: None,
-                    status: Status::Error,
-                    message: Some(error.message),
-                    error_kind: Some("user"),
-                    seconds: 0.0,
-                });
-            }
-            Ok(line) => {
-                let output = out_dir.join(format!("{}.png", line.name));
-                let skipped = output.exists();
-                if skipped {
-                    reporter.say(format!(
-                        "line {} ({}): skipped, {} exists",
-                        line.line,
-                        line.name,
-                        output.display()
-                    ));
-                }
-                run.records.push(LineRecord {
-                    line: line.line,
-                    name: line.name.clone(),
-                    output: Some(output.display().to_string()),
-                    prompt: Some(line.prompt.clone()),
-                    seed: line
-                        .seed
-                        .or_else(|| skipped.then(|| stored_seed(&output)).flatten()),
-                    status: if skipped {
-                        Status::Skipped
-                    } else {
-                        Status::Pending
-                    },
-                    message: skipped.then(|| {
-                        "the output exists (outputs are written whole; delete it to make it again)"
-                            .to_string()
-                    }),
-                    error_kind: None,
-                    seconds: 0.0,
-                });
-                if !skipped {
-                    to_run.push((run.records.len() - 1, line, output));
-                }
-            }
-        }
-    }
+    let to_run = run.sort_lines(&text, base, &reporter);
     if run.records.is_empty() {
         return Err(UsageError(format!(
             "--prompts {} has no lines; give one {{\"prompt\": ...}} object per line",
@@ -239,14 +189,93 @@ pub(crate) fn generate_batch(
         ))
         .into());
     }
-
-    // 2. The lines to run, on one pipeline that keeps the text encoder loaded.
     if !to_run.is_empty() {
+        run.run_lines(args, to_run, &reporter)?;
+    }
+    run.finish(&reporter)
+}
+
+/// A line to run: its record's index, the line, and its output file.
+type ToRun = Vec<(usize, BatchLine, PathBuf)>;
+
+impl BatchRun<'_> {
+    /// 1. Every line: refused, skipped (its output exists) or to run (returned).
+    fn sort_lines(&mut self, text: &str, base: &Path, reporter: &Reporter) -> ToRun {
+        let (prompts, out_dir) = (self.prompts, self.out_dir);
+        let mut to_run: Vec<(usize, BatchLine, PathBuf)> = Vec::new();
+        for parsed in parse_batch(text, base) {
+            match parsed {
+                Err(error) => {
+                    eprintln!(
+                        "klein: error: {}: line {}: {}",
+                        prompts.display(),
+                        error.line,
+                        error.message
+                    );
+                    self.records.push(LineRecord {
+                        line: error.line,
+                        name: error.name,
+                        output: None,
+                        prompt: error.prompt,
+                        seed: None,
+                        status: Status::Error,
+                        message: Some(error.message),
+                        error_kind: Some("user"),
+                        seconds: 0.0,
+                    });
+                }
+                Ok(line) => {
+                    let output = out_dir.join(format!("{}.png", line.name));
+                    let skipped = output.exists();
+                    if skipped {
+                        reporter.say(format!(
+                            "line {} ({}): skipped, {} exists",
+                            line.line,
+                            line.name,
+                            output.display()
+                        ));
+                    }
+                    self.records.push(LineRecord {
+                        line: line.line,
+                        name: line.name.clone(),
+                        output: Some(output.display().to_string()),
+                        prompt: Some(line.prompt.clone()),
+                        seed: line
+                            .seed
+                            .or_else(|| skipped.then(|| stored_seed(&output)).flatten()),
+                        status: if skipped {
+                            Status::Skipped
+                        } else {
+                            Status::Pending
+                        },
+                        message: skipped.then(|| {
+                            "the output exists (outputs are written whole; delete it to make it again)"
+                                .to_string()
+                        }),
+                        error_kind: None,
+                        seconds: 0.0,
+                    });
+                    if !skipped {
+                        to_run.push((self.records.len() - 1, line, output));
+                    }
+                }
+            }
+        }
+        to_run
+    }
+
+    /// 2. The lines to run, on one pipeline that keeps the text encoder loaded.
+    fn run_lines(
+        &mut self,
+        args: &GenerateArgs,
+        to_run: ToRun,
+        reporter: &Reporter,
+    ) -> anyhow::Result<()> {
         let model = default_model(args.model.clone());
         let options = pipeline_options(args).with_keep_text_encoder(true);
         let mut pipeline = Pipeline::load(&model, options)?;
         let bundle_hash = bundle_sha256(&pipeline)?;
-        run.model = Some(pipeline.manifest().model.name.clone());
+        self.model = Some(pipeline.manifest().model.name.clone());
         reporter.say(format!(
             "model: {} ({}), {} line(s) to run",
             pipeline.manifest().model.name,
@@ -260,7 +289,7 @@ pub(crate) fn generate_batch(
         for (n, (index, line, output)) in to_run.into_iter().enumerate() {
             if let Some(reason) = &fatal {
                 memo.forget(&line.prompt);
-                let record = &mut run.records[index];
+                let record = &mut self.records[index];
                 record.status = Status::NotRun;
                 record.message = Some(format!("not run: an earlier line failed with: {reason}"));
                 continue;
@@ -278,9 +307,9 @@ pub(crate) fn generate_batch(
                 bundle_hash: &bundle_hash,
                 progress: format!("[{}/{total}] ", n + 1),
             };
-            let result = job.run(&mut pipeline, &mut memo, args, &reporter);
+            let result = job.run(&mut pipeline, &mut memo, args, reporter);
             reporter.clear();
-            let record = &mut run.records[index];
+            let record = &mut self.records[index];
             record.seed = Some(seed);
             record.seconds = seconds(line_started.elapsed());
             match result {
@@ -306,38 +335,41 @@ pub(crate) fn generate_batch(
                 }
             }
             // Kept current while the batch runs: after a crash it says how far it got.
-            if let Err(error) = run.write_summary() {
+            if let Err(error) = self.write_summary() {
                 eprintln!("klein: warning: {error:#}");
             }
         }
         reporter.say(format!("device: {}", device_name(&pipeline)));
+        Ok(())
     }
 
-    // 3. The summary, and the exit code.
-    let summary = run.write_summary()?;
-    let totals = run.totals();
-    let user_errors = run
-        .records
-        .iter()
-        .filter(|r| r.error_kind == Some("user"))
-        .count();
-    reporter.say(format!(
-        "batch: {} line(s): {} ok, {} skipped, {} failed ({user_errors} user error(s)), {} not run, in {:.1} s; summary in {}",
-        totals.lines,
-        totals.ok,
-        totals.skipped,
-        totals.error,
-        totals.not_run,
-        totals.seconds,
-        summary.display()
-    ));
-    Ok(if user_errors > 0 {
-        ExitCode::from(2)
-    } else if totals.error > 0 {
-        ExitCode::FAILURE
-    } else {
-        ExitCode::SUCCESS
-    })
+    /// 3. The summary, and the exit code.
+    fn finish(&self, reporter: &Reporter) -> anyhow::Result<ExitCode> {
+        let summary = self.write_summary()?;
+        let totals = self.totals();
+        let user_errors = self
+            .records
+            .iter()
+            .filter(|r| r.error_kind == Some("user"))
+            .count();
+        reporter.say(format!(
+            "batch: {} line(s): {} ok, {} skipped, {} failed ({user_errors} user error(s)), {} not run, in {:.1} s; summary in {}",
+            totals.lines,
+            totals.ok,
+            totals.skipped,
+            totals.error,
+            totals.not_run,
+            totals.seconds,
+            summary.display()
+        ));
+        Ok(if user_errors > 0 {
+            ExitCode::from(2)
+        } else if totals.error > 0 {
+            ExitCode::FAILURE
+        } else {
+            ExitCode::SUCCESS
+        })
+    }
 }
 
 /// One line of a batch, ready to run.
@@ -368,7 +400,7 @@ impl BatchJob<'_> {
                 return Err(error);
             }
         };
-        let request = match memo.take(&line.prompt, |p| pipeline.encode_prompt(p))? {
+        let request = match memo.take(&line.prompt, |p| pipeline.encode_prompt(p, None))? {
             Some(embeds) => request.with_prompt_embeds(embeds),
             None => request,
         };

@@ -4,30 +4,28 @@
 //! `klein-export convert`. Loading is forward compatible: fields this runtime does not know are
 //! ignored, but every field it uses is required. [`Manifest::load`] refuses a bundle whose format
 //! version it does not know, whose manifest is not valid, whose numbers contradict each other, or
-//! whose files are missing or have the wrong size; [`Manifest::verify_hashes`] also checks their
-//! SHA-256 (slow on multi-GB bundles, so it is separate), and [`Manifest::verify_hashes_cached`]
-//! skips that while a verification stamp shows the files unchanged (what `Pipeline::load` does).
-//! [`Manifest::from_json_bytes`] parses and checks a manifest's text alone.
+//! whose files are missing or have the wrong size. Their SHA-256 is checked apart
+//! ([`super::stamp`]: slow on multi-GB bundles), and each graph against its [`GraphSpec`] once
+//! loaded ([`super::contract`]). [`Manifest::from_json_bytes`] parses and checks a manifest's text
+//! alone.
 //!
-//! The I/O contract of each graph ([`GraphSpec`]) is checked against the loaded ONNX graph by
-//! `runtime::Graph::check_io`, and the graph's `klein.*` metadata by [`GraphSpec::check_metadata`].
+//! The configuration of each pipeline stage is the stage's own type ([`TokenizerSpec`],
+//! [`ShiftConfig`], [`ReferenceLimits`]...): the manifest holds them, the stages do not know it.
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::fs::File;
-use std::io::Read;
-use std::path::{Component, Path, PathBuf};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::path::{Component as PathComponent, Path, PathBuf};
 
-use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
-use crate::buckets::StaticShapes;
+use super::buckets::StaticShapes;
+use super::component::Component;
 use crate::error::{KleinError, Result};
-use crate::output::write_atomic;
-use crate::reference::ReferenceLimits;
-use crate::schedule::{EmpiricalMu, ShiftConfig};
+use crate::limits::{MAX_SIDE, MAX_TIME_OFFSET_SCALE};
+use crate::runtime::Dtype;
+use crate::stages::reference::ReferenceLimits;
+use crate::stages::schedule::{EmpiricalMu, ShiftConfig};
+use crate::stages::tokenize::TokenizerSpec;
 
 /// The bundle format version this runtime writes and reads (`format_version` in the manifest).
 pub const FORMAT_VERSION: u32 = 1;
@@ -35,29 +33,6 @@ pub const FORMAT_VERSION: u32 = 1;
 pub const SUPPORTED_FORMAT_VERSIONS: &[u32] = &[FORMAT_VERSION];
 /// File name of the manifest inside a bundle directory.
 pub const MANIFEST_FILE: &str = "manifest.json";
-
-/// Metadata key naming the component a graph implements (`text_encoder`, `transformer`, ...).
-pub const META_COMPONENT: &str = "klein.component";
-/// Metadata key holding the graph's weight precision (`fp32`, `fp16`, `bf16`).
-pub const META_PRECISION: &str = "klein.precision";
-/// Metadata key holding the quantization scheme (`none`, or the scheme as JSON).
-pub const META_QUANTIZATION: &str = "klein.quantization";
-/// Metadata key holding the bundle format version the graph was exported for.
-pub const META_FORMAT_VERSION: &str = "klein.format_version";
-
-/// Read buffer for hashing: large enough that hashing, not system calls, sets the pace.
-const HASH_BUFFER_BYTES: usize = 1 << 20;
-/// Largest `references.time_offset_scale` (in size): reference `i` gets time coordinate
-/// `scale * (i + 1)`, and there are at most `MAX_IMAGE_TOKENS` references (one token each), so the
-/// coordinates fit in the int64 position ids.
-const MAX_TIME_OFFSET_SCALE: u64 = i64::MAX as u64 / (crate::pipeline::MAX_IMAGE_TOKENS as u64 + 1);
-/// Folder of the verification stamps inside the cache directory ([`default_cache_dir`]).
-const STAMP_DIR: &str = "verified";
-/// Files modified less than this long before a verification started are not stamped. File systems
-/// take modification times from a coarse clock, so a file rewritten just after it was hashed can
-/// keep the time the stamp recorded ("racy" files, in git's words). Such a bundle is hashed again
-/// on its next load, and stamped then.
-const RACY_WINDOW: Duration = Duration::from_secs(2);
 
 /// The whole `manifest.json` of a bundle.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -128,37 +103,6 @@ pub enum ModelVariant {
     /// Any other checkpoint with this architecture.
     #[serde(rename = "custom")]
     Custom,
-}
-
-/// `tokenizer`: how a prompt becomes `input_ids` and `attention_mask` (see `tokenize`).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct TokenizerSpec {
-    /// Hugging Face `tokenizers` file inside the bundle.
-    pub file: String,
-    /// Chat-template text before the user's prompt.
-    pub prompt_prefix: String,
-    /// Chat-template text after the user's prompt.
-    pub prompt_suffix: String,
-    /// The padding token's text (`<|endoftext|>` for Qwen3).
-    pub pad_token: String,
-    /// The padding token's id (151643 for Qwen3).
-    pub pad_token_id: u32,
-    /// Which side padding goes on.
-    pub padding_side: PaddingSide,
-    /// Every prompt is truncated and padded to exactly this many tokens (512 for klein).
-    pub max_sequence_length: usize,
-    /// Whether the tokenizer's post-processor adds its special tokens (false for klein).
-    pub add_special_tokens: bool,
-}
-
-/// `tokenizer.padding_side`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PaddingSide {
-    /// Pads before the prompt.
-    Left,
-    /// Pads after the prompt (the Qwen3 default).
-    Right,
 }
 
 /// `text_encoder`: Qwen3 numbers.
@@ -261,16 +205,19 @@ pub struct GraphsSpec {
 }
 
 impl GraphsSpec {
-    /// Every graph with its component name (the `klein.component` it must carry), in pipeline
-    /// order.
-    pub fn iter(&self) -> impl Iterator<Item = (&'static str, &GraphSpec)> {
-        [
-            ("text_encoder", &self.text_encoder),
-            ("transformer", &self.transformer),
-            ("vae_encoder", &self.vae_encoder),
-            ("vae_decoder", &self.vae_decoder),
-        ]
-        .into_iter()
+    /// The graph of `component`.
+    pub fn get(&self, component: Component) -> &GraphSpec {
+        match component {
+            Component::TextEncoder => &self.text_encoder,
+            Component::Transformer => &self.transformer,
+            Component::VaeEncoder => &self.vae_encoder,
+            Component::VaeDecoder => &self.vae_decoder,
+        }
+    }
+
+    /// Every graph with its component, in pipeline order.
+    pub fn iter(&self) -> impl Iterator<Item = (Component, &GraphSpec)> {
+        Component::ALL.into_iter().map(|c| (c, self.get(c)))
     }
 }
 
@@ -351,53 +298,6 @@ pub struct TensorSpec {
     pub dtype: Dtype,
     /// Dimensions: fixed sizes or named dynamic ones (`batch`, `seq`, `tokens`...).
     pub shape: Vec<DimSpec>,
-}
-
-/// Element type of a graph input or output, with the names the manifest uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Dtype {
-    /// 32-bit float.
-    Float32,
-    /// IEEE half precision.
-    Float16,
-    /// bfloat16.
-    Bfloat16,
-    /// 64-bit float.
-    Float64,
-    /// 64-bit signed integer.
-    Int64,
-    /// 32-bit signed integer.
-    Int32,
-    /// 8-bit signed integer.
-    Int8,
-    /// 8-bit unsigned integer.
-    Uint8,
-    /// Boolean.
-    Bool,
-}
-
-impl Dtype {
-    /// The name used in the manifest (`float32`, `int64`...).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Dtype::Float32 => "float32",
-            Dtype::Float16 => "float16",
-            Dtype::Bfloat16 => "bfloat16",
-            Dtype::Float64 => "float64",
-            Dtype::Int64 => "int64",
-            Dtype::Int32 => "int32",
-            Dtype::Int8 => "int8",
-            Dtype::Uint8 => "uint8",
-            Dtype::Bool => "bool",
-        }
-    }
-}
-
-impl fmt::Display for Dtype {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
 }
 
 /// One dimension of a [`TensorSpec`] shape.
@@ -525,122 +425,6 @@ impl Manifest {
         Ok(manifest)
     }
 
-    /// [`Manifest::verify_hashes`], skipped when a stamp in `cache_dir` shows that no file changed
-    /// since the last successful verification.
-    ///
-    /// The stamp (`<cache_dir>/verified/<key>.json`, the key a hash of the bundle's canonical path
-    /// and of its manifest.json) records each file's size, modification time (ns) and expected
-    /// sha256. It is used only when all of them still agree, and written after a verification
-    /// that passed, unless a file changed while it was hashed or was modified within 2 s of it
-    /// (see `RACY_WINDOW`). `cache_dir` `None`, or a stamp that cannot be read or written, means
-    /// hashing every time; failures to write are ignored.
-    ///
-    /// A stamp catches corruption and ordinary edits (any write updates the modification time),
-    /// not an attacker who can also set the time back: use [`Manifest::verify_hashes`] for that.
-    pub fn verify_hashes_cached(
-        &self,
-        bundle_dir: &Path,
-        cache_dir: Option<&Path>,
-    ) -> Result<Verification> {
-        let started = SystemTime::now();
-        let stamp_path = cache_dir.and_then(|dir| stamp_path(bundle_dir, dir));
-        let before = self.stamp(bundle_dir);
-        if let (Some(path), Some(expected)) = (&stamp_path, &before) {
-            let stored = std::fs::read(path)
-                .ok()
-                .and_then(|bytes| serde_json::from_slice::<Stamp>(&bytes).ok());
-            if stored.as_ref() == Some(expected) {
-                return Ok(Verification {
-                    hashed: false,
-                    stamp: stamp_path,
-                });
-            }
-        }
-        self.verify_hashes(bundle_dir)?;
-        let settled = |stamp: &Stamp| {
-            let cutoff = started
-                .checked_sub(RACY_WINDOW)
-                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-                .map_or(0, |d| d.as_nanos());
-            stamp
-                .files
-                .values()
-                .all(|f| u128::from(f.modified_ns) < cutoff)
-        };
-        let written = match (stamp_path, before) {
-            (Some(path), Some(before))
-                if settled(&before) && self.stamp(bundle_dir).as_ref() == Some(&before) =>
-            {
-                write_stamp(&path, &before).then_some(path)
-            }
-            _ => None,
-        };
-        Ok(Verification {
-            hashed: true,
-            stamp: written,
-        })
-    }
-
-    /// The stamp this bundle would have now: every file's size and modification time as on disk,
-    /// with the manifest's hash. `None` when a time or the bundle's canonical path is unavailable.
-    fn stamp(&self, bundle_dir: &Path) -> Option<Stamp> {
-        let bundle = std::fs::canonicalize(bundle_dir).ok()?;
-        let files = self
-            .files
-            .iter()
-            .map(|(name, entry)| {
-                let meta = std::fs::metadata(bundle.join(name)).ok()?;
-                let modified = meta.modified().ok()?.duration_since(UNIX_EPOCH).ok()?;
-                Some((
-                    name.clone(),
-                    StampedFile {
-                        bytes: meta.len(),
-                        modified_ns: u64::try_from(modified.as_nanos()).ok()?,
-                        sha256: entry.sha256.to_ascii_lowercase(),
-                    },
-                ))
-            })
-            .collect::<Option<BTreeMap<_, _>>>()?;
-        Some(Stamp {
-            bundle: bundle.to_string_lossy().into_owned(),
-            files,
-        })
-    }
-
-    /// Checks the SHA-256 of every file in `files` against the manifest. Files are hashed in
-    /// parallel with a streaming reader; every mismatch is reported, not only the first.
-    pub fn verify_hashes(&self, bundle_dir: &Path) -> Result<()> {
-        let mismatches: Vec<String> = self
-            .files
-            .par_iter()
-            .map(|(name, entry)| {
-                let path = bundle_dir.join(name);
-                let found = sha256_file(&path)?;
-                Ok((!found.eq_ignore_ascii_case(&entry.sha256)).then(|| {
-                    format!(
-                        "{name}: sha256 is {found}, manifest.json says {}",
-                        entry.sha256
-                    )
-                }))
-            })
-            .collect::<Result<Vec<Option<String>>>>()?
-            .into_iter()
-            .flatten()
-            .collect();
-        if mismatches.is_empty() {
-            Ok(())
-        } else {
-            Err(KleinError::Bundle {
-                path: bundle_dir.to_path_buf(),
-                reason: format!(
-                    "{} file(s) do not match manifest.json (corrupted or modified; copy or export the bundle again): {}",
-                    mismatches.len(),
-                    mismatches.join("; ")
-                ),
-            })
-        }
-    }
-
     /// Numbers that must agree with each other for the pipeline's arithmetic to be right.
     fn check_consistency(&self) -> std::result::Result<(), String> {
         let te = &self.text_encoder;
@@ -745,7 +529,7 @@ impl Manifest {
             problems.extend(shapes.problems(
                 self.latents.pixel_multiple,
                 self.tokenizer.max_sequence_length,
-                crate::pipeline::MAX_SIDE,
+                MAX_SIDE,
             ));
         }
         if problems.is_empty() {
@@ -759,7 +543,7 @@ impl Manifest {
     fn check_files(&self, bundle_dir: &Path, manifest_path: &Path) -> Result<()> {
         let bundle_error = |path: PathBuf, reason: String| KleinError::Bundle { path, reason };
         let needed = std::iter::once(("tokenizer", &self.tokenizer.file))
-            .chain(self.graphs.iter().map(|(name, g)| (name, &g.file)))
+            .chain(self.graphs.iter().map(|(c, g)| (c.as_str(), &g.file)))
             .chain(self.static_shapes.iter().flat_map(StaticShapes::files));
         for (what, file) in needed {
             if !self.files.contains_key(file) {
@@ -776,7 +560,7 @@ impl Manifest {
             if name.is_empty()
                 || !relative
                     .components()
-                    .all(|c| matches!(c, Component::Normal(_)))
+                    .all(|c| matches!(c, PathComponent::Normal(_)))
             {
                 return Err(bundle_error(
                     manifest_path.to_path_buf(),
@@ -836,167 +620,11 @@ impl Manifest {
     }
 }
 
-impl GraphSpec {
-    /// Checks the `klein.*` metadata of the loaded graph file `path` against this spec:
-    /// `klein.component` must be `component`, `klein.format_version` a supported version, and
-    /// `klein.precision` / `klein.quantization` must agree with the manifest.
-    pub fn check_metadata(
-        &self,
-        component: &str,
-        metadata: &BTreeMap<String, String>,
-        path: &Path,
-    ) -> Result<()> {
-        let bundle_error = |reason: String| KleinError::Bundle {
-            path: path.to_path_buf(),
-            reason,
-        };
-        let get = |key: &str| {
-            metadata.get(key).ok_or_else(|| {
-                bundle_error(format!(
-                    "graph has no `{key}` metadata; it was not written by klein-export (expected the `{component}` graph)"
-                ))
-            })
-        };
-        let found = get(META_COMPONENT)?;
-        if found != component {
-            return Err(bundle_error(format!(
-                "{META_COMPONENT} is `{found}`, expected `{component}` (graph files swapped?)"
-            )));
-        }
-        let version = get(META_FORMAT_VERSION)?;
-        if !SUPPORTED_FORMAT_VERSIONS
-            .iter()
-            .any(|v| v.to_string() == *version)
-        {
-            return Err(bundle_error(format!(
-                "{META_FORMAT_VERSION} is `{version}`; this runtime reads format version {}",
-                supported_versions()
-            )));
-        }
-        let precision = get(META_PRECISION)?;
-        if precision != self.precision.as_str() {
-            return Err(bundle_error(format!(
-                "{META_PRECISION} is `{precision}`, manifest.json says `{}`",
-                self.precision
-            )));
-        }
-        let quantization = get(META_QUANTIZATION)?;
-        let graph_quantized = quantization != "none";
-        if graph_quantized != self.quantization.is_some() {
-            let declared = self
-                .quantization
-                .as_ref()
-                .map_or("none".to_string(), |q| q.method.clone());
-            return Err(bundle_error(format!(
-                "{META_QUANTIZATION} is `{quantization}`, manifest.json says `{declared}`"
-            )));
-        }
-        Ok(())
-    }
-}
-
-/// The result of [`Manifest::verify_hashes_cached`] (which fails when a file does not match).
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Verification {
-    /// The files were hashed; false when a stamp showed them unchanged since they last were.
-    pub hashed: bool,
-    /// The stamp that vouched for the files or was written after hashing them; `None` when there
-    /// is no cache directory, the stamp could not be written, or a file was modified too recently.
-    pub stamp: Option<PathBuf>,
-}
-
-/// What a verification stamp records. A stamp vouches for a bundle only if it equals the one
-/// computed now ([`Manifest::stamp`]).
-#[derive(Debug, PartialEq, Serialize, Deserialize)]
-struct Stamp {
-    /// The bundle's canonical path.
-    bundle: String,
-    /// Every file of the manifest's `files`.
-    files: BTreeMap<String, StampedFile>,
-}
-
-#[derive(Debug, PartialEq, Serialize, Deserialize)]
-struct StampedFile {
-    bytes: u64,
-    /// Modification time, nanoseconds since the Unix epoch.
-    modified_ns: u64,
-    /// The sha256 manifest.json gives (lower case), which the file matched.
-    sha256: String,
-}
-
-/// Where klein keeps its caches (verification stamps): `$KLEIN_CACHE_DIR`, else
-/// `$XDG_CACHE_HOME/klein`, else `$HOME/.cache/klein`, else `%LOCALAPPDATA%\klein`; `None` when
-/// none of these variables is set.
-pub fn default_cache_dir() -> Option<PathBuf> {
-    let var = |name: &str| {
-        std::env::var_os(name)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    var("KLEIN_CACHE_DIR")
-        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("klein")))
-        .or_else(|| var("HOME").map(|d| d.join(".cache").join("klein")))
-        .or_else(|| var("LOCALAPPDATA").map(|d| d.join("klein")))
-}
-
-/// `<cache_dir>/verified/<sha256 of the canonical bundle path and of manifest.json>.json`, or
-/// `None` when the bundle's path or manifest cannot be read.
-fn stamp_path(bundle_dir: &Path, cache_dir: &Path) -> Option<PathBuf> {
-    let bundle = std::fs::canonicalize(bundle_dir).ok()?;
-    let manifest = std::fs::read(bundle.join(MANIFEST_FILE)).ok()?;
-    let mut hasher = Sha256::new();
-    hasher.update(bundle.as_os_str().as_encoded_bytes());
-    hasher.update([0]);
-    hasher.update(Sha256::digest(&manifest));
-    Some(
-        cache_dir
-            .join(STAMP_DIR)
-            .join(format!("{}.json", hex(&hasher.finalize()))),
-    )
-}
-
-/// Writes a stamp atomically; false on any failure (a stamp only saves time).
-fn write_stamp(path: &Path, stamp: &Stamp) -> bool {
-    let Ok(bytes) = serde_json::to_vec_pretty(stamp) else {
-        return false;
-    };
-    path.parent()
-        .is_some_and(|dir| std::fs::create_dir_all(dir).is_ok())
-        && write_atomic(path, &bytes).is_ok()
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 /// `"1"`, or `"1, 2"` when several versions are readable.
-fn supported_versions() -> String {
+pub(crate) fn supported_versions() -> String {
     SUPPORTED_FORMAT_VERSIONS
         .iter()
         .map(u32::to_string)
         .collect::<Vec<_>>()
         .join(", ")
-}
-
-/// Lower-case hex SHA-256 of a file, streamed.
-fn sha256_file(path: &Path) -> Result<String> {
-    let io_error = |source| KleinError::Io {
-        path: path.to_path_buf(),
-        action: "hashing",
-        source,
-    };
-    let mut file = File::open(path).map_err(io_error)?;
-    let mut hasher = Sha256::new();
-    let mut buffer = vec![0u8; HASH_BUFFER_BYTES];
-    loop {
-        let n = match file.read(&mut buffer) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(io_error(e)),
-        };
-        hasher.update(&buffer[..n]);
-    }
-    Ok(hex(&hasher.finalize()))
 }

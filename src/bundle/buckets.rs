@@ -11,8 +11,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-/// Components with one graph per bucket.
-pub const PER_BUCKET: [&str; 3] = ["transformer", "vae_decoder", "vae_encoder"];
+use super::component::Component;
 
 /// `static_shapes` in manifest.json.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -32,7 +31,7 @@ pub struct StaticShapes {
 pub struct Bucket {
     pub width: u32,
     pub height: u32,
-    /// Component (`transformer`, `vae_decoder`, `vae_encoder`) to graph file.
+    /// Component name ([`Component::PER_BUCKET`]) to graph file.
     pub files: BTreeMap<String, String>,
 }
 
@@ -60,10 +59,12 @@ impl StaticShapes {
         if self.buckets.is_empty() {
             problems.push("static_shapes.buckets is empty".to_string());
         }
-        let mut wanted: Vec<&str> = vec!["transformer", "vae_decoder"];
-        if self.refs > 0 {
-            wanted.push("vae_encoder");
-        }
+        // Component names in sorted order, as the map's keys come.
+        let mut wanted: Vec<&str> = Component::PER_BUCKET
+            .into_iter()
+            .filter(|&c| c != Component::VaeEncoder || self.refs > 0)
+            .map(Component::as_str)
+            .collect();
         wanted.sort_unstable();
         for (i, bucket) in self.buckets.iter().enumerate() {
             let name = bucket.name();
@@ -157,6 +158,11 @@ impl StaticShapes {
 }
 
 impl Bucket {
+    /// The graph file of `component` in this bucket (`None`: the component has no bucket graph).
+    pub fn file(&self, component: Component) -> Option<&String> {
+        self.files.get(component.as_str())
+    }
+
     /// `WIDTHxHEIGHT`.
     pub fn name(&self) -> String {
         format!("{}x{}", self.width, self.height)

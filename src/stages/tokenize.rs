@@ -17,10 +17,41 @@
 
 use std::path::Path;
 
+use serde::{Deserialize, Serialize};
 use tokenizers::Tokenizer;
 
 use crate::error::{KleinError, Result};
-use crate::manifest::{PaddingSide, TokenizerSpec};
+
+/// `tokenizer`: how a prompt becomes `input_ids` and `attention_mask` (the manifest's `tokenizer` section).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TokenizerSpec {
+    /// Hugging Face `tokenizers` file inside the bundle.
+    pub file: String,
+    /// Chat-template text before the user's prompt.
+    pub prompt_prefix: String,
+    /// Chat-template text after the user's prompt.
+    pub prompt_suffix: String,
+    /// The padding token's text (`<|endoftext|>` for Qwen3).
+    pub pad_token: String,
+    /// The padding token's id (151643 for Qwen3).
+    pub pad_token_id: u32,
+    /// Which side padding goes on.
+    pub padding_side: PaddingSide,
+    /// Every prompt is truncated and padded to exactly this many tokens (512 for klein).
+    pub max_sequence_length: usize,
+    /// Whether the tokenizer's post-processor adds its special tokens (false for klein).
+    pub add_special_tokens: bool,
+}
+
+/// `tokenizer.padding_side`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PaddingSide {
+    /// Pads before the prompt.
+    Left,
+    /// Pads after the prompt (the Qwen3 default).
+    Right,
+}
 
 /// Token ids of one prompt, exactly `max_sequence_length` long.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -13,8 +13,8 @@
 //! [`Device::Auto`] falls back to the CPU, so a bundle passes for `auto` when the CPU runs it.
 //! CUDA and CoreML rows are what ONNX Runtime documents and registers; they have not been run on
 //! such hardware here (see the README).
+use super::manifest::{GraphsSpec, Precision, QuantizationSpec};
 use crate::error::{KleinError, Result};
-use crate::manifest::{GraphsSpec, Precision, QuantizationSpec};
 use crate::runtime::Device;
 
 /// Why `device` cannot run one graph of this precision and quantization (`None`: it can).

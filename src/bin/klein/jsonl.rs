@@ -11,23 +11,17 @@
 //! silently ignored). `refs` are relative to the directory of the file. `name` is the output file
 //! stem; by default the line number, zero-padded to four digits (`0007`). A line that cannot be
 //! used is reported as a [`LineError`], and the others still run.
-//!
-//! [`PromptMemo`] keeps the embeddings of prompts that later lines use again, so that a prompt
-//! repeated with many seeds runs the text encoder once, and drops them after their last use.
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
-
-use crate::error::Result;
-use crate::pipeline::PromptEmbeds;
 
 /// Digits of the default output name (the line number): `0001` ... `9999`, then `10000`.
 const NAME_DIGITS: usize = 4;
 
 /// One usable line.
 #[derive(Debug, Clone, PartialEq)]
-pub struct BatchLine {
+pub(crate) struct BatchLine {
     /// 1-based line number in the file.
     pub line: usize,
     /// Output file stem (`name`, else the zero-padded line number).
@@ -44,7 +38,7 @@ pub struct BatchLine {
 
 /// A line that cannot be used, with what is known of it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LineError {
+pub(crate) struct LineError {
     /// 1-based line number in the file.
     pub line: usize,
     /// The output name the line has or would have had.
@@ -71,14 +65,17 @@ struct LineJson {
 }
 
 /// The default output name of line `line` (1-based): `0001`.
-pub fn default_name(line: usize) -> String {
+pub(crate) fn default_name(line: usize) -> String {
     format!("{line:0NAME_DIGITS$}")
 }
 
 /// Parses every non-blank line of a JSON Lines file; `base_dir` is the file's directory, against
 /// which reference paths are resolved. Output names must be plain file names and unique: a line
 /// whose name an earlier line already has (by default or explicitly) is an error.
-pub fn parse_batch(text: &str, base_dir: &Path) -> Vec<std::result::Result<BatchLine, LineError>> {
+pub(crate) fn parse_batch(
+    text: &str,
+    base_dir: &Path,
+) -> Vec<std::result::Result<BatchLine, LineError>> {
     let mut used: HashMap<String, usize> = HashMap::new();
     let mut parsed = Vec::new();
     for (index, raw) in text.lines().enumerate() {
@@ -162,87 +159,10 @@ fn check_name(name: &str) -> std::result::Result<(), String> {
     Ok(())
 }
 
-/// Prompt embeddings kept while later lines still need them.
-#[derive(Debug, Default)]
-pub struct PromptMemo {
-    /// Uses still to come, per prompt.
-    remaining: HashMap<String, usize>,
-    kept: HashMap<String, PromptEmbeds>,
-}
-
-impl PromptMemo {
-    /// A memo for lines that will use `prompts`, in any order (one entry per use).
-    pub fn new<'a>(prompts: impl IntoIterator<Item = &'a str>) -> PromptMemo {
-        let mut remaining = HashMap::new();
-        for prompt in prompts {
-            *remaining.entry(prompt.to_string()).or_insert(0) += 1;
-        }
-        PromptMemo {
-            remaining,
-            kept: HashMap::new(),
-        }
-    }
-
-    /// Embeddings for the next use of `prompt`: the kept ones, or `encode(prompt)` when a later use
-    /// will need them too. `None` for a prompt used once (the pipeline encodes it as usual).
-    /// Kept embeddings are dropped at their last use.
-    pub fn take(
-        &mut self,
-        prompt: &str,
-        encode: impl FnOnce(&str) -> Result<PromptEmbeds>,
-    ) -> Result<Option<PromptEmbeds>> {
-        let left = self.use_one(prompt);
-        if left == 0 {
-            return Ok(self.kept.remove(prompt));
-        }
-        if let Some(kept) = self.kept.get(prompt) {
-            return Ok(Some(kept.clone()));
-        }
-        let embeds = encode(prompt)?;
-        self.kept.insert(prompt.to_string(), embeds.clone());
-        Ok(Some(embeds))
-    }
-
-    /// A use of `prompt` that will not happen (its line failed before generating).
-    pub fn forget(&mut self, prompt: &str) {
-        if self.use_one(prompt) == 0 {
-            self.kept.remove(prompt);
-        }
-    }
-
-    /// Prompts whose embeddings are kept now.
-    pub fn kept(&self) -> HashSet<&str> {
-        self.kept.keys().map(String::as_str).collect()
-    }
-
-    /// Counts one use of `prompt`; returns the uses left after it.
-    fn use_one(&mut self, prompt: &str) -> usize {
-        match self.remaining.get_mut(prompt) {
-            Some(count) => {
-                *count = count.saturating_sub(1);
-                let left = *count;
-                if left == 0 {
-                    self.remaining.remove(prompt);
-                }
-                left
-            }
-            None => 0,
-        }
-    }
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)] // tests may unwrap: a failure is a test failure
 mod tests {
     use super::*;
-    use ndarray::Array3;
-
-    fn embeds(value: f32) -> PromptEmbeds {
-        PromptEmbeds {
-            embeds: Array3::from_elem((1, 2, 3), value),
-            truncated: false,
-        }
-    }
 
     #[test]
     fn lines_parse_with_defaults_and_resolved_refs() {
@@ -296,36 +216,5 @@ mod tests {
             );
         }
         assert_eq!(errors[3].prompt.as_deref(), Some("x"));
-    }
-
-    /// A prompt used three times is encoded once, kept in between, and dropped at its last use; a
-    /// prompt used once is left to the pipeline.
-    #[test]
-    fn memo_encodes_repeated_prompts_once() {
-        let mut memo = PromptMemo::new(["a", "b", "a", "a"]);
-        let mut encoded = Vec::new();
-        let mut encode = |p: &str| {
-            encoded.push(p.to_string());
-            Ok(embeds(encoded.len() as f32))
-        };
-        assert!(memo.take("a", &mut encode).unwrap().is_some());
-        assert_eq!(
-            memo.take("b", &mut encode).unwrap().map(|e| e.truncated),
-            None
-        );
-        assert!(memo.take("a", &mut encode).unwrap().is_some());
-        assert_eq!(memo.kept(), HashSet::from(["a"]));
-        let last = memo.take("a", &mut encode).unwrap().unwrap();
-        assert_eq!(last.embeds[[0, 0, 0]], 1.0, "the kept embeddings");
-        assert!(memo.kept().is_empty(), "dropped after the last use");
-        assert_eq!(encoded, ["a"]);
-    }
-
-    #[test]
-    fn forgotten_uses_release_kept_embeddings() {
-        let mut memo = PromptMemo::new(["a", "a"]);
-        memo.take("a", |_| Ok(embeds(1.0))).unwrap();
-        memo.forget("a");
-        assert!(memo.kept().is_empty());
     }
 }

@@ -26,11 +26,7 @@ use ndarray::Array4;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{KleinError, Result};
-
-/// Largest width or height this runtime decodes, to refuse decompression bombs before allocating.
-pub const MAX_DECODE_SIDE: u32 = 16384;
-/// Largest decoded pixel buffer, in bytes (512 MiB, the image crate's default).
-pub const MAX_DECODE_BYTES: u64 = 512 * 1024 * 1024;
+use crate::limits::{MAX_DECODE_BYTES, MAX_DECODE_SIDE};
 
 /// The limits of `Flux2ImageProcessor.check_image_input` and the resize threshold of the pipeline.
 /// Mirrors the manifest's `references` section (its other keys are ignored here).

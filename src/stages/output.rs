@@ -1,7 +1,4 @@
-//! Stage 7 output: decoder floats to uint8 RGB, and PNG files with text metadata written atomically.
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+//! Stage 7 output: decoder floats to uint8 RGB, and PNG bytes with text metadata.
 
 use ndarray::ArrayView4;
 
@@ -62,39 +59,6 @@ pub fn encode_png(image: &RgbImage, text: &[(String, String)]) -> Result<Vec<u8>
     Ok(bytes)
 }
 
-/// Writes `bytes` to `path` atomically: a hidden temporary file in the same directory, synced, then
-/// renamed over `path`. On any error the temporary file is removed and `path` is untouched.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = temp_path(path);
-    let io = |action, source| KleinError::Io {
-        path: path.to_path_buf(),
-        action,
-        source,
-    };
-    let result = (|| {
-        let mut file = std::fs::File::create(&tmp).map_err(|e| io("create", e))?;
-        file.write_all(bytes).map_err(|e| io("write", e))?;
-        file.sync_all().map_err(|e| io("sync", e))?;
-        std::fs::rename(&tmp, path).map_err(|e| io("rename into place", e))
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
-}
-
-/// `.NAME.klein-tmp-PID-N`: unique per process and per call, so that threads writing the same
-/// path at once (two pipelines stamping one bundle) do not share a temporary file.
-fn temp_path(path: &Path) -> PathBuf {
-    static COUNTER: AtomicUsize = AtomicUsize::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    path.with_file_name(format!(".{name}.klein-tmp-{}-{n}", std::process::id()))
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)] // tests may unwrap: a failure is a test failure
 mod tests {
@@ -130,22 +94,5 @@ mod tests {
         let mut buf = vec![0; reader.output_buffer_size().unwrap()];
         reader.next_frame(&mut buf).unwrap();
         assert_eq!(buf, image.pixels);
-    }
-
-    #[test]
-    fn failed_write_leaves_no_file() {
-        let dir = std::env::temp_dir().join(format!("klein-out-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let missing = dir.join("no-such-dir").join("x.png");
-        assert!(write_atomic(&missing, b"data").is_err());
-        let ok = dir.join("x.png");
-        write_atomic(&ok, b"data").unwrap();
-        assert_eq!(std::fs::read(&ok).unwrap(), b"data");
-        let leftovers: Vec<_> = std::fs::read_dir(&dir)
-            .unwrap()
-            .filter_map(|e| e.ok())
-            .collect();
-        assert_eq!(leftovers.len(), 1, "only the output file remains");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

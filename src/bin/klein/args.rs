@@ -1,0 +1,243 @@
+//! The command line's flags (clap) and what they turn into: [`PipelineOptions`].
+use std::path::PathBuf;
+
+use clap::{ArgGroup, Args, Parser, Subcommand};
+use klein::limits::MAX_BATCH;
+use klein::pipeline::PipelineOptions;
+use klein::runtime::{
+    ComputeUnits, ConvSearch, CoreMlOptions, CudaOptions, Device, RuntimeOptions,
+};
+
+/// The bundled tiny model, used when neither `--model` nor `KLEIN_MODEL` is given.
+const BUNDLED_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/onnx/klein-tiny");
+
+#[derive(Parser)]
+#[command(
+    name = "klein",
+    version,
+    about = "Run FLUX.2-klein image models on ONNX Runtime"
+)]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+#[derive(Subcommand)]
+pub(crate) enum Command {
+    /// Generate images: text-to-image, or edit/compose with --ref.
+    Generate(Box<GenerateArgs>),
+    /// Show what is in a bundle.
+    Info(InfoArgs),
+}
+
+#[derive(Args)]
+#[command(group(ArgGroup::new("input").required(true).args(["prompt", "prompts"])))]
+pub(crate) struct GenerateArgs {
+    /// The prompt (may be empty); or --prompts for many
+    pub(crate) prompt: Option<String>,
+    /// JSON Lines file, one image per line: {"prompt": "...", "seed": 7, "width": 512, "height": 512, "steps": 4, "guidance": 1.0, "refs": ["a.png"], "name": "fox"} (only "prompt" is required; refs are relative to the file). Other options apply to every line that does not set them
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "out_dir",
+        conflicts_with_all = ["output", "seed", "refs", "num_images"]
+    )]
+    pub(crate) prompts: Option<PathBuf>,
+    /// Output directory of --prompts: NAME.png per line (default name: the line number, 0001) and
+    /// summary.json. Lines whose output exists are skipped, so an interrupted run can be restarted
+    #[arg(
+        long,
+        value_name = "DIR",
+        requires = "prompts",
+        conflicts_with = "prompt"
+    )]
+    pub(crate) out_dir: Option<PathBuf>,
+    /// Bundle directory [default: $KLEIN_MODEL, else the bundled tiny model]
+    #[arg(long, short = 'm')]
+    pub(crate) model: Option<PathBuf>,
+    /// Output width in pixels, floored to a multiple of 16 [default: first reference's width, else the bundle's]
+    #[arg(long)]
+    pub(crate) width: Option<u32>,
+    /// Output height in pixels, floored to a multiple of 16 [default: first reference's height, else the bundle's]
+    #[arg(long)]
+    pub(crate) height: Option<u32>,
+    /// Denoising steps [default: the bundle's, 4 for distilled models]
+    #[arg(long)]
+    pub(crate) steps: Option<usize>,
+    /// Classifier-free guidance scale, base (non-distilled) models only [default: the bundle's]
+    #[arg(long)]
+    pub(crate) guidance: Option<f64>,
+    /// Seed of the initial noise (same seed, same image as diffusers) [default: random, printed]
+    #[arg(long)]
+    pub(crate) seed: Option<u64>,
+    /// Reference image (repeatable): one to edit, several to compose
+    #[arg(long = "ref", value_name = "IMAGE")]
+    pub(crate) refs: Vec<PathBuf>,
+    /// Images to generate for the prompt (one batch)
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=MAX_BATCH as i64))]
+    pub(crate) num_images: u16,
+    /// Execution provider: cpu, cuda, cuda:N, coreml or auto
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: Device,
+    /// Threads per operator [default: ONNX Runtime's choice]
+    #[arg(long)]
+    pub(crate) threads: Option<usize>,
+    /// Output PNG file; with --num-images N, files NAME-1.png ... NAME-N.png
+    #[arg(short, long, default_value = "klein.png")]
+    pub(crate) output: PathBuf,
+    /// Print nothing on stderr but errors and warnings
+    #[arg(long, short)]
+    pub(crate) quiet: bool,
+    /// Print the time spent in each stage
+    #[arg(long)]
+    pub(crate) timings: bool,
+    /// Directory of an on-disk prompt-embedding cache
+    #[arg(long)]
+    pub(crate) prompt_cache: Option<PathBuf>,
+    /// Do not check the sha256 of the bundle's files before loading. By default they are checked,
+    /// and a stamp in $KLEIN_CACHE_DIR (else $XDG_CACHE_HOME/klein, else ~/.cache/klein) skips
+    /// the check while no file changes
+    #[arg(long)]
+    pub(crate) no_verify_hashes: bool,
+    /// ONNX Runtime shared library [default: $ORT_DYLIB_PATH, else the one set up at build time]
+    #[arg(long)]
+    pub(crate) ort_lib: Option<PathBuf>,
+    // Last: their help headings apply to what follows them.
+    #[command(flatten)]
+    pub(crate) cuda: CudaArgs,
+    #[command(flatten)]
+    pub(crate) coreml: CoreMlArgs,
+}
+
+/// The CUDA provider's flags (with `--device cuda` or `auto`).
+#[derive(Args)]
+#[command(next_help_heading = "CUDA (--device cuda or auto)")]
+pub(crate) struct CudaArgs {
+    /// CUDA: largest size of ONNX Runtime's GPU memory arena, in GiB [default: no limit]
+    #[arg(long, value_name = "GIB")]
+    pub(crate) cuda_mem_limit: Option<f64>,
+    /// CUDA: grow the memory arena by what each allocation needs, not by powers of two
+    #[arg(long)]
+    pub(crate) cuda_arena_exact: bool,
+    /// CUDA: cuDNN convolution algorithm search: heuristic, exhaustive or default
+    #[arg(long, value_name = "SEARCH", default_value = "heuristic")]
+    pub(crate) cuda_conv_search: ConvSearch,
+    /// CUDA: TF32 tensor cores for float32 products (Ampere and newer) [default: ONNX Runtime's]
+    #[arg(long, value_name = "on|off", value_parser = on_off)]
+    pub(crate) cuda_tf32: Option<bool>,
+}
+
+/// The CoreML provider's flags (with `--device coreml` or `auto`).
+#[derive(Args)]
+#[command(next_help_heading = "CoreML (--device coreml or auto)")]
+pub(crate) struct CoreMlArgs {
+    /// CoreML: where graphs may run: all, cpu-gpu, cpu-ane (Neural Engine) or cpu
+    #[arg(long, value_name = "UNITS", default_value = "all")]
+    pub(crate) coreml_units: ComputeUnits,
+    /// CoreML: keep compiled models in DIR between runs (created if missing)
+    #[arg(long, value_name = "DIR")]
+    pub(crate) coreml_cache: Option<PathBuf>,
+}
+
+#[derive(Args)]
+pub(crate) struct InfoArgs {
+    /// Bundle directory [default: $KLEIN_MODEL, else the bundled tiny model]
+    pub(crate) model: Option<PathBuf>,
+    /// Also check the sha256 of every file
+    #[arg(long)]
+    pub(crate) verify: bool,
+}
+
+pub(crate) fn default_model(model: Option<PathBuf>) -> PathBuf {
+    model
+        .or_else(|| std::env::var_os("KLEIN_MODEL").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from(BUNDLED_MODEL))
+}
+
+pub(crate) fn pipeline_options(args: &GenerateArgs) -> PipelineOptions {
+    let mut runtime = RuntimeOptions::default();
+    if let Some(lib) = &args.ort_lib {
+        runtime = runtime.with_library(lib);
+    }
+    let mut options = PipelineOptions::default()
+        .with_device(args.device)
+        .with_runtime(runtime)
+        .with_verify_hashes(!args.no_verify_hashes);
+    if let Some(threads) = args.threads {
+        options = options.with_threads(threads);
+    }
+    if let Some(dir) = &args.prompt_cache {
+        options = options.with_prompt_cache_dir(dir);
+    }
+    let mut cuda = CudaOptions::default()
+        .with_arena_same_as_requested(args.cuda.cuda_arena_exact)
+        .with_conv_search(args.cuda.cuda_conv_search);
+    if let Some(gib) = args.cuda.cuda_mem_limit {
+        cuda = cuda.with_memory_limit((gib * (1u64 << 30) as f64) as usize);
+    }
+    if let Some(tf32) = args.cuda.cuda_tf32 {
+        cuda = cuda.with_tf32(tf32);
+    }
+    let mut coreml = CoreMlOptions::default().with_compute_units(args.coreml.coreml_units);
+    if let Some(dir) = &args.coreml.coreml_cache {
+        coreml = coreml.with_cache_dir(dir);
+    }
+    options.with_cuda(cuda).with_coreml(coreml)
+}
+
+/// `on`/`off` (also true/false, yes/no, 1/0).
+fn on_off(s: &str) -> Result<bool, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "on" | "true" | "yes" | "1" => Ok(true),
+        "off" | "false" | "no" | "0" => Ok(false),
+        _ => Err(format!("`{s}` is not on or off")),
+    }
+}
+
+/// Device-specific flags given for a device they do not apply to: a mistake worth stopping for
+/// (`--coreml-cache` with `--device cuda` would otherwise be silently ignored).
+pub(crate) fn check_device_flags(args: &GenerateArgs) -> Result<(), String> {
+    let cuda_flags = [
+        ("--cuda-mem-limit", args.cuda.cuda_mem_limit.is_some()),
+        ("--cuda-arena-exact", args.cuda.cuda_arena_exact),
+        (
+            "--cuda-conv-search",
+            args.cuda.cuda_conv_search != ConvSearch::default(),
+        ),
+        ("--cuda-tf32", args.cuda.cuda_tf32.is_some()),
+    ];
+    let coreml_flags = [
+        (
+            "--coreml-units",
+            args.coreml.coreml_units != ComputeUnits::default(),
+        ),
+        ("--coreml-cache", args.coreml.coreml_cache.is_some()),
+    ];
+    let (cuda_ok, coreml_ok) = match args.device {
+        Device::Cuda(_) => (true, false),
+        Device::CoreMl => (false, true),
+        Device::Auto => (true, true),
+        Device::Cpu => (false, false),
+    };
+    for (flags, ok) in [(&cuda_flags[..], cuda_ok), (&coreml_flags[..], coreml_ok)] {
+        if let Some((flag, _)) = flags.iter().find(|(_, given)| *given && !ok) {
+            return Err(format!(
+                "{flag} does not apply to --device {}; it applies with --device {} or auto",
+                args.device,
+                if flag.starts_with("--cuda") {
+                    "cuda"
+                } else {
+                    "coreml"
+                }
+            ));
+        }
+    }
+    if let Some(gib) = args.cuda.cuda_mem_limit {
+        if !(gib.is_finite() && gib > 0.0 && gib < 1e6) {
+            return Err(format!(
+                "--cuda-mem-limit {gib}: give a positive number of GiB"
+            ));
+        }
+    }
+    Ok(())
+}

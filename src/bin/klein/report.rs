@@ -1,0 +1,103 @@
+//! What the command line tells the user on stderr: progress, warnings, timings.
+use std::io::IsTerminal;
+use std::ops::ControlFlow;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use klein::pipeline::{Generation, Pipeline, Progress};
+
+/// Progress on stderr: a bar when stderr is a terminal and --quiet is not given.
+pub(crate) struct Reporter {
+    bar: ProgressBar,
+    quiet: bool,
+}
+
+impl Reporter {
+    pub(crate) fn new(quiet: bool) -> Reporter {
+        let bar = ProgressBar::hidden();
+        if !quiet && std::io::stderr().is_terminal() {
+            bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+            bar.set_style(
+                ProgressStyle::with_template("{msg:28} [{bar:30}] {pos}/{len} {elapsed}")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+        }
+        Reporter { bar, quiet }
+    }
+
+    /// A line on stderr, unless --quiet.
+    pub(crate) fn say(&self, line: impl std::fmt::Display) {
+        if !self.quiet {
+            self.bar.suspend(|| eprintln!("{line}"));
+        }
+    }
+
+    /// The progress callback for one generation; `prefix` goes before each stage's name.
+    pub(crate) fn callback<'a>(
+        &'a self,
+        prefix: &'a str,
+    ) -> impl FnMut(Progress) -> ControlFlow<()> + 'a {
+        move |event: Progress| {
+            let bar = &self.bar;
+            match event {
+                Progress::StageStarted(stage) => {
+                    bar.set_message(format!("{prefix}{}", stage.label()));
+                    bar.set_length(1);
+                    bar.set_position(0);
+                }
+                Progress::Step { step, total } => {
+                    bar.set_message(format!("{prefix}denoise"));
+                    bar.set_length(total as u64);
+                    bar.set_position(step as u64);
+                }
+                Progress::StageFinished(..) => bar.set_position(bar.length().unwrap_or(1)),
+            }
+            ControlFlow::Continue(())
+        }
+    }
+
+    pub(crate) fn clear(&self) {
+        self.bar.finish_and_clear();
+        self.bar.reset();
+    }
+
+    /// The warnings and, with --timings, the stage times of a finished generation.
+    pub(crate) fn report(
+        &self,
+        pipeline: &Pipeline,
+        generation: &Generation,
+        timings: bool,
+        label: &str,
+    ) {
+        if generation.prompt_truncated {
+            eprintln!(
+                "klein: warning: {label}the prompt is longer than {} tokens and was truncated, as the reference pipeline does",
+                pipeline.manifest().tokenizer.max_sequence_length
+            );
+        }
+        if timings {
+            for (stage, elapsed) in &generation.timings {
+                eprintln!("{:>20}: {:8.3} s", stage.label(), elapsed.as_secs_f64());
+            }
+        }
+    }
+}
+
+/// Warns that guidance does nothing on a distilled model.
+pub(crate) fn warn_ignored_guidance(pipeline: &Pipeline, guidance: Option<f64>) -> bool {
+    let model = &pipeline.manifest().model;
+    let ignored = model.is_distilled && guidance.is_some_and(|g| g > 1.0);
+    if ignored {
+        eprintln!(
+            "klein: warning: --guidance is ignored: {} is a distilled model",
+            model.name
+        );
+    }
+    ignored
+}
+
+pub(crate) fn device_name(pipeline: &Pipeline) -> String {
+    pipeline
+        .device_used()
+        .map(|d| d.to_string())
+        .unwrap_or_else(|| "none".to_string())
+}

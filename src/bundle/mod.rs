@@ -1,0 +1,13 @@
+//! A bundle on disk: its manifest (the schema and its consistency), the graphs' I/O contract, hash
+//! verification with its stamps, static-shape buckets, and which devices can run it. Nothing here
+//! runs a graph.
+pub mod buckets;
+pub mod component;
+pub mod contract;
+pub mod manifest;
+pub mod stamp;
+pub mod support;
+
+pub use component::Component;
+pub use manifest::{Manifest, MANIFEST_FILE};
+pub use stamp::{default_cache_dir, Verification};

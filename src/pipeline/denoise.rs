@@ -1,0 +1,210 @@
+//! Stage 6: the transformer's inputs besides the latents ([`DenoiseContext`]), one Euler step, and
+//! the flow-matching loop.
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ndarray::{concatenate, s, Array1, Array2, Array3, Axis, Ix3};
+
+use super::progress::{notify, timed, Progress, ProgressFn, Stage};
+use super::prompts::PromptEmbeds;
+use super::request::{check_token_budget, request_error};
+use super::{internal, Pipeline};
+use crate::bundle::Component;
+use crate::error::Result;
+use crate::runtime::TensorInput;
+use crate::stages::latents::{prepare_latent_ids, prepare_text_ids};
+use crate::stages::schedule::Schedule;
+
+/// Reference tokens `[1, N, 128]` (all references packed, in order) and their ids `[N, 4]`.
+#[derive(Debug, Clone)]
+pub struct ReferenceTokens {
+    pub tokens: Array3<f32>,
+    pub ids: Array2<i64>,
+    /// How many reference images the tokens come from.
+    pub count: usize,
+}
+
+impl ReferenceTokens {
+    /// No reference: `[1, 0, channels]` tokens and `[0, 4]` ids.
+    pub fn none(channels: usize) -> ReferenceTokens {
+        ReferenceTokens {
+            tokens: Array3::zeros((1, 0, channels)),
+            ids: Array2::zeros((0, 4)),
+            count: 0,
+        }
+    }
+}
+
+/// What the transformer sees at every step besides the latents ([`Pipeline::denoise_context`]).
+#[derive(Debug, Clone)]
+pub struct DenoiseContext {
+    /// Identifies this context's constant inputs to `Graph::run_with_constants` (clones share
+    /// it: they hold the same data).
+    id: u64,
+    /// `[B, L, D]` prompt embeddings, and the negative ones with the guidance scale.
+    text: Array3<f32>,
+    negative: Option<(Array3<f32>, f32)>,
+    /// `[L, 4]` and `[h*w + N, 4]` position ids.
+    txt_ids: Array2<i64>,
+    img_ids: Array2<i64>,
+    /// `[B, N, 128]` reference tokens, appended after the latents at every step.
+    ref_tokens: Array3<f32>,
+    /// The output's latent grid, `image_tokens = lat_h * lat_w`.
+    image_tokens: usize,
+    /// Static-shape bundles: the bucket of the output's size.
+    bucket: Option<usize>,
+    schedule: Schedule,
+}
+
+impl DenoiseContext {
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
+    }
+}
+
+impl Pipeline {
+    /// Stage 6 set-up: everything the transformer sees besides the latents, built once per
+    /// generation. `batch` images share the prompt; `negative` embeddings and `guidance > 1` turn on
+    /// classifier-free guidance (base models).
+    #[allow(clippy::too_many_arguments)] // each is a stage input, as in diffusers' __call__
+    pub fn denoise_context(
+        &self,
+        batch: usize,
+        lat_h: usize,
+        lat_w: usize,
+        embeds: &PromptEmbeds,
+        negative: Option<(&PromptEmbeds, f64)>,
+        references: &ReferenceTokens,
+        schedule: Schedule,
+    ) -> Result<DenoiseContext> {
+        let image_tokens = lat_h * lat_w;
+        check_token_budget(image_tokens, references.ids.nrows(), references.count)?;
+        if let Some(shapes) = &self.manifest.static_shapes {
+            if batch != shapes.batch || references.count != shapes.refs {
+                return Err(request_error(format!(
+                    "this bundle has static shapes (for CoreML): {} image(s) per call with {} reference(s), \
+                     not {batch} with {}",
+                    shapes.batch, shapes.refs, references.count
+                )));
+            }
+        }
+        let m = self.manifest.latents.pixel_multiple;
+        let bucket = self.bucket_of_size(lat_w as u32 * m, lat_h as u32 * m)?;
+        // [1, L, D] -> [B, L, D]: every image of a prompt shares its embeddings.
+        let repeat = |e: &PromptEmbeds| -> Result<Array3<f32>> {
+            concatenate(Axis(0), &vec![e.embeds.view(); batch])
+                .map_err(|err| internal("prompt embeddings", err))
+        };
+        let text = repeat(embeds)?;
+        let negative = negative
+            .map(|(n, g)| repeat(n).map(|t| (t, g as f32)))
+            .transpose()?;
+        // [h*w + N, 4]: output tokens then reference tokens
+        let img_ids = concatenate(
+            Axis(0),
+            &[
+                prepare_latent_ids(lat_h, lat_w).view(),
+                references.ids.view(),
+            ],
+        )
+        .map_err(|e| internal("image ids", e))?;
+        // [1, N, 128] -> [B, N, 128]
+        let ref_tokens = concatenate(Axis(0), &vec![references.tokens.view(); batch])
+            .map_err(|e| internal("reference tokens", e))?;
+        static CONTEXTS: AtomicU64 = AtomicU64::new(0);
+        Ok(DenoiseContext {
+            id: CONTEXTS.fetch_add(1, Ordering::Relaxed),
+            txt_ids: prepare_text_ids(text.dim().1),
+            text,
+            negative,
+            img_ids,
+            ref_tokens,
+            image_tokens,
+            bucket,
+            schedule,
+        })
+    }
+
+    /// Stage 6, one Euler step `step` (0-based) on packed latents `[B, h*w, 128]`, in place.
+    pub fn denoise_step(
+        &mut self,
+        latents: &mut Array3<f32>,
+        step: usize,
+        ctx: &DenoiseContext,
+        mut progress: Option<&mut ProgressFn<'_>>,
+    ) -> Result<()> {
+        let (batch, image_tokens, _) = latents.dim();
+        if image_tokens != ctx.image_tokens
+            || batch != ctx.text.dim().0
+            || step >= ctx.schedule.num_steps()
+        {
+            return Err(request_error(format!(
+                "step {step} on latents {:?}: the context is for {} images of {} tokens and {} steps",
+                latents.dim(),
+                ctx.text.dim().0,
+                ctx.image_tokens,
+                ctx.schedule.num_steps()
+            )));
+        }
+        let graph = self.graph(Component::Transformer, ctx.bucket, &mut progress)?;
+        // [B, h*w, 128] ; [B, N, 128] -> [B, h*w + N, 128]
+        let input = concatenate(Axis(1), &[latents.view(), ctx.ref_tokens.view()])
+            .map_err(|e| internal("latents", e))?;
+        let timestep = Array1::from_elem(batch, ctx.schedule.transformer_timestep(step)); // [B]
+
+        // The prompt embeddings and ids are bound once per context and prompt (key: context id
+        // x 2, + 1 for the negative prompt): on CUDA they stay on the GPU across the steps.
+        let mut run = |prompt: &Array3<f32>, key: u64| -> Result<Array3<f32>> {
+            let mut out = graph.run_with_constants(
+                key,
+                &[
+                    ("prompt_embeds", TensorInput::from(prompt.view())),
+                    ("img_ids", TensorInput::from(ctx.img_ids.view())),
+                    ("txt_ids", TensorInput::from(ctx.txt_ids.view())),
+                ],
+                &[
+                    ("latents", TensorInput::from(input.view())),
+                    ("timestep", TensorInput::from(timestep.view())),
+                ],
+            )?;
+            let velocity = out
+                .take("velocity")?
+                .into_dimensionality::<Ix3>()
+                .map_err(|e| internal("velocity", e))?;
+            // [B, h*w + N, 128] -> [B, h*w, 128]: reference tokens are inputs only
+            Ok(velocity.slice_move(s![.., ..image_tokens, ..]))
+        };
+        let mut velocity = run(&ctx.text, 2 * ctx.id)?;
+        if let Some((negative, g)) = &ctx.negative {
+            let uncond = run(negative, 2 * ctx.id + 1)?;
+            // v = v_neg + g * (v - v_neg)
+            velocity.zip_mut_with(&uncond, |v, &n| *v = n + g * (*v - n));
+        }
+        let dt = ctx.schedule.dt(step);
+        latents.zip_mut_with(&velocity, |x, &v| *x += dt * v);
+        Ok(())
+    }
+
+    /// Stage 6: the Euler flow-matching loop over every step of the context's schedule.
+    pub fn denoise(
+        &mut self,
+        mut latents: Array3<f32>,
+        ctx: &DenoiseContext,
+        mut progress: Option<&mut ProgressFn<'_>>,
+    ) -> Result<Array3<f32>> {
+        self.graph(Component::Transformer, ctx.bucket, &mut progress)?;
+        timed(&mut progress, Stage::Denoise, |progress| {
+            let total = ctx.schedule.num_steps();
+            for step in 0..total {
+                self.denoise_step(&mut latents, step, ctx, progress.as_deref_mut())?;
+                notify(
+                    progress,
+                    Progress::Step {
+                        step: step + 1,
+                        total,
+                    },
+                )?;
+            }
+            Ok(latents)
+        })
+    }
+}

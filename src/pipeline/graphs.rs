@@ -1,0 +1,103 @@
+//! The graphs a pipeline holds, one slot per [`Component`], loaded on first use and checked
+//! against the manifest's contract. For static-shape bundles, the per-bucket slots hold the graphs
+//! of one bucket at a time.
+use std::path::Path;
+
+use super::progress::{timed, ProgressFn, Stage};
+use crate::bundle::contract::check_graph;
+use crate::bundle::{Component, Manifest};
+use crate::error::{KleinError, Result};
+use crate::runtime::{load_graph, Device, Graph, SessionConfig};
+
+/// The loaded graphs of a pipeline.
+#[derive(Debug, Default)]
+pub(crate) struct LoadedGraphs {
+    /// By [`Component::index`].
+    slots: [Option<Graph>; 4],
+    /// Static-shape bundles: the bucket whose graphs the per-bucket slots hold.
+    bucket: Option<usize>,
+    /// The device of the graph loaded last.
+    device_used: Option<Device>,
+}
+
+/// Where a graph comes from: the bundle, its manifest and the session settings.
+pub(crate) struct GraphSource<'a> {
+    pub dir: &'a Path,
+    pub manifest: &'a Manifest,
+    pub session: &'a SessionConfig,
+}
+
+impl LoadedGraphs {
+    /// The graph of `component` (of `bucket`, for a static-shape bundle's per-bucket graphs),
+    /// loaded and checked on first use. Switching buckets releases the other bucket's graphs.
+    pub fn get(
+        &mut self,
+        component: Component,
+        bucket: Option<usize>,
+        source: &GraphSource<'_>,
+        progress: &mut Option<&mut ProgressFn<'_>>,
+    ) -> Result<&mut Graph> {
+        if component.is_per_bucket() && self.bucket != bucket {
+            for c in Component::PER_BUCKET {
+                self.slots[c.index()] = None;
+            }
+            self.bucket = bucket;
+        }
+        let slot = &mut self.slots[component.index()];
+        if slot.is_none() {
+            let path = source
+                .dir
+                .join(graph_file(source.manifest, component, bucket)?);
+            let graph = timed(progress, load_stage(component), |_| {
+                let graph = load_graph(component.as_str(), &path, source.session)?;
+                check_graph(component, source.manifest.graphs.get(component), &graph)?;
+                Ok(graph)
+            })?;
+            self.device_used = Some(graph.device());
+            *slot = Some(graph);
+        }
+        slot.as_mut()
+            .ok_or_else(|| unreachable!("the slot was filled above"))
+    }
+
+    /// Releases the session of `component` (its memory goes back now).
+    pub fn release(&mut self, component: Component) {
+        self.slots[component.index()] = None;
+    }
+
+    /// The device of the graph loaded last.
+    pub fn device_used(&self) -> Option<Device> {
+        self.device_used
+    }
+}
+
+/// The file of `component`'s graph: the bucket's for a static-shape bundle's per-bucket graphs,
+/// else the manifest's.
+fn graph_file(manifest: &Manifest, component: Component, bucket: Option<usize>) -> Result<&str> {
+    let spec = manifest.graphs.get(component);
+    let Some(shapes) = &manifest.static_shapes else {
+        return Ok(&spec.file);
+    };
+    if !component.is_per_bucket() {
+        return Ok(&spec.file);
+    }
+    let bucket =
+        bucket
+            .and_then(|b| shapes.buckets.get(b))
+            .ok_or_else(|| KleinError::Inference {
+                stage: "pipeline",
+                message: format!("no bucket chosen for the {component} graph"),
+            })?;
+    // A bundle without references keeps its dynamic VAE encoder.
+    Ok(bucket.file(component).unwrap_or(&spec.file))
+}
+
+/// The stage that loads `component`'s graph.
+fn load_stage(component: Component) -> Stage {
+    match component {
+        Component::TextEncoder => Stage::LoadTextEncoder,
+        Component::Transformer => Stage::LoadTransformer,
+        Component::VaeEncoder => Stage::LoadVaeEncoder,
+        Component::VaeDecoder => Stage::LoadVaeDecoder,
+    }
+}

@@ -1,0 +1,446 @@
+//! The FLUX.2-klein pipeline, stage by stage as diffusers' `Flux2KleinPipeline.__call__`: check
+//! inputs ([`request`]), encode the prompt, encode the references, prepare the latents, schedule,
+//! denoise (`denoise.rs`), decode; numbered 1 to 7 in [`Pipeline::generate`].
+//!
+//! Every stage is public and takes the progress callback (`None`: no reports), so an app can cache
+//! prompt embeddings or inject its own latents. Graphs are loaded on first use ([`graphs`]); the
+//! text encoder is released before the transformer is loaded unless
+//! [`PipelineOptions::with_keep_text_encoder`] is set.
+//!
+//! Thread safety: a `Pipeline` is `Send` but its stages take `&mut self` (ONNX Runtime sessions are
+//! run through `&mut`): use one pipeline per thread, or a mutex around a shared one.
+//! Pipelines in separate threads give exactly the images of one running the same requests in turn.
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+
+use ndarray::{concatenate, s, Array2, Array3, Array4, ArrayView3, Axis, Ix3, Ix4};
+
+mod denoise;
+mod graphs;
+pub mod options;
+pub mod progress;
+pub mod prompts;
+pub mod request;
+
+pub use denoise::{DenoiseContext, ReferenceTokens};
+pub use options::PipelineOptions;
+pub use progress::{Progress, ProgressFn, Stage, Timings};
+pub use prompts::{PromptCache, PromptEmbeds, PromptMemo};
+pub use request::Request;
+
+use graphs::{GraphSource, LoadedGraphs};
+use progress::timed;
+use request::Plan;
+
+use crate::bundle::support;
+use crate::bundle::{default_cache_dir, Component, Manifest, Verification};
+use crate::error::{KleinError, Result};
+use crate::runtime::{self, Device, Graph, SessionConfig, TensorInput};
+use crate::stages::latents::{pack_latents, prepare_image_ids, unpack_latents};
+use crate::stages::noise::randn;
+use crate::stages::output::{to_rgb_images, RgbImage};
+use crate::stages::reference::{load_reference, preprocess_reference, ReferenceImage};
+use crate::stages::schedule::{compute_empirical_mu, schedule, Schedule};
+use crate::stages::tokenize::PromptTokenizer;
+
+/// The result of [`Pipeline::generate`].
+#[derive(Debug, Clone)]
+pub struct Generation {
+    pub images: Vec<RgbImage>,
+    pub width: u32,
+    pub height: u32,
+    pub steps: usize,
+    pub guidance: f64,
+    pub seed: u64,
+    pub prompt_truncated: bool,
+    pub timings: Timings,
+}
+
+/// A loaded bundle.
+pub struct Pipeline {
+    dir: PathBuf,
+    manifest: Manifest,
+    tokenizer: PromptTokenizer,
+    session: SessionConfig,
+    keep_text_encoder: bool,
+    prompt_cache: Option<PromptCache>,
+    verification: Option<Verification>,
+    graphs: LoadedGraphs,
+}
+
+impl Pipeline {
+    /// Opens the bundle at `dir`: reads and checks the manifest (file sizes; hashes unless
+    /// [`PipelineOptions::with_verify_hashes`] is off, skipped while a stamp vouches for the files)
+    /// and the tokenizer, and initialises ONNX Runtime. A bundle whose files do not match its
+    /// manifest is refused before any graph is loaded. Graphs are loaded on first use.
+    pub fn load(dir: &Path, options: PipelineOptions) -> Result<Pipeline> {
+        let PipelineOptions {
+            session,
+            runtime: runtime_options,
+            keep_text_encoder,
+            verify_hashes,
+            cache_dir,
+            prompt_cache_dir,
+        } = options;
+        let manifest = Manifest::load(dir)?;
+        // Before hashing or loading anything: can this device run the bundle at all?
+        support::check_bundle(session.device, &manifest.graphs, dir)?;
+        if let Some(cache) = &session.coreml.cache_dir {
+            std::fs::create_dir_all(cache).map_err(|source| KleinError::Io {
+                path: cache.clone(),
+                action: "creating the CoreML model cache directory",
+                source,
+            })?;
+        }
+        let verification = if verify_hashes {
+            let cache_dir = cache_dir.or_else(default_cache_dir);
+            Some(manifest.verify_hashes_cached(dir, cache_dir.as_deref())?)
+        } else {
+            None
+        };
+        let tokenizer =
+            PromptTokenizer::load(&dir.join(&manifest.tokenizer.file), &manifest.tokenizer)?;
+        runtime::init(runtime_options)?;
+        let prompt_cache = prompt_cache_dir.map(|cache_dir| PromptCache::new(cache_dir, &manifest));
+        Ok(Pipeline {
+            dir: dir.to_path_buf(),
+            manifest,
+            tokenizer,
+            session,
+            keep_text_encoder,
+            prompt_cache,
+            verification,
+            graphs: LoadedGraphs::default(),
+        })
+    }
+
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    pub fn bundle_dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// How the bundle's hashes were checked at load time (`None`: not checked).
+    pub fn verification(&self) -> Option<&Verification> {
+        self.verification.as_ref()
+    }
+
+    /// The execution provider the graphs run on (known once a graph is loaded).
+    pub fn device_used(&self) -> Option<Device> {
+        self.graphs.device_used()
+    }
+
+    /// Loads every graph now (instead of on first use) and checks each against the manifest.
+    pub fn load_all_graphs(&mut self) -> Result<()> {
+        for component in Component::ALL {
+            self.graph(component, None, &mut None)?;
+        }
+        Ok(())
+    }
+
+    /// The graph of `component` (of `bucket` in a static-shape bundle), loaded on first use.
+    fn graph(
+        &mut self,
+        component: Component,
+        bucket: Option<usize>,
+        progress: &mut Option<&mut ProgressFn<'_>>,
+    ) -> Result<&mut Graph> {
+        let source = GraphSource {
+            dir: &self.dir,
+            manifest: &self.manifest,
+            session: &self.session,
+        };
+        self.graphs.get(component, bucket, &source, progress)
+    }
+
+    /// Static-shape bundles: the bucket of a `width` x `height` output (a request error when there
+    /// is none); `None` for dynamic bundles.
+    fn bucket_of_size(&self, width: u32, height: u32) -> Result<Option<usize>> {
+        self.manifest
+            .static_shapes
+            .as_ref()
+            .map(|shapes| shapes.bucket_for_size(width, height))
+            .transpose()
+            .map_err(request::request_error)
+    }
+
+    /// Stage 2: the prompt's embeddings `[1, L, 3*hidden]` (from the cache when enabled).
+    pub fn encode_prompt(
+        &mut self,
+        prompt: &str,
+        mut progress: Option<&mut ProgressFn<'_>>,
+    ) -> Result<PromptEmbeds> {
+        let encoded = self.tokenizer.encode(prompt)?;
+        if let Some(embeds) = self.prompt_cache.as_ref().and_then(|c| c.get(prompt)) {
+            return Ok(PromptEmbeds {
+                embeds,
+                truncated: encoded.truncated,
+            });
+        }
+        let seq = encoded.input_ids.len();
+        // [L] -> [1, L]
+        let ids = Array2::from_shape_vec((1, seq), encoded.input_ids)
+            .map_err(|e| internal("token ids", e))?;
+        let mask = Array2::from_shape_vec((1, seq), encoded.attention_mask)
+            .map_err(|e| internal("attention mask", e))?;
+        let graph = self.graph(Component::TextEncoder, None, &mut progress)?;
+        let embeds = timed(&mut progress, Stage::EncodePrompt, |_| {
+            let mut out = graph.run(&[
+                ("input_ids", TensorInput::from(ids.view())),
+                ("attention_mask", TensorInput::from(mask.view())),
+            ])?;
+            out.take("prompt_embeds")?
+                .into_dimensionality::<Ix3>()
+                .map_err(|e| internal("prompt_embeds", e))
+        })?;
+        if let Some(cache) = &self.prompt_cache {
+            cache.put(prompt, &embeds)?;
+        }
+        Ok(PromptEmbeds {
+            embeds,
+            truncated: encoded.truncated,
+        })
+    }
+
+    /// Releases the text-encoder session (its memory goes back before the transformer loads).
+    pub fn release_text_encoder(&mut self) {
+        self.graphs.release(Component::TextEncoder);
+    }
+
+    /// Reads and preprocesses a reference image file (EXIF orientation, alpha, area, crop).
+    pub fn load_reference(&self, path: &Path) -> Result<ReferenceImage> {
+        load_reference(
+            path,
+            &self.manifest.references.limits,
+            self.manifest.latents.pixel_multiple,
+        )
+    }
+
+    /// Preprocesses an already decoded reference image; `label` names it in errors.
+    pub fn prepare_reference(
+        &self,
+        image: &image::DynamicImage,
+        label: &Path,
+    ) -> Result<ReferenceImage> {
+        preprocess_reference(
+            image,
+            &self.manifest.references.limits,
+            self.manifest.latents.pixel_multiple,
+            label,
+        )
+    }
+
+    /// Stage 3: VAE-encodes each reference (one at a time, as diffusers) and packs them in order.
+    pub fn encode_references(
+        &mut self,
+        references: &[ReferenceImage],
+        mut progress: Option<&mut ProgressFn<'_>>,
+    ) -> Result<ReferenceTokens> {
+        let channels = self.manifest.latents.channels;
+        let scale = self.manifest.references.time_offset_scale;
+        let bucket = match references.first() {
+            Some(first) => self.bucket_of_size(first.width, first.height)?,
+            None => None,
+        };
+        let graph = self.graph(Component::VaeEncoder, bucket, &mut progress)?;
+        let (tokens, grids) = timed(&mut progress, Stage::EncodeReferences, |_| {
+            let mut packed = Vec::with_capacity(references.len());
+            let mut grids = Vec::with_capacity(references.len());
+            for reference in references {
+                let mut out =
+                    graph.run(&[("image", TensorInput::from(reference.pixels.view()))])?;
+                // [1, 128, h, w]
+                let latents = out
+                    .take("latents")?
+                    .into_dimensionality::<Ix4>()
+                    .map_err(|e| internal("vae latents", e))?;
+                grids.push((latents.dim().2, latents.dim().3));
+                packed.push(pack_latents(latents.view())); // -> [1, h*w, 128]
+            }
+            let views: Vec<ArrayView3<f32>> = packed.iter().map(|p| p.view()).collect();
+            let tokens = if views.is_empty() {
+                Array3::zeros((1, 0, channels))
+            } else {
+                // [1, N, 128]
+                concatenate(Axis(1), &views).map_err(|e| internal("reference tokens", e))?
+            };
+            Ok((tokens, grids))
+        })?;
+        Ok(ReferenceTokens {
+            tokens,
+            ids: prepare_image_ids(&grids, scale),
+            count: grids.len(),
+        })
+    }
+
+    /// Output size in pixels for a request: explicit, else the first reference's, else the
+    /// bundle's default; floored to the latent multiple (16), as the reference pipeline does.
+    pub fn output_size(&self, request: &Request) -> Result<(u32, u32)> {
+        request::output_size(&self.manifest, request)
+    }
+
+    /// Stage 4: the seed's initial noise `[batch, 128, h, w]`, drawn as
+    /// `torch.randn(generator=torch.Generator("cpu").manual_seed(seed))`.
+    pub fn prepare_latents(&self, seed: u64, batch: usize, width: u32, height: u32) -> Array4<f32> {
+        let m = self.manifest.latents.pixel_multiple as usize;
+        let shape = [
+            batch,
+            self.manifest.latents.channels,
+            height as usize / m,
+            width as usize / m,
+        ];
+        randn(seed, &shape)
+            .into_dimensionality::<Ix4>()
+            .unwrap_or_else(|_| unreachable!("randn returns the shape it is given"))
+    }
+
+    /// Stage 5: the flow-matching schedule for an `h x w` latent grid.
+    pub fn schedule(&self, steps: usize, lat_h: usize, lat_w: usize) -> Result<Schedule> {
+        let mu = compute_empirical_mu(&self.manifest.scheduler.empirical_mu, lat_h * lat_w, steps);
+        schedule(steps, mu, &self.manifest.scheduler.shift)
+    }
+
+    /// Stage 7: packed latents `[B, h*w, 128]` to images.
+    pub fn decode(
+        &mut self,
+        latents: ArrayView3<f32>,
+        lat_h: usize,
+        lat_w: usize,
+        mut progress: Option<&mut ProgressFn<'_>>,
+    ) -> Result<Vec<RgbImage>> {
+        let grid = unpack_latents(latents, lat_h, lat_w)?; // [B, h*w, 128] -> [B, 128, h, w]
+        let m = self.manifest.latents.pixel_multiple;
+        let bucket = self.bucket_of_size(lat_w as u32 * m, lat_h as u32 * m)?;
+        let graph = self.graph(Component::VaeDecoder, bucket, &mut progress)?;
+        timed(&mut progress, Stage::Decode, |_| {
+            let mut out = graph.run(&[("latents", TensorInput::from(grid.view()))])?;
+            // [B, 3, 16h, 16w]
+            let decoded = out
+                .take("image")?
+                .into_dimensionality::<Ix4>()
+                .map_err(|e| internal("decoded image", e))?;
+            Ok(to_rgb_images(decoded.view()))
+        })
+    }
+
+    /// Runs every stage for `request`. `progress` may cancel between steps and stages.
+    pub fn generate(
+        &mut self,
+        request: &Request,
+        mut progress: Option<&mut ProgressFn<'_>>,
+    ) -> Result<Generation> {
+        let mut timings = Timings::new();
+        let generation = {
+            let mut on_event = |event: Progress| {
+                if let Progress::StageFinished(stage, elapsed) = event {
+                    timings.push((stage, elapsed));
+                }
+                match progress.as_mut() {
+                    Some(callback) => callback(event),
+                    None => ControlFlow::Continue(()),
+                }
+            };
+            self.run_stages(request, &mut on_event)?
+        };
+        Ok(Generation {
+            timings,
+            ..generation
+        })
+    }
+
+    fn run_stages(
+        &mut self,
+        request: &Request,
+        progress: &mut ProgressFn<'_>,
+    ) -> Result<Generation> {
+        // 1. Check inputs before anything is loaded.
+        let plan = Plan::new(&self.manifest, request)?;
+        let Plan {
+            batch,
+            steps,
+            guidance,
+            cfg,
+            width,
+            height,
+            lat_h,
+            lat_w,
+        } = plan;
+        let noise = match &request.initial_latents {
+            Some(latents) => latents.clone(),
+            None => self.prepare_latents(request.seed, batch, width, height),
+        };
+
+        // 2. Prompt (and the empty negative prompt for guidance), then free the text encoder.
+        let encoded;
+        let embeds = match &request.prompt_embeds {
+            Some(given) => given,
+            None => {
+                encoded = self.encode_prompt(&request.prompt, Some(&mut *progress))?;
+                &encoded
+            }
+        };
+        let negative = if cfg {
+            Some(self.encode_prompt("", Some(&mut *progress))?)
+        } else {
+            None
+        };
+        if !self.keep_text_encoder {
+            self.release_text_encoder();
+        }
+
+        // 3. References.
+        let references = if request.references.is_empty() {
+            ReferenceTokens::none(self.manifest.latents.channels)
+        } else {
+            self.encode_references(&request.references, Some(&mut *progress))?
+        };
+
+        // 4-6. Latents, schedule, denoising.
+        let schedule = self.schedule(steps, lat_h, lat_w)?;
+        let negative = negative.as_ref().map(|n| (n, guidance));
+        // Static graphs take one image per call: image i denoises row i of the batch's noise,
+        // as it would in one batched call.
+        let chunk = match &self.manifest.static_shapes {
+            Some(shapes) => shapes.batch,
+            None => batch,
+        };
+        let mut images = Vec::with_capacity(batch);
+        for first in (0..batch).step_by(chunk) {
+            let rows = s![first..(first + chunk).min(batch), .., .., ..];
+            let ctx = self.denoise_context(
+                noise.slice(rows).dim().0,
+                lat_h,
+                lat_w,
+                embeds,
+                negative,
+                &references,
+                schedule.clone(),
+            )?;
+            let packed = pack_latents(noise.slice(rows)); // [B, 128, h, w] -> [B, h*w, 128]
+            let latents = self.denoise(packed, &ctx, Some(&mut *progress))?;
+
+            // 7. Decode.
+            images.extend(self.decode(latents.view(), lat_h, lat_w, Some(&mut *progress))?);
+        }
+        Ok(Generation {
+            images,
+            width,
+            height,
+            steps,
+            guidance,
+            seed: request.seed,
+            prompt_truncated: embeds.truncated,
+            timings: Timings::new(),
+        })
+    }
+}
+
+/// An error of the pipeline's own arithmetic (a shape that cannot happen with a valid bundle).
+fn internal(what: &str, error: impl std::fmt::Display) -> KleinError {
+    KleinError::Inference {
+        stage: "pipeline",
+        message: format!("{what}: {error}"),
+    }
+}

@@ -1,0 +1,90 @@
+//! How to load a bundle: [`PipelineOptions`], built with its `with_*` methods from `default()`.
+use std::path::PathBuf;
+
+use crate::runtime::{CoreMlOptions, CudaOptions, Device, RuntimeOptions, SessionConfig};
+
+/// How to load a bundle. Every setting has a `with_*` method; the graphs' session settings
+/// (device, threads, provider options) are one [`SessionConfig`].
+#[derive(Debug, Clone)]
+pub struct PipelineOptions {
+    /// Device, threads and provider options of every graph session.
+    pub(crate) session: SessionConfig,
+    /// Where the ONNX Runtime library comes from.
+    pub(crate) runtime: RuntimeOptions,
+    /// Keep the text-encoder session loaded after encoding (for many prompts in one process).
+    pub(crate) keep_text_encoder: bool,
+    /// Check the sha256 of every bundle file before loading any graph.
+    pub(crate) verify_hashes: bool,
+    /// Directory for verification stamps (`None`: [`crate::bundle::default_cache_dir`]).
+    pub(crate) cache_dir: Option<PathBuf>,
+    /// Directory of the on-disk prompt-embedding cache (`None`: no cache).
+    pub(crate) prompt_cache_dir: Option<PathBuf>,
+}
+
+impl Default for PipelineOptions {
+    fn default() -> Self {
+        PipelineOptions {
+            session: SessionConfig::default(),
+            runtime: RuntimeOptions::default(),
+            keep_text_encoder: false,
+            verify_hashes: true,
+            cache_dir: None,
+            prompt_cache_dir: None,
+        }
+    }
+}
+
+impl PipelineOptions {
+    /// Runs the graphs on `device` (default: [`Device::Auto`]).
+    pub fn with_device(mut self, device: Device) -> Self {
+        self.session = self.session.with_device(device);
+        self
+    }
+    /// Uses `threads` threads inside one operator (default: ONNX Runtime's choice).
+    pub fn with_threads(mut self, threads: usize) -> Self {
+        self.session = self.session.with_intra_threads(threads);
+        self
+    }
+    /// CUDA provider settings (with a CUDA device, or auto).
+    pub fn with_cuda(mut self, cuda: CudaOptions) -> Self {
+        self.session = self.session.with_cuda(cuda);
+        self
+    }
+    /// CoreML provider settings (with the CoreML device, or auto).
+    pub fn with_coreml(mut self, coreml: CoreMlOptions) -> Self {
+        self.session = self.session.with_coreml(coreml);
+        self
+    }
+    /// Every session setting at once.
+    pub fn with_session(mut self, session: SessionConfig) -> Self {
+        self.session = session;
+        self
+    }
+    /// Where the ONNX Runtime library comes from.
+    pub fn with_runtime(mut self, runtime: RuntimeOptions) -> Self {
+        self.runtime = runtime;
+        self
+    }
+    /// Keeps the text-encoder session loaded after encoding (default: released).
+    pub fn with_keep_text_encoder(mut self, keep: bool) -> Self {
+        self.keep_text_encoder = keep;
+        self
+    }
+    /// Checks the sha256 of every bundle file against the manifest before loading any graph
+    /// (default: on). A stamp in the cache directory skips the hashing while no file changes
+    /// ([`crate::bundle::Manifest::verify_hashes_cached`]).
+    pub fn with_verify_hashes(mut self, verify: bool) -> Self {
+        self.verify_hashes = verify;
+        self
+    }
+    /// Directory for verification stamps (default: [`crate::bundle::default_cache_dir`]).
+    pub fn with_cache_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.cache_dir = Some(dir.into());
+        self
+    }
+    /// Keeps prompt embeddings on disk in `dir`, keyed by the bundle and the prompt.
+    pub fn with_prompt_cache_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.prompt_cache_dir = Some(dir.into());
+        self
+    }
+}

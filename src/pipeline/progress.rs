@@ -1,0 +1,76 @@
+//! Progress events: what the pipeline reports to the caller's callback, which may cancel.
+use std::ops::ControlFlow;
+use std::time::{Duration, Instant};
+
+use crate::error::{KleinError, Result};
+
+/// The pipeline stages, as reported to the progress callback and in [`Timings`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Stage {
+    LoadTextEncoder,
+    EncodePrompt,
+    LoadVaeEncoder,
+    EncodeReferences,
+    LoadTransformer,
+    Denoise,
+    LoadVaeDecoder,
+    Decode,
+}
+
+impl Stage {
+    pub fn label(self) -> &'static str {
+        match self {
+            Stage::LoadTextEncoder => "load text encoder",
+            Stage::EncodePrompt => "encode prompt",
+            Stage::LoadVaeEncoder => "load VAE encoder",
+            Stage::EncodeReferences => "encode references",
+            Stage::LoadTransformer => "load transformer",
+            Stage::Denoise => "denoise",
+            Stage::LoadVaeDecoder => "load VAE decoder",
+            Stage::Decode => "decode",
+        }
+    }
+}
+
+/// Progress events. The callback returns `ControlFlow::Break(())` to cancel (checked between steps
+/// and stages); the stage then ends with [`KleinError::Cancelled`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    StageStarted(Stage),
+    StageFinished(Stage, Duration),
+    /// Denoising step `step` (1-based) of `total` finished.
+    Step {
+        step: usize,
+        total: usize,
+    },
+}
+
+/// Seconds spent per stage, in the order they ran.
+pub type Timings = Vec<(Stage, Duration)>;
+
+/// The progress callback every stage takes (as `Option<&mut ProgressFn>`; `None`: no reports).
+pub type ProgressFn<'a> = dyn FnMut(Progress) -> ControlFlow<()> + 'a;
+
+/// Sends `event` to the callback; `Err(Cancelled)` when it asks to stop.
+pub(crate) fn notify(progress: &mut Option<&mut ProgressFn<'_>>, event: Progress) -> Result<()> {
+    match progress {
+        Some(callback) => match callback(event) {
+            ControlFlow::Continue(()) => Ok(()),
+            ControlFlow::Break(()) => Err(KleinError::Cancelled),
+        },
+        None => Ok(()),
+    }
+}
+
+/// Runs `work` as `stage`, reporting its start and its duration.
+pub(crate) fn timed<T>(
+    progress: &mut Option<&mut ProgressFn<'_>>,
+    stage: Stage,
+    work: impl FnOnce(&mut Option<&mut ProgressFn<'_>>) -> Result<T>,
+) -> Result<T> {
+    notify(progress, Progress::StageStarted(stage))?;
+    let start = Instant::now();
+    let value = work(progress)?;
+    notify(progress, Progress::StageFinished(stage, start.elapsed()))?;
+    Ok(value)
+}

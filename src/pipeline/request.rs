@@ -1,0 +1,212 @@
+//! What to generate ([`Request`]) and its validation, in one place, before anything is loaded:
+//! [`Plan::new`] checks every number of a request against the bundle and [`crate::limits`].
+use ndarray::Array4;
+
+use super::prompts::PromptEmbeds;
+use crate::bundle::Manifest;
+use crate::error::{KleinError, Result};
+use crate::limits::{MAX_BATCH, MAX_IMAGE_TOKENS, MAX_SIDE};
+use crate::stages::reference::ReferenceImage;
+
+/// What to generate.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub struct Request {
+    pub prompt: String,
+    /// Preprocessed reference images ([`super::Pipeline::load_reference`],
+    /// [`super::Pipeline::prepare_reference`]).
+    pub references: Vec<ReferenceImage>,
+    /// Output size; default: the first reference's size, else the bundle's default.
+    pub width: Option<u32>,
+    pub height: Option<u32>,
+    /// Denoising steps; default: the manifest's.
+    pub steps: Option<usize>,
+    /// Classifier-free guidance scale (base models only); default: the manifest's.
+    pub guidance: Option<f64>,
+    pub seed: u64,
+    /// Images per prompt (one batch); at least 1.
+    pub num_images: usize,
+    /// Initial latents `[num_images, 128, h, w]` instead of the seed's noise.
+    pub initial_latents: Option<Array4<f32>>,
+    /// Embeddings of `prompt` from [`super::Pipeline::encode_prompt`], reused instead of running
+    /// the text encoder again (one prompt, many seeds). `[1, max_sequence_length, embed_dim]`.
+    pub prompt_embeds: Option<PromptEmbeds>,
+}
+
+impl Request {
+    pub fn new(prompt: impl Into<String>) -> Self {
+        Request {
+            prompt: prompt.into(),
+            num_images: 1,
+            ..Default::default()
+        }
+    }
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+    pub fn with_size(mut self, width: u32, height: u32) -> Self {
+        self.width = Some(width);
+        self.height = Some(height);
+        self
+    }
+    pub fn with_steps(mut self, steps: usize) -> Self {
+        self.steps = Some(steps);
+        self
+    }
+    pub fn with_guidance(mut self, guidance: f64) -> Self {
+        self.guidance = Some(guidance);
+        self
+    }
+    pub fn with_reference(mut self, reference: ReferenceImage) -> Self {
+        self.references.push(reference);
+        self
+    }
+    pub fn with_num_images(mut self, n: usize) -> Self {
+        self.num_images = n;
+        self
+    }
+    pub fn with_initial_latents(mut self, latents: Array4<f32>) -> Self {
+        self.initial_latents = Some(latents);
+        self
+    }
+    pub fn with_prompt_embeds(mut self, embeds: PromptEmbeds) -> Self {
+        self.prompt_embeds = Some(embeds);
+        self
+    }
+}
+
+/// A request checked against the bundle, with every default resolved.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Plan {
+    pub batch: usize,
+    pub steps: usize,
+    pub guidance: f64,
+    /// Classifier-free guidance: a base model with guidance above 1 (as diffusers).
+    pub cfg: bool,
+    pub width: u32,
+    pub height: u32,
+    /// The output's latent grid.
+    pub lat_h: usize,
+    pub lat_w: usize,
+}
+
+impl Plan {
+    /// Checks `request` against the bundle (stage 1 of diffusers' `__call__`, `check_inputs`).
+    pub fn new(manifest: &Manifest, request: &Request) -> Result<Plan> {
+        let model = &manifest.model;
+        let batch = request.num_images;
+        if batch == 0 || batch > MAX_BATCH {
+            return Err(request_error(format!(
+                "num_images is {batch}: it must be between 1 and {MAX_BATCH}"
+            )));
+        }
+        let steps = request.steps.unwrap_or(model.default_steps as usize);
+        if steps == 0 {
+            return Err(request_error(
+                "steps is 0: at least 1 denoising step is needed".to_string(),
+            ));
+        }
+        let guidance = request.guidance.unwrap_or(model.default_guidance);
+        if !guidance.is_finite() || guidance < 0.0 {
+            return Err(request_error(format!(
+                "guidance {guidance} must be a finite number >= 0"
+            )));
+        }
+        let (width, height) = output_size(manifest, request)?;
+        let m = manifest.latents.pixel_multiple;
+        let (lat_h, lat_w) = ((height / m) as usize, (width / m) as usize);
+        let ref_tokens: usize = request
+            .references
+            .iter()
+            .map(|r| (r.width / m * (r.height / m)) as usize)
+            .sum();
+        check_token_budget(lat_h * lat_w, ref_tokens, request.references.len())?;
+        if let Some(shapes) = &manifest.static_shapes {
+            let sizes: Vec<(u32, u32)> = request
+                .references
+                .iter()
+                .map(|r| (r.width, r.height))
+                .collect();
+            shapes
+                .bucket_for_request(width, height, &sizes)
+                .map_err(request_error)?;
+        }
+        if let Some(latents) = &request.initial_latents {
+            let want = (batch, manifest.latents.channels, lat_h, lat_w);
+            if latents.dim() != want {
+                return Err(request_error(format!(
+                    "initial latents have shape {:?}, expected {want:?}",
+                    latents.dim()
+                )));
+            }
+        }
+        if let Some(given) = &request.prompt_embeds {
+            let want = (
+                1,
+                manifest.tokenizer.max_sequence_length,
+                manifest.text_encoder.embed_dim,
+            );
+            if given.embeds.dim() != want {
+                return Err(request_error(format!(
+                    "prompt embeddings have shape {:?}, expected {want:?} (from Pipeline::encode_prompt of this bundle)",
+                    given.embeds.dim()
+                )));
+            }
+        }
+        Ok(Plan {
+            batch,
+            steps,
+            guidance,
+            // As diffusers: guidance applies to base (non-distilled) models only, when above 1.
+            cfg: !model.is_distilled && guidance > 1.0,
+            width,
+            height,
+            lat_h,
+            lat_w,
+        })
+    }
+}
+
+/// Output size in pixels for a request: explicit, else the first reference's, else the bundle's
+/// default; floored to the latent multiple (16), as the reference pipeline does.
+pub(crate) fn output_size(manifest: &Manifest, request: &Request) -> Result<(u32, u32)> {
+    let first = request.references.first();
+    let width = request
+        .width
+        .or(first.map(|r| r.width))
+        .unwrap_or(manifest.model.default_width);
+    let height = request
+        .height
+        .or(first.map(|r| r.height))
+        .unwrap_or(manifest.model.default_height);
+    let multiple = manifest.latents.pixel_multiple;
+    for (what, value) in [("width", width), ("height", height)] {
+        if value < multiple || value > MAX_SIDE {
+            return Err(request_error(format!(
+                "{what} {value} is out of range: it must be between {multiple} and {MAX_SIDE} pixels"
+            )));
+        }
+    }
+    Ok((width / multiple * multiple, height / multiple * multiple))
+}
+
+/// Output plus reference tokens must fit in one transformer call ([`MAX_IMAGE_TOKENS`]).
+pub(crate) fn check_token_budget(
+    output_tokens: usize,
+    reference_tokens: usize,
+    references: usize,
+) -> Result<()> {
+    let total = output_tokens + reference_tokens;
+    if total > MAX_IMAGE_TOKENS {
+        return Err(request_error(format!(
+            "{total} image tokens ({output_tokens} for the output + {reference_tokens} for {references} reference(s)): \
+             at most {MAX_IMAGE_TOKENS} fit; use fewer or smaller references or a smaller output"
+        )));
+    }
+    Ok(())
+}
+
+pub(crate) fn request_error(reason: String) -> KleinError {
+    KleinError::Request(reason)
+}

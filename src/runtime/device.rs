@@ -1,0 +1,399 @@
+//! Devices (ONNX Runtime execution providers), their options, and their registration on a
+//! session builder: a device the user names is registered with `error_on_failure()`.
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use ort::session::builder::{GraphOptimizationLevel, SessionBuilder};
+
+#[cfg(any(feature = "cuda", feature = "coreml"))]
+use super::library::error_chain;
+
+use crate::error::{KleinError, Result};
+
+/// Where a graph runs: an ONNX Runtime execution provider.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Device {
+    /// The CPU execution provider.
+    Cpu,
+    /// An NVIDIA GPU by CUDA device id (needs the `cuda` feature and a CUDA build of ONNX Runtime).
+    Cuda(u32),
+    /// Apple's CoreML (needs the `coreml` feature, macOS).
+    CoreMl,
+    /// CUDA device 0, then CoreML (each only when compiled in), then the CPU: the first that works.
+    #[default]
+    Auto,
+}
+
+impl Device {
+    /// ONNX Runtime's name of the execution provider, for reports (`"auto"` for [`Device::Auto`]).
+    pub fn ep_name(&self) -> &'static str {
+        match self {
+            Device::Cpu => "CPUExecutionProvider",
+            Device::Cuda(_) => "CUDAExecutionProvider",
+            Device::CoreMl => "CoreMLExecutionProvider",
+            Device::Auto => "auto",
+        }
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(id) => write!(f, "cuda:{id}"),
+            Device::CoreMl => f.write_str("coreml"),
+            Device::Auto => f.write_str("auto"),
+        }
+    }
+}
+
+impl FromStr for Device {
+    type Err = KleinError;
+
+    /// Parses `cpu`, `cuda`, `cuda:N`, `coreml` or `auto` (case-insensitive).
+    fn from_str(s: &str) -> Result<Self> {
+        let lower = s.trim().to_ascii_lowercase();
+        let invalid = || {
+            KleinError::Request(format!(
+                "unknown device `{s}`; use cpu, cuda, cuda:N, coreml or auto"
+            ))
+        };
+        match lower.as_str() {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            "coreml" => Ok(Device::CoreMl),
+            "auto" => Ok(Device::Auto),
+            other => match other.strip_prefix("cuda:") {
+                Some(id) => id.parse().map(Device::Cuda).map_err(|_| invalid()),
+                None => Err(invalid()),
+            },
+        }
+    }
+}
+
+/// How hard ONNX Runtime rewrites a graph when building a session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OptimizationLevel {
+    /// No rewrites.
+    Disable,
+    /// Constant folding and redundant-node removal.
+    Basic,
+    /// Plus node fusions.
+    Extended,
+    /// Plus layout transformations (ORT's level 3, `ORT_ENABLE_LAYOUT`).
+    Layout,
+    /// Everything (`ORT_ENABLE_ALL`): ONNX Runtime's own default, as in Python's `InferenceSession`.
+    #[default]
+    All,
+}
+
+impl OptimizationLevel {
+    pub(super) fn to_ort(self) -> GraphOptimizationLevel {
+        match self {
+            OptimizationLevel::Disable => GraphOptimizationLevel::Disable,
+            OptimizationLevel::Basic => GraphOptimizationLevel::Level1,
+            OptimizationLevel::Extended => GraphOptimizationLevel::Level2,
+            OptimizationLevel::Layout => GraphOptimizationLevel::Level3,
+            OptimizationLevel::All => GraphOptimizationLevel::All,
+        }
+    }
+}
+
+/// How cuDNN picks a convolution algorithm for each new input shape (CUDA).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ConvSearch {
+    /// cuDNN's heuristic, no benchmarking (klein's default: the VAE's convolutions change shape
+    /// with every output size, and an exhaustive search per shape costs seconds).
+    #[default]
+    Heuristic,
+    /// Benchmark every algorithm on the first run of each shape (ONNX Runtime's default): the
+    /// fastest kernels for repeated runs at one size.
+    Exhaustive,
+    /// cuDNN's default algorithm, no search at all.
+    Default,
+}
+
+impl FromStr for ConvSearch {
+    type Err = KleinError;
+
+    /// Parses `heuristic`, `exhaustive` or `default`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "heuristic" => Ok(ConvSearch::Heuristic),
+            "exhaustive" => Ok(ConvSearch::Exhaustive),
+            "default" => Ok(ConvSearch::Default),
+            _ => Err(KleinError::Request(format!(
+                "unknown cuDNN conv search `{s}`; use heuristic, exhaustive or default"
+            ))),
+        }
+    }
+}
+
+/// The CUDA execution provider's settings people tune; each `None` keeps ONNX Runtime's default.
+#[derive(Debug, Clone, Default)]
+pub struct CudaOptions {
+    /// Largest size of ONNX Runtime's CUDA memory arena, in bytes (`gpu_mem_limit`).
+    pub(crate) memory_limit: Option<usize>,
+    /// Grow the arena by what each allocation asks instead of by powers of two
+    /// (`arena_extend_strategy`): a smaller peak on a shared GPU, more allocations.
+    pub(crate) arena_same_as_requested: bool,
+    /// cuDNN's convolution algorithm search.
+    pub(crate) conv_search: ConvSearch,
+    /// TF32 tensor-core products for float32 MatMul/Conv on Ampere and newer (`use_tf32`):
+    /// faster, with 10-bit mantissa products.
+    pub(crate) tf32: Option<bool>,
+}
+
+impl CudaOptions {
+    /// Caps ONNX Runtime's CUDA memory arena at `bytes` (`gpu_mem_limit`).
+    pub fn with_memory_limit(mut self, bytes: usize) -> Self {
+        self.memory_limit = Some(bytes);
+        self
+    }
+    /// Grows the arena by what each allocation asks (`arena_extend_strategy`).
+    pub fn with_arena_same_as_requested(mut self, exact: bool) -> Self {
+        self.arena_same_as_requested = exact;
+        self
+    }
+    /// cuDNN's convolution algorithm search (default: heuristic).
+    pub fn with_conv_search(mut self, search: ConvSearch) -> Self {
+        self.conv_search = search;
+        self
+    }
+    /// TF32 products for float32 MatMul/Conv on or off (default: ONNX Runtime's).
+    pub fn with_tf32(mut self, tf32: bool) -> Self {
+        self.tf32 = Some(tf32);
+        self
+    }
+}
+
+/// The hardware CoreML may run a graph on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ComputeUnits {
+    /// CPU, GPU and Neural Engine: CoreML decides per operation.
+    #[default]
+    All,
+    /// CPU and GPU.
+    CpuAndGpu,
+    /// CPU and Neural Engine.
+    CpuAndNeuralEngine,
+    /// CPU only.
+    CpuOnly,
+}
+
+impl FromStr for ComputeUnits {
+    type Err = KleinError;
+
+    /// Parses `all`, `cpu-gpu`, `cpu-ane` or `cpu`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "all" => Ok(ComputeUnits::All),
+            "cpu-gpu" => Ok(ComputeUnits::CpuAndGpu),
+            "cpu-ane" => Ok(ComputeUnits::CpuAndNeuralEngine),
+            "cpu" => Ok(ComputeUnits::CpuOnly),
+            _ => Err(KleinError::Request(format!(
+                "unknown CoreML compute units `{s}`; use all, cpu-gpu, cpu-ane (Neural Engine) or cpu"
+            ))),
+        }
+    }
+}
+
+/// The CoreML execution provider's settings.
+#[derive(Debug, Clone, Default)]
+pub struct CoreMlOptions {
+    /// Where CoreML may run the graphs.
+    pub(crate) compute_units: ComputeUnits,
+    /// Directory where compiled CoreML models are kept between processes
+    /// (`ModelCacheDirectory`), keyed by the `COREML_CACHE_KEY` the exporter writes into each
+    /// graph (a digest of the graph and its weights). `None`: every load compiles again.
+    pub(crate) cache_dir: Option<PathBuf>,
+}
+
+impl CoreMlOptions {
+    /// Where CoreML may run the graphs (default: all units).
+    pub fn with_compute_units(mut self, units: ComputeUnits) -> Self {
+        self.compute_units = units;
+        self
+    }
+    /// Keeps compiled CoreML models in `dir` between processes.
+    pub fn with_cache_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.cache_dir = Some(dir.into());
+        self
+    }
+}
+
+/// Options of every session [`super::load_graph`] builds.
+#[derive(Debug, Clone, Default)]
+pub struct SessionConfig {
+    /// Where to run.
+    pub(crate) device: Device,
+    /// Threads inside one operator; `None` lets ONNX Runtime choose (one per physical core).
+    pub(crate) intra_threads: Option<usize>,
+    /// Graph optimisation level.
+    pub(crate) optimization: OptimizationLevel,
+    /// Settings of the CUDA provider (used when the device is CUDA, or auto picks it).
+    pub(crate) cuda: CudaOptions,
+    /// Settings of the CoreML provider (used when the device is CoreML, or auto picks it).
+    pub(crate) coreml: CoreMlOptions,
+}
+
+impl SessionConfig {
+    /// Runs on `device`.
+    pub fn with_device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
+
+    /// Uses `threads` threads inside one operator.
+    pub fn with_intra_threads(mut self, threads: usize) -> Self {
+        self.intra_threads = Some(threads);
+        self
+    }
+
+    /// Uses this graph optimisation level.
+    pub fn with_optimization(mut self, level: OptimizationLevel) -> Self {
+        self.optimization = level;
+        self
+    }
+
+    /// Uses these CUDA settings.
+    pub fn with_cuda(mut self, cuda: CudaOptions) -> Self {
+        self.cuda = cuda;
+        self
+    }
+
+    /// Uses these CoreML settings.
+    pub fn with_coreml(mut self, coreml: CoreMlOptions) -> Self {
+        self.coreml = coreml;
+        self
+    }
+}
+
+/// Why building one session failed: the device, the graph file, or the session itself.
+pub(super) enum LoadFailure {
+    Device(String),
+    /// ONNX Runtime cannot parse the file as a graph (corrupt, or not ONNX).
+    File(String),
+    Session(String),
+}
+
+impl LoadFailure {
+    pub(super) fn message(&self) -> &str {
+        match self {
+            LoadFailure::Device(m) | LoadFailure::File(m) | LoadFailure::Session(m) => m,
+        }
+    }
+}
+
+/// Registers the execution provider of a concrete (non-`Auto`) device, failing loudly.
+pub(super) fn register_device(
+    builder: SessionBuilder,
+    device: Device,
+    cuda: &CudaOptions,
+    coreml: &CoreMlOptions,
+) -> std::result::Result<SessionBuilder, LoadFailure> {
+    match device {
+        Device::Cpu | Device::Auto => Ok(builder),
+        Device::Cuda(id) => register_cuda(builder, id, cuda),
+        Device::CoreMl => register_coreml(builder, coreml),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn register_cuda(
+    builder: SessionBuilder,
+    id: u32,
+    options: &CudaOptions,
+) -> std::result::Result<SessionBuilder, LoadFailure> {
+    use ort::ep::cuda::ConvAlgorithmSearch;
+    use ort::ep::{ArenaExtendStrategy, ExecutionProvider};
+    let id = i32::try_from(id)
+        .map_err(|_| LoadFailure::Device(format!("CUDA device id {id} is too large")))?;
+    match ort::ep::CUDA::is_available() {
+        Ok(true) => {}
+        Ok(false) => {
+            return Err(LoadFailure::Device(
+                "this ONNX Runtime library was built without CUDAExecutionProvider; point ORT_DYLIB_PATH \
+                 at a CUDA build (the `onnxruntime-gpu` wheel's library)"
+                    .to_string(),
+            ))
+        }
+        Err(e) => return Err(LoadFailure::Device(error_chain(&e))),
+    }
+    let mut ep = ort::ep::CUDA::default()
+        .with_device_id(id)
+        .with_conv_algorithm_search(match options.conv_search {
+            ConvSearch::Heuristic => ConvAlgorithmSearch::Heuristic,
+            ConvSearch::Exhaustive => ConvAlgorithmSearch::Exhaustive,
+            ConvSearch::Default => ConvAlgorithmSearch::Default,
+        });
+    if let Some(limit) = options.memory_limit {
+        ep = ep.with_memory_limit(limit);
+    }
+    if options.arena_same_as_requested {
+        ep = ep.with_arena_extend_strategy(ArenaExtendStrategy::SameAsRequested);
+    }
+    if let Some(tf32) = options.tf32 {
+        ep = ep.with_tf32(tf32);
+    }
+    builder
+        .with_execution_providers([ep.build().error_on_failure()])
+        .map_err(|e| LoadFailure::Device(error_chain(&e)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn register_cuda(
+    _builder: SessionBuilder,
+    _id: u32,
+    _options: &CudaOptions,
+) -> std::result::Result<SessionBuilder, LoadFailure> {
+    Err(LoadFailure::Device(
+        "this klein was built without CUDA support; rebuild with `--features cuda`".to_string(),
+    ))
+}
+
+#[cfg(feature = "coreml")]
+fn register_coreml(
+    builder: SessionBuilder,
+    options: &CoreMlOptions,
+) -> std::result::Result<SessionBuilder, LoadFailure> {
+    use ort::ep::coreml::{ComputeUnits as Units, ModelFormat};
+    use ort::ep::ExecutionProvider;
+    match ort::ep::CoreML::is_available() {
+        Ok(true) => {}
+        Ok(false) => {
+            return Err(LoadFailure::Device(
+                "this ONNX Runtime library was built without CoreMLExecutionProvider (it ships only in \
+                 the macOS builds)"
+                    .to_string(),
+            ))
+        }
+        Err(e) => return Err(LoadFailure::Device(error_chain(&e))),
+    }
+    let mut ep = ort::ep::CoreML::default()
+        // MLProgram (Core ML 5+) runs float16 and more operators than the NeuralNetwork format.
+        .with_model_format(ModelFormat::MLProgram)
+        .with_compute_units(match options.compute_units {
+            ComputeUnits::All => Units::All,
+            ComputeUnits::CpuAndGpu => Units::CPUAndGPU,
+            ComputeUnits::CpuAndNeuralEngine => Units::CPUAndNeuralEngine,
+            ComputeUnits::CpuOnly => Units::CPUOnly,
+        });
+    if let Some(dir) = &options.cache_dir {
+        ep = ep.with_model_cache_dir(dir.display());
+    }
+    builder
+        .with_execution_providers([ep.build().error_on_failure()])
+        .map_err(|e| LoadFailure::Device(error_chain(&e)))
+}
+
+#[cfg(not(feature = "coreml"))]
+fn register_coreml(
+    _builder: SessionBuilder,
+    _options: &CoreMlOptions,
+) -> std::result::Result<SessionBuilder, LoadFailure> {
+    Err(LoadFailure::Device(
+        "this klein was built without CoreML support; rebuild with `--features coreml`".to_string(),
+    ))
+}

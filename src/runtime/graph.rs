@@ -1,0 +1,367 @@
+//! Sessions: the one place they are built ([`load_graph`]), run, and bound (IoBinding).
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+use ort::error::ErrorCode;
+use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
+use ort::session::{IoBinding, Session, SessionInputValue};
+
+use super::device::{register_device, Device, LoadFailure, SessionConfig};
+use super::library::{error_chain, runtime};
+use super::tensor::{
+    extract_outputs, run_error, tensor_names, Dtype, Outputs, PreparedInput, TensorInfo,
+    TensorInput,
+};
+use crate::error::{KleinError, Result};
+
+/// Bindings one graph keeps for [`Graph::run_with_constants`]: a prompt and its negative.
+const MAX_BINDINGS: usize = 2;
+
+/// A loaded ONNX graph, ready to run.
+pub struct Graph {
+    name: &'static str,
+    path: PathBuf,
+    session: Session,
+    device: Device,
+    skipped_devices: Vec<(Device, String)>,
+    inputs: Vec<TensorInfo>,
+    outputs: Vec<TensorInfo>,
+    metadata: BTreeMap<String, String>,
+    /// [`Graph::run_with_constants`]'s bound inputs, by key, oldest first.
+    bindings: Vec<(u64, IoBinding)>,
+}
+
+impl fmt::Debug for Graph {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Graph")
+            .field("name", &self.name)
+            .field("path", &self.path)
+            .field("device", &self.device)
+            .field("inputs", &self.inputs)
+            .field("outputs", &self.outputs)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds the session of one graph file: the one place sessions are made.
+///
+/// `name` is the component (`text_encoder`, `transformer`, ...): errors name it as their stage.
+/// Initialises the runtime with default options when [`init`] has not been called.
+pub fn load_graph(name: &'static str, path: &Path, config: &SessionConfig) -> Result<Graph> {
+    let SessionConfig {
+        device,
+        intra_threads,
+        optimization,
+        cuda,
+        coreml,
+    } = config.clone();
+    if !path.is_file() {
+        return Err(KleinError::Bundle {
+            path: path.to_path_buf(),
+            reason: format!("the {name} graph file is missing"),
+        });
+    }
+    let runtime = runtime()?;
+    let build = |device: Device| -> std::result::Result<Session, LoadFailure> {
+        let builder = Session::builder(&runtime.environment)
+            .map_err(|e| LoadFailure::Session(error_chain(&e)))?
+            .with_optimization_level(optimization.to_ort())
+            .map_err(|e| LoadFailure::Session(error_chain(&e)))?;
+        let builder = match intra_threads {
+            Some(n) => builder
+                .with_intra_threads(n)
+                .map_err(|e| LoadFailure::Session(error_chain(&e)))?,
+            None => builder,
+        };
+        let mut builder = register_device(builder, device, &cuda, &coreml)?;
+        builder.commit_from_file(path).map_err(|e| match e.code() {
+            // The file itself is not a graph ONNX Runtime can read: a bad bundle, not a bad run.
+            ErrorCode::InvalidProtobuf | ErrorCode::InvalidGraph | ErrorCode::NoModel => {
+                LoadFailure::File(error_chain(&e))
+            }
+            _ => LoadFailure::Session(error_chain(&e)),
+        })
+    };
+
+    let candidates: Vec<Device> = match device {
+        Device::Auto => {
+            let mut c = Vec::new();
+            if cfg!(feature = "cuda") {
+                c.push(Device::Cuda(0));
+            }
+            if cfg!(feature = "coreml") {
+                c.push(Device::CoreMl);
+            }
+            c.push(Device::Cpu);
+            c
+        }
+        named => vec![named],
+    };
+    let mut skipped_devices = Vec::new();
+    let mut loaded = None;
+    for candidate in candidates {
+        match build(candidate) {
+            Ok(session) => {
+                loaded = Some((candidate, session));
+                break;
+            }
+            Err(failure) if candidate != Device::Cpu && device == Device::Auto => {
+                skipped_devices.push((candidate, failure.message().to_string()));
+            }
+            Err(LoadFailure::Device(message)) => {
+                return Err(KleinError::Device {
+                    device: candidate.to_string(),
+                    message: format!(
+                        "{message} (choose the cpu device, or auto to fall back to the CPU)"
+                    ),
+                })
+            }
+            Err(LoadFailure::File(message)) => {
+                return Err(KleinError::Bundle {
+                    path: path.to_path_buf(),
+                    reason: format!(
+                        "ONNX Runtime cannot read it as the {name} graph ({message}); the file is corrupt or \
+                         not an ONNX graph: check the bundle with `klein info --verify` and copy or export it again"
+                    ),
+                })
+            }
+            Err(LoadFailure::Session(message)) => {
+                return Err(KleinError::Inference {
+                    stage: name,
+                    message: format!("loading {} on {candidate}: {message}", path.display()),
+                })
+            }
+        }
+    }
+    let (device, session) = loaded.ok_or_else(|| KleinError::Inference {
+        stage: name,
+        message: format!("no device could load {}", path.display()),
+    })?;
+
+    let inputs = session
+        .inputs()
+        .iter()
+        .map(TensorInfo::from_outlet)
+        .collect();
+    let outputs = session
+        .outputs()
+        .iter()
+        .map(TensorInfo::from_outlet)
+        .collect();
+    let metadata = read_metadata(&session).map_err(|message| KleinError::Bundle {
+        path: path.to_path_buf(),
+        reason: format!("cannot read the graph's metadata: {message}"),
+    })?;
+    Ok(Graph {
+        name,
+        path: path.to_path_buf(),
+        session,
+        device,
+        skipped_devices,
+        inputs,
+        outputs,
+        metadata,
+        bindings: Vec::new(),
+    })
+}
+
+/// The model's custom metadata map (ONNX `metadata_props`).
+fn read_metadata(session: &Session) -> std::result::Result<BTreeMap<String, String>, String> {
+    let metadata = session.metadata().map_err(|e| error_chain(&e))?;
+    let keys = metadata.custom_keys().map_err(|e| error_chain(&e))?;
+    keys.into_iter()
+        .map(|key| match metadata.custom(&key) {
+            Some(value) => Ok((key, value)),
+            None => Err(format!("metadata key `{key}` has no readable value")),
+        })
+        .collect()
+}
+
+impl Graph {
+    /// The component name given to [`load_graph`].
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// The `.onnx` file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The device the session actually runs on (never [`Device::Auto`]).
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Devices [`Device::Auto`] tried before [`Graph::device`], each with why it was not used.
+    pub fn skipped_devices(&self) -> &[(Device, String)] {
+        &self.skipped_devices
+    }
+
+    /// The graph's inputs, in graph order.
+    pub fn inputs(&self) -> &[TensorInfo] {
+        &self.inputs
+    }
+
+    /// The graph's outputs, in graph order.
+    pub fn outputs(&self) -> &[TensorInfo] {
+        &self.outputs
+    }
+
+    /// The graph's custom metadata (`klein.component`, `klein.format_version`, ...), checked by
+    /// `bundle::contract`.
+    pub fn metadata(&self) -> &BTreeMap<String, String> {
+        &self.metadata
+    }
+
+    /// Runs the graph. Every graph input must be given exactly once, by name; `f32` data goes to
+    /// float32 inputs (converted for float16/bfloat16 ones) and `i64` data to int64 inputs.
+    /// Non-contiguous views are copied to standard layout. Returns every output as `f32`.
+    pub fn run(&mut self, inputs: &[(&str, TensorInput<'_>)]) -> Result<Outputs> {
+        let prepared = self.prepare(inputs, &[])?;
+        let stage = self.name;
+        let path = &self.path;
+        let mut session_inputs: Vec<(Cow<'_, str>, SessionInputValue<'_>)> =
+            Vec::with_capacity(prepared.len());
+        for (name, value) in &prepared {
+            let value = value.tensor(stage, path)?;
+            session_inputs.push((Cow::Borrowed(*name), value.into()));
+        }
+        let results = self
+            .session
+            .run(session_inputs)
+            .map_err(|e| run_error(stage, path, &e))?;
+        extract_outputs(stage, &results)
+    }
+
+    /// Runs like [`Graph::run`], with the inputs in `constants` bound once per `key` and reused
+    /// while later calls give the same key (ONNX Runtime's IoBinding). On CUDA they are copied to
+    /// the GPU once instead of at every call: the prompt embeddings and position ids stay on the
+    /// device across the denoising steps, and only the latents and timestep travel. `constants`
+    /// are read only when `key` is new; the graph keeps the two most recent keys (a prompt and
+    /// its negative under guidance). `inputs` are the graph's other inputs.
+    pub fn run_with_constants(
+        &mut self,
+        key: u64,
+        constants: &[(&str, TensorInput<'_>)],
+        inputs: &[(&str, TensorInput<'_>)],
+    ) -> Result<Outputs> {
+        let stage = self.name;
+        let constant_names: Vec<&str> = constants.iter().map(|(n, _)| *n).collect();
+        let prepared = self.prepare(inputs, &constant_names)?;
+        let index = match self.bindings.iter().position(|(k, _)| *k == key) {
+            Some(index) => index,
+            None => {
+                let binding = self.bind(constants)?;
+                if self.bindings.len() == MAX_BINDINGS {
+                    self.bindings.remove(0);
+                }
+                self.bindings.push((key, binding));
+                self.bindings.len() - 1
+            }
+        };
+        let path = &self.path;
+        let (_, binding) = &mut self.bindings[index];
+        for (name, value) in prepared {
+            let value = value.into_owned_tensor(stage, path)?;
+            binding
+                .bind_input(name, &value)
+                .map_err(|e| run_error(stage, path, &e))?;
+        }
+        let results = self
+            .session
+            .run_binding(binding)
+            .map_err(|e| run_error(stage, path, &e))?;
+        extract_outputs(stage, &results)
+    }
+
+    /// A binding of `constants` (copied now to where the session wants them) and of every output
+    /// to host memory.
+    fn bind(&self, constants: &[(&str, TensorInput<'_>)]) -> Result<IoBinding> {
+        let (stage, path) = (self.name, &self.path);
+        let fail = |e: ort::Error| run_error(stage, path, &e);
+        let mut binding = self.session.create_binding().map_err(fail)?;
+        let others: Vec<&str> = self
+            .inputs
+            .iter()
+            .map(|i| i.name.as_str())
+            .filter(|n| !constants.iter().any(|(c, _)| c == n))
+            .collect();
+        for (name, value) in self.prepare(constants, &others)? {
+            let value = value.into_owned_tensor(stage, path)?;
+            binding.bind_input(name, &value).map_err(fail)?;
+        }
+        let host = MemoryInfo::new(
+            AllocationDevice::CPU,
+            0,
+            AllocatorType::Device,
+            MemoryType::Default,
+        )
+        .map_err(fail)?;
+        for output in &self.outputs {
+            binding
+                .bind_output_to_device(&output.name, &host)
+                .map_err(fail)?;
+        }
+        Ok(binding)
+    }
+
+    /// Checks `inputs` against the graph (known names, each once, element types) and converts
+    /// them to the graph's element types. Together with `elsewhere` (inputs given another way)
+    /// they must cover every graph input.
+    fn prepare<'a, 'n>(
+        &self,
+        inputs: &'a [(&'n str, TensorInput<'_>)],
+        elsewhere: &[&str],
+    ) -> Result<Vec<(&'n str, PreparedInput<'a>)>> {
+        let stage = self.name;
+        let fail = |message: String| KleinError::Inference { stage, message };
+        let mut prepared: Vec<(&str, PreparedInput<'_>)> = Vec::with_capacity(inputs.len());
+        for (name, input) in inputs {
+            if prepared.iter().any(|(n, _)| n == name) || elsewhere.contains(name) {
+                return Err(fail(format!("input `{name}` given twice")));
+            }
+            let info = self
+                .inputs
+                .iter()
+                .find(|i| i.name == *name)
+                .ok_or_else(|| {
+                    fail(format!(
+                        "the graph has no input `{name}` (its inputs: {})",
+                        tensor_names(&self.inputs)
+                    ))
+                })?;
+            let value = match (input, info.dtype) {
+                (TensorInput::F32(v), Some(Dtype::Float32)) => {
+                    PreparedInput::F32(v.as_standard_layout())
+                }
+                (TensorInput::F32(v), Some(Dtype::Float16)) => {
+                    PreparedInput::F16(v.mapv(f16::from_f32))
+                }
+                (TensorInput::F32(v), Some(Dtype::Bfloat16)) => {
+                    PreparedInput::Bf16(v.mapv(bf16::from_f32))
+                }
+                (TensorInput::I64(v), Some(Dtype::Int64)) => {
+                    PreparedInput::I64(v.as_standard_layout())
+                }
+                (given, _) => {
+                    return Err(fail(format!(
+                        "input `{name}` takes {}, was given {}",
+                        info.type_name,
+                        given.dtype()
+                    )))
+                }
+            };
+            prepared.push((*name, value));
+        }
+        if let Some(missing) = self.inputs.iter().find(|i| {
+            !prepared.iter().any(|(n, _)| *n == i.name) && !elsewhere.contains(&i.name.as_str())
+        }) {
+            return Err(fail(format!("input `{}` was not given", missing.name)));
+        }
+        Ok(prepared)
+    }
+}

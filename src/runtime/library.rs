@@ -1,0 +1,307 @@
+//! Finding and loading the ONNX Runtime library, once per process (search order in the
+//! [`super`] module docs).
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+use ort::environment::Environment;
+
+use crate::error::{KleinError, Result};
+
+/// Environment variable naming the ONNX Runtime library (the name `ort` itself uses).
+pub const ORT_DYLIB_ENV: &str = "ORT_DYLIB_PATH";
+
+/// Library path baked in at build time (`KLEIN_ORT_DYLIB=... cargo build`).
+const BUILD_TIME_LIBRARY: Option<&str> = option_env!("KLEIN_ORT_DYLIB");
+
+/// What to tell a user who has no usable library.
+const HOW_TO_PROVIDE: &str = "Provide ONNX Runtime 1.31 or newer: set ORT_DYLIB_PATH to its shared library \
+     (libonnxruntime.so.1.31.1 from the `onnxruntime` Python wheel works), or run scripts/setup-ort.sh in the \
+     klein repository: it installs the library into .ort/, where a klein built in that repository finds it";
+
+/// Receives ONNX Runtime's own log messages of level warning and above.
+pub type LogSink = Arc<dyn Fn(LogLevel, &str) + Send + Sync>;
+
+/// Severity of an ONNX Runtime log message passed to a [`LogSink`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LogLevel {
+    /// Something may be slow or unexpected (e.g. nodes placed on the CPU).
+    Warning,
+    /// An operation failed.
+    Error,
+    /// ONNX Runtime cannot continue.
+    Fatal,
+}
+
+/// Process-wide options, given to [`init`] before the first graph loads.
+#[derive(Clone, Default)]
+pub struct RuntimeOptions {
+    /// Explicit ONNX Runtime library; `None` searches (see the module docs).
+    pub(crate) library: Option<PathBuf>,
+    /// Where ONNX Runtime's warnings go; `None` discards them (the library never prints).
+    pub(crate) log_sink: Option<LogSink>,
+}
+
+impl RuntimeOptions {
+    /// Uses this ONNX Runtime shared library instead of searching for one.
+    pub fn with_library(mut self, path: impl Into<PathBuf>) -> Self {
+        self.library = Some(path.into());
+        self
+    }
+
+    /// Forwards ONNX Runtime's warnings and errors to `sink`.
+    pub fn with_log_sink(mut self, sink: LogSink) -> Self {
+        self.log_sink = Some(sink);
+        self
+    }
+}
+
+impl fmt::Debug for RuntimeOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RuntimeOptions")
+            .field("library", &self.library)
+            .field(
+                "log_sink",
+                &self.log_sink.as_ref().map(|_| "Fn(LogLevel, &str)"),
+            )
+            .finish()
+    }
+}
+
+/// How the ONNX Runtime library was found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LibrarySource {
+    /// [`RuntimeOptions::with_library`].
+    Explicit,
+    /// The `ORT_DYLIB_PATH` environment variable.
+    EnvVar,
+    /// `KLEIN_ORT_DYLIB` at build time.
+    BuildTime,
+    /// Next to the executable.
+    NextToExecutable,
+    /// `<executable dir>/../../.ort/`, filled by `scripts/setup-ort.sh`.
+    RepoOrtDir,
+}
+
+impl fmt::Display for LibrarySource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LibrarySource::Explicit => "given explicitly",
+            LibrarySource::EnvVar => "from ORT_DYLIB_PATH",
+            LibrarySource::BuildTime => "baked in at build time from KLEIN_ORT_DYLIB",
+            LibrarySource::NextToExecutable => "found next to the executable",
+            LibrarySource::RepoOrtDir => "found in the repository's .ort/ folder",
+        })
+    }
+}
+
+/// The ONNX Runtime library this process uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuntimeInfo {
+    /// Path of the loaded library.
+    pub library: PathBuf,
+    /// How it was found.
+    pub source: LibrarySource,
+}
+
+pub(super) struct Runtime {
+    info: RuntimeInfo,
+    pub(super) environment: Environment,
+}
+
+static RUNTIME: OnceLock<Runtime> = OnceLock::new();
+static INIT_LOCK: Mutex<()> = Mutex::new(());
+
+/// Loads the ONNX Runtime library and creates the process-wide environment, once.
+///
+/// Later calls return the same [`RuntimeInfo`]; they fail if they ask for a different library or
+/// a log sink, which can no longer take effect. [`load_graph`] calls this with default options
+/// when nothing has yet.
+pub fn init(options: RuntimeOptions) -> Result<&'static RuntimeInfo> {
+    let RuntimeOptions { library, log_sink } = options;
+    // Checked before anything else so that a bad path always gets the same answer.
+    if let Some(path) = &library {
+        if !path.is_file() {
+            return Err(KleinError::RuntimeLibrary(format!(
+                "{} (given explicitly) does not exist. {HOW_TO_PROVIDE}",
+                path.display()
+            )));
+        }
+    }
+    let _guard = INIT_LOCK.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(runtime) = RUNTIME.get() {
+        if let Some(path) = &library {
+            if !same_file(path, &runtime.info.library) {
+                return Err(KleinError::RuntimeLibrary(format!(
+                    "already loaded from {}; cannot switch to {} in the same process",
+                    runtime.info.library.display(),
+                    path.display()
+                )));
+            }
+        }
+        if log_sink.is_some() {
+            return Err(KleinError::RuntimeLibrary(
+                "already initialised; a log sink must be given to the first runtime::init"
+                    .to_string(),
+            ));
+        }
+        return Ok(&runtime.info);
+    }
+
+    let (path, source) = locate_library(library.as_deref())?;
+    let builder = ort::init_from(&path).map_err(|e| {
+        KleinError::RuntimeLibrary(format!(
+            "{} ({source}) could not be loaded: {}. {HOW_TO_PROVIDE}",
+            path.display(),
+            error_chain(&e)
+        ))
+    })?;
+    let logger: ort::logging::LoggerFunction =
+        Arc::new(move |level, _category, _id, _location, message| {
+            let level = match level {
+                ort::logging::LogLevel::Verbose | ort::logging::LogLevel::Info => return,
+                ort::logging::LogLevel::Warning => LogLevel::Warning,
+                ort::logging::LogLevel::Error => LogLevel::Error,
+                ort::logging::LogLevel::Fatal => LogLevel::Fatal,
+            };
+            if let Some(sink) = &log_sink {
+                sink(level, message);
+            }
+        });
+    let environment = builder
+        .with_name("klein")
+        .with_telemetry(false)
+        .with_logger(logger)
+        .build()
+        .map_err(|e| {
+            KleinError::RuntimeLibrary(format!(
+                "{} loaded, but its environment could not be created: {}",
+                path.display(),
+                error_chain(&e)
+            ))
+        })?;
+    // A custom logger starts at verbose; only warnings and above are wanted.
+    environment.set_log_level(ort::logging::LogLevel::Warning);
+    let runtime = RUNTIME.get_or_init(|| Runtime {
+        info: RuntimeInfo {
+            library: path,
+            source,
+        },
+        environment,
+    });
+    Ok(&runtime.info)
+}
+
+/// The library in use, once [`init`] has succeeded.
+pub fn runtime_info() -> Option<&'static RuntimeInfo> {
+    RUNTIME.get().map(|r| &r.info)
+}
+
+pub(super) fn runtime() -> Result<&'static Runtime> {
+    if let Some(runtime) = RUNTIME.get() {
+        return Ok(runtime);
+    }
+    init(RuntimeOptions::default())?;
+    RUNTIME
+        .get()
+        .ok_or_else(|| KleinError::RuntimeLibrary("initialisation did not complete".to_string()))
+}
+
+/// Finds the ONNX Runtime library without loading it (the search order is in the module docs).
+pub fn locate_library(explicit: Option<&Path>) -> Result<(PathBuf, LibrarySource)> {
+    if let Some(path) = explicit {
+        return existing(path, LibrarySource::Explicit, "given explicitly");
+    }
+    if let Some(value) = std::env::var_os(ORT_DYLIB_ENV).filter(|v| !v.is_empty()) {
+        return existing(
+            Path::new(&value),
+            LibrarySource::EnvVar,
+            "the value of ORT_DYLIB_PATH",
+        );
+    }
+    let mut looked = Vec::new();
+    if let Some(baked) = BUILD_TIME_LIBRARY.filter(|s| !s.is_empty()) {
+        let baked = Path::new(baked);
+        if baked.is_file() {
+            return Ok((baked.to_path_buf(), LibrarySource::BuildTime));
+        }
+        looked.push(format!(
+            "{} (baked in at build time, now missing)",
+            baked.display()
+        ));
+    }
+    match std::env::current_exe() {
+        Ok(exe) => {
+            let exe_dir = exe.parent().unwrap_or(Path::new("."));
+            if let Some(found) = library_in_dir(exe_dir) {
+                return Ok((found, LibrarySource::NextToExecutable));
+            }
+            looked.push(exe_dir.display().to_string());
+            if let Some(repo) = exe_dir.ancestors().nth(2) {
+                let ort_dir = repo.join(".ort");
+                if let Some(found) = library_in_dir(&ort_dir) {
+                    return Ok((found, LibrarySource::RepoOrtDir));
+                }
+                looked.push(ort_dir.display().to_string());
+            }
+        }
+        Err(e) => looked.push(format!("(the executable's folder: unknown, {e})")),
+    }
+    Err(KleinError::RuntimeLibrary(format!(
+        "no ONNX Runtime library found; ORT_DYLIB_PATH is not set and none was in: {}. {HOW_TO_PROVIDE}",
+        looked.join(", ")
+    )))
+}
+
+fn existing(path: &Path, source: LibrarySource, what: &str) -> Result<(PathBuf, LibrarySource)> {
+    if path.is_file() {
+        Ok((path.to_path_buf(), source))
+    } else {
+        Err(KleinError::RuntimeLibrary(format!(
+            "{} ({what}) does not exist. {HOW_TO_PROVIDE}",
+            path.display()
+        )))
+    }
+}
+
+/// The ONNX Runtime main library in `dir` (not its provider plug-ins): the unversioned name if
+/// present, else the highest versioned one (`libonnxruntime.so.1.31.1`, as the wheel ships it).
+fn library_in_dir(dir: &Path) -> Option<PathBuf> {
+    let (unversioned, prefix, suffix) = if cfg!(target_os = "windows") {
+        ("onnxruntime.dll", "onnxruntime.dll", "")
+    } else if cfg!(target_os = "macos") {
+        ("libonnxruntime.dylib", "libonnxruntime.", ".dylib")
+    } else {
+        ("libonnxruntime.so", "libonnxruntime.so.", "")
+    };
+    let names: Vec<String> = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|entry| entry.ok())
+        .filter(|entry| entry.path().is_file())
+        .filter_map(|entry| entry.file_name().into_string().ok())
+        .filter(|name| name == unversioned || (name.starts_with(prefix) && name.ends_with(suffix)))
+        .collect();
+    if names.iter().any(|name| name == unversioned) {
+        return Some(dir.join(unversioned));
+    }
+    names.into_iter().max().map(|name| dir.join(name))
+}
+
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
+}
+
+/// The message of an error and of every error that caused it, joined with ": ".
+pub(super) fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut message = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    message
+}

@@ -1,0 +1,47 @@
+//! ONNX Runtime: finding the library, choosing the device, building and running sessions.
+//!
+//! This is the only module that uses `ort` (its 2.0 release candidates rename things between
+//! releases; the blast radius stays in this folder). Everything else sees [`Graph`],
+//! [`TensorInput`] and owned `ndarray` outputs. [`library`] finds and loads ONNX Runtime,
+//! [`device`] turns a [`Device`] and its options into execution providers, [`tensor`] converts
+//! data in and out, and [`graph`] builds, binds and runs sessions.
+//!
+//! # Finding the ONNX Runtime library
+//! `ort` is built with `load-dynamic`: the library is opened at run time, never linked or
+//! downloaded. [`init`] looks, in this order, for:
+//! 1. the path in [`RuntimeOptions::with_library`] (the CLI's `--ort-library`);
+//! 2. the `ORT_DYLIB_PATH` environment variable;
+//! 3. the path baked in at build time from `KLEIN_ORT_DYLIB` (the build scripts export the output
+//!    of `scripts/setup-ort.sh`); skipped when that file no longer exists;
+//! 4. `libonnxruntime.so*` / `libonnxruntime*.dylib` / `onnxruntime.dll` next to the executable;
+//! 5. the same in `<executable dir>/../../.ort/` (`target/debug/klein` -> `<repo>/.ort/`, the
+//!    folder `scripts/setup-ort.sh` fills).
+//!
+//! A path given by 1 or 2 that does not exist is an error, not a reason to look further. The
+//! library is loaded once per process; [`RuntimeInfo`] says which file was used and why.
+//!
+//! # Devices
+//! [`Device::Cpu`], [`Device::Cuda`] and [`Device::CoreMl`] are registered with
+//! `error_on_failure()`: a device that cannot be used is an error, never a silent CPU fallback.
+//! [`Device::Auto`] tries CUDA, then CoreML (each only when klein was compiled with the `cuda` /
+//! `coreml` feature), then the CPU, and [`Graph::device`] records the one actually used.
+//!
+//! # Thread safety
+//! [`Graph`] is `Send + Sync`, but [`Graph::run`] takes `&mut self`: `ort` requires exclusive
+//! access to a session while it runs (some ONNX Runtime allocators are not thread safe). To share
+//! one graph between threads, put it behind a `Mutex`; ONNX Runtime parallelises inside one run.
+
+mod device;
+mod graph;
+mod library;
+mod tensor;
+
+pub use device::{
+    ComputeUnits, ConvSearch, CoreMlOptions, CudaOptions, Device, OptimizationLevel, SessionConfig,
+};
+pub use graph::{load_graph, Graph};
+pub use library::{
+    init, locate_library, runtime_info, LibrarySource, LogLevel, LogSink, RuntimeInfo,
+    RuntimeOptions, ORT_DYLIB_ENV,
+};
+pub use tensor::{tensor_names, Dtype, Outputs, TensorInfo, TensorInput};

@@ -1,0 +1,9 @@
+//! The pure stages of the pipeline, each as diffusers computes it, with no ONNX Runtime: prompt
+//! tokens, seeded noise, latent packing and position ids, the flow-matching schedule, reference
+//! preprocessing, and the output's pixels.
+pub mod latents;
+pub mod noise;
+pub mod output;
+pub mod reference;
+pub mod schedule;
+pub mod tokenize;
