@@ -1,7 +1,11 @@
 //! Every bound on a number a user, a file or a manifest gives, in one place. Each is checked
-//! before anything is allocated or loaded for it ([`crate::pipeline::request`] for requests,
-//! [`crate::stages::reference`] for image headers, [`crate::bundle::manifest`] for manifests),
-//! and each error names the bound.
+//! before anything is allocated or loaded for it ([`crate::pipeline::request`] for requests and
+//! load options, [`crate::stages::reference`] for image headers, [`crate::bundle::manifest`] for
+//! manifests), and each error names the bound. The README's "Limits" table lists them.
+//!
+//! An output is bounded twice: each side by [`MAX_SIDE`], and its area by the token budget
+//! ([`MAX_IMAGE_TOKENS`], one token per 16x16 pixels, shared with the references): 2288x2288,
+//! 4096x1280 or 1024x1024 plus four 1024x1024 references fit; 2304x2304 does not.
 
 /// Largest output side in pixels. The transformer's attention is quadratic in the token count;
 /// 4096x4096 is already 65,536 image tokens.
@@ -11,6 +15,23 @@ pub const MAX_SIDE: u32 = 4096;
 pub const MAX_IMAGE_TOKENS: usize = 5 * 4096;
 /// Largest batch (`num_images`) in one call.
 pub const MAX_BATCH: usize = 16;
+/// Largest number of denoising steps. Base models use about 50; diffusers' scheduler is trained on
+/// 1000 timesteps, and beyond that the empirical shift leaves its fitted range.
+pub const MAX_STEPS: usize = 1000;
+/// Largest guidance scale (base models use 3.5-5; diffusers puts no bound, but past this the
+/// velocity only overflows).
+pub const MAX_GUIDANCE: f64 = 100.0;
+/// Largest number of reference images in one request (diffusers' FLUX.2 pipelines document up to
+/// 10; the token budget bounds them too).
+pub const MAX_REFERENCES: usize = 10;
+/// Largest prompt, in bytes of UTF-8 (the tokenizer keeps 512 tokens, about 2 KB of English; a
+/// longer prompt is truncated as diffusers does, but is tokenized whole first).
+pub const MAX_PROMPT_BYTES: usize = 64 * 1024;
+/// Most threads inside one operator. ONNX Runtime starts them all when a session is created.
+pub const MAX_THREADS: usize = 1024;
+/// Largest `--prompts` file, in bytes, and most lines in it.
+pub const MAX_BATCH_FILE_BYTES: u64 = 64 * 1024 * 1024;
+pub const MAX_BATCH_LINES: usize = 100_000;
 
 /// Largest width or height of a reference file this runtime decodes, to refuse decompression
 /// bombs before allocating.

@@ -82,6 +82,7 @@ impl Pipeline {
             cache_dir,
             prompt_cache_dir,
         } = options;
+        request::check_session(&session)?;
         let manifest = Manifest::load(dir)?;
         // Before hashing or loading anything: can this device run the bundle at all?
         support::check_bundle(session.device, &manifest.graphs, dir)?;
@@ -172,6 +173,7 @@ impl Pipeline {
         prompt: &str,
         mut progress: Option<&mut ProgressFn<'_>>,
     ) -> Result<PromptEmbeds> {
+        request::check_prompt(prompt)?;
         let encoded = self.tokenizer.encode(prompt)?;
         if let Some(embeds) = self.prompt_cache.as_ref().and_then(|c| c.get(prompt)) {
             return Ok(PromptEmbeds {

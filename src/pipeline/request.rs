@@ -5,7 +5,11 @@ use ndarray::Array4;
 use super::prompts::PromptEmbeds;
 use crate::bundle::Manifest;
 use crate::error::{KleinError, Result};
-use crate::limits::{MAX_BATCH, MAX_IMAGE_TOKENS, MAX_SIDE};
+use crate::limits::{
+    MAX_BATCH, MAX_GUIDANCE, MAX_IMAGE_TOKENS, MAX_PROMPT_BYTES, MAX_REFERENCES, MAX_SIDE,
+    MAX_STEPS, MAX_THREADS,
+};
+use crate::runtime::SessionConfig;
 use crate::stages::reference::ReferenceImage;
 
 /// What to generate.
@@ -76,6 +80,57 @@ impl Request {
     }
 }
 
+impl Request {
+    /// Checks the numbers given in this request against [`crate::limits`], without a bundle:
+    /// images per prompt, steps, guidance, prompt length, reference count and output sides. Cheap:
+    /// call it before loading anything ([`super::Pipeline::generate`] calls it too).
+    pub fn check_bounds(&self) -> Result<()> {
+        if self.num_images == 0 || self.num_images > MAX_BATCH {
+            return Err(request_error(format!(
+                "num_images is {}: it must be between 1 and {MAX_BATCH}",
+                self.num_images
+            )));
+        }
+        if let Some(steps) = self.steps {
+            check_steps(steps)?;
+        }
+        if let Some(guidance) = self.guidance {
+            check_guidance(guidance)?;
+        }
+        check_prompt(&self.prompt)?;
+        check_reference_count(self.references.len())?;
+        for (what, value) in [("width", self.width), ("height", self.height)] {
+            if let Some(value) = value.filter(|&v| v == 0 || v > MAX_SIDE) {
+                return Err(request_error(format!(
+                    "{what} {value} is out of range: it must be between 16 and {MAX_SIDE} pixels \
+                     (and width/16 x height/16 at most {MAX_IMAGE_TOKENS} tokens with the references')"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Between 1 and [`MAX_STEPS`] denoising steps.
+fn check_steps(steps: usize) -> Result<()> {
+    if steps == 0 || steps > MAX_STEPS {
+        return Err(request_error(format!(
+            "steps is {steps}: it must be between 1 and {MAX_STEPS}"
+        )));
+    }
+    Ok(())
+}
+
+/// A guidance scale between 0 and [`MAX_GUIDANCE`].
+fn check_guidance(guidance: f64) -> Result<()> {
+    if !(0.0..=MAX_GUIDANCE).contains(&guidance) {
+        return Err(request_error(format!(
+            "guidance {guidance} must be a number between 0 and {MAX_GUIDANCE}"
+        )));
+    }
+    Ok(())
+}
+
 /// A request checked against the bundle, with every default resolved.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Plan {
@@ -94,25 +149,13 @@ pub(crate) struct Plan {
 impl Plan {
     /// Checks `request` against the bundle (stage 1 of diffusers' `__call__`, `check_inputs`).
     pub fn new(manifest: &Manifest, request: &Request) -> Result<Plan> {
+        request.check_bounds()?;
         let model = &manifest.model;
         let batch = request.num_images;
-        if batch == 0 || batch > MAX_BATCH {
-            return Err(request_error(format!(
-                "num_images is {batch}: it must be between 1 and {MAX_BATCH}"
-            )));
-        }
         let steps = request.steps.unwrap_or(model.default_steps as usize);
-        if steps == 0 {
-            return Err(request_error(
-                "steps is 0: at least 1 denoising step is needed".to_string(),
-            ));
-        }
+        check_steps(steps)?;
         let guidance = request.guidance.unwrap_or(model.default_guidance);
-        if !guidance.is_finite() || guidance < 0.0 {
-            return Err(request_error(format!(
-                "guidance {guidance} must be a finite number >= 0"
-            )));
-        }
+        check_guidance(guidance)?;
         let (width, height) = output_size(manifest, request)?;
         let m = manifest.latents.pixel_multiple;
         let (lat_h, lat_w) = ((height / m) as usize, (width / m) as usize);
@@ -166,6 +209,41 @@ impl Plan {
             lat_w,
         })
     }
+}
+
+/// A prompt must be at most [`MAX_PROMPT_BYTES`] long.
+pub(crate) fn check_prompt(prompt: &str) -> Result<()> {
+    if prompt.len() > MAX_PROMPT_BYTES {
+        return Err(request_error(format!(
+            "the prompt is {} bytes: at most {MAX_PROMPT_BYTES} are accepted (the text encoder reads \
+             only the bundle's first tokenizer.max_sequence_length tokens of it)",
+            prompt.len()
+        )));
+    }
+    Ok(())
+}
+
+/// At most [`MAX_REFERENCES`] reference images per request.
+pub fn check_reference_count(count: usize) -> Result<()> {
+    if count > MAX_REFERENCES {
+        return Err(request_error(format!(
+            "{count} reference images: at most {MAX_REFERENCES} per request"
+        )));
+    }
+    Ok(())
+}
+
+/// The load options' numbers: at most [`MAX_THREADS`] threads, and at least 1 when given.
+pub(crate) fn check_session(session: &SessionConfig) -> Result<()> {
+    if let Some(threads) = session.intra_threads {
+        if threads == 0 || threads > MAX_THREADS {
+            return Err(request_error(format!(
+                "threads is {threads}: it must be between 1 and {MAX_THREADS} (leave it unset for \
+                 ONNX Runtime's choice, one per physical core)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Output size in pixels for a request: explicit, else the first reference's, else the bundle's

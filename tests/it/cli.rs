@@ -862,7 +862,7 @@ fn sizes_outside_16_to_4096_are_refused() {
 fn zero_steps_is_refused() {
     assert_refused(
         &["--width", "64", "--height", "64", "--steps", "0"],
-        &["steps is 0", "at least 1"],
+        &["steps is 0", "between 1 and"],
     );
 }
 

@@ -13,6 +13,7 @@ mod diffusers;
 mod fuzz_regressions;
 mod fuzz_targets;
 mod layers;
+mod limits;
 mod manifest;
 mod prompt_cache;
 mod runtime;

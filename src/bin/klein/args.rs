@@ -55,22 +55,22 @@ pub(crate) struct GenerateArgs {
     /// Bundle directory [default: $KLEIN_MODEL, else the bundled tiny model]
     #[arg(long, short = 'm')]
     pub(crate) model: Option<PathBuf>,
-    /// Output width in pixels, floored to a multiple of 16 [default: first reference's width, else the bundle's]
+    /// Output width in pixels, floored to a multiple of 16: 16 to 4096, and (width/16) x (height/16) plus the references' tokens at most 20480 (2288x2288 fits alone) [default: first reference's width, else the bundle's]
     #[arg(long)]
     pub(crate) width: Option<u32>,
-    /// Output height in pixels, floored to a multiple of 16 [default: first reference's height, else the bundle's]
+    /// Output height in pixels, floored to a multiple of 16: 16 to 4096, within the same token budget as --width [default: first reference's height, else the bundle's]
     #[arg(long)]
     pub(crate) height: Option<u32>,
-    /// Denoising steps [default: the bundle's, 4 for distilled models]
+    /// Denoising steps, 1 to 1000 [default: the bundle's, 4 for distilled models]
     #[arg(long)]
     pub(crate) steps: Option<usize>,
-    /// Classifier-free guidance scale, base (non-distilled) models only [default: the bundle's]
+    /// Classifier-free guidance scale, 0 to 100, base (non-distilled) models only [default: the bundle's]
     #[arg(long)]
     pub(crate) guidance: Option<f64>,
     /// Seed of the initial noise (same seed, same image as diffusers) [default: random, printed]
     #[arg(long)]
     pub(crate) seed: Option<u64>,
-    /// Reference image (repeatable): one to edit, several to compose
+    /// Reference image (repeatable, at most 10): one to edit, several to compose
     #[arg(long = "ref", value_name = "IMAGE")]
     pub(crate) refs: Vec<PathBuf>,
     /// Images to generate for the prompt (one batch)
@@ -79,7 +79,7 @@ pub(crate) struct GenerateArgs {
     /// Execution provider: cpu, cuda, cuda:N, coreml or auto
     #[arg(long, default_value = "cpu")]
     pub(crate) device: Device,
-    /// Threads per operator [default: ONNX Runtime's choice]
+    /// Threads per operator, 1 to 1024 [default: ONNX Runtime's choice, one per physical core]
     #[arg(long)]
     pub(crate) threads: Option<usize>,
     /// Output PNG file; with --num-images N, files NAME-1.png ... NAME-N.png

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use klein::fsutil::write_atomic;
+use klein::limits::{MAX_BATCH_FILE_BYTES, MAX_BATCH_LINES};
 use klein::pipeline::{Pipeline, PromptMemo, Request};
 use klein::stages::output::encode_png;
 use klein::KleinError;
@@ -150,6 +151,14 @@ pub(crate) fn generate_batch(
     out_dir: &Path,
 ) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
+    let size = std::fs::metadata(prompts).map_or(0, |m| m.len());
+    if size > MAX_BATCH_FILE_BYTES {
+        return Err(UsageError(format!(
+            "--prompts {} is {size} bytes: at most {MAX_BATCH_FILE_BYTES} are read; split it",
+            prompts.display()
+        ))
+        .into());
+    }
     let text = std::fs::read_to_string(prompts).map_err(|e| {
         UsageError(format!(
             "--prompts {}: cannot read it ({e}); give a JSON Lines file, one {{\"prompt\": ...}} per line",
@@ -169,6 +178,14 @@ pub(crate) fn generate_batch(
             out_dir.display()
         ))
     })?;
+    let lines = text.lines().filter(|l| !l.trim().is_empty()).count();
+    if lines > MAX_BATCH_LINES {
+        return Err(UsageError(format!(
+            "--prompts {} has {lines} lines: at most {MAX_BATCH_LINES} run in one batch; split it",
+            prompts.display()
+        ))
+        .into());
+    }
     let base = prompts
         .parent()
         .filter(|p| !p.as_os_str().is_empty())

@@ -108,7 +108,7 @@ pub(crate) fn parse_batch(
                         "{kind}: {e}; each line must be an object such as {{\"prompt\": \"a cat\", \"seed\": 1}}"
                     ),
                 )));
-                used.entry(default_name(line)).or_insert(line);
+                used.entry(name_key(&default_name(line))).or_insert(line);
                 continue;
             }
         };
@@ -117,15 +117,18 @@ pub(crate) fn parse_batch(
             parsed.push(Err(fail(name, Some(json.prompt), format!("name {reason}"))));
             continue;
         }
-        if let Some(&first) = used.get(&name) {
+        if let Some(&first) = used.get(&name_key(&name)) {
             parsed.push(Err(fail(
                 name.clone(),
                 Some(json.prompt),
-                format!("name `{name}` is already used by line {first}; names must be unique"),
+                format!(
+                    "name `{name}` is already used by line {first}; names must be unique, ignoring \
+                     case (macOS and Windows file names are case-insensitive)"
+                ),
             )));
             continue;
         }
-        used.insert(name.clone(), line);
+        used.insert(name_key(&name), line);
         parsed.push(Ok(BatchLine {
             line,
             name,
@@ -141,11 +144,34 @@ pub(crate) fn parse_batch(
     parsed
 }
 
+/// Two names that are one file on a case-insensitive file system have the same key.
+fn name_key(name: &str) -> String {
+    name.to_lowercase()
+}
+
+/// Device names Windows reserves in every directory, with any extension (`CON.png` too).
+const WINDOWS_RESERVED: &[&str] = &[
+    "con", "prn", "aux", "nul", "com1", "com2", "com3", "com4", "com5", "com6", "com7", "com8",
+    "com9", "lpt1", "lpt2", "lpt3", "lpt4", "lpt5", "lpt6", "lpt7", "lpt8", "lpt9",
+];
+
 /// A name must be usable as a file name in the output directory, on every platform.
 fn check_name(name: &str) -> std::result::Result<(), String> {
     const FORBIDDEN: &[char] = &['/', '\\', ':', '*', '?', '"', '<', '>', '|'];
     if name.is_empty() || name == "." || name == ".." {
         return Err(format!("`{name}` is not a file name"));
+    }
+    let stem = name.split('.').next().unwrap_or(name).trim_end();
+    if WINDOWS_RESERVED.contains(&stem.to_ascii_lowercase().as_str()) {
+        return Err(format!(
+            "`{name}` is a device name on Windows ({}); choose another name",
+            WINDOWS_RESERVED.join(", ")
+        ));
+    }
+    if name.ends_with(['.', ' ']) {
+        return Err(format!(
+            "`{name}` ends with a dot or a space, which Windows drops from file names"
+        ));
     }
     if let Some(c) = name
         .chars()
@@ -194,11 +220,16 @@ mod tests {
             "{\"prompt\": \"x\", \"name\": \"../up\"}",
             "{\"prompt\": \"x\", \"name\": \"0001\"}",
             "{\"prompt\": \"x\", \"width\": -5}",
+            "{\"prompt\": \"x\", \"name\": \"Fox\"}",
+            "{\"prompt\": \"x\", \"name\": \"fox\"}",
+            "{\"prompt\": \"x\", \"name\": \"CON\"}",
+            "{\"prompt\": \"x\", \"name\": \"nul.tar\"}",
+            "{\"prompt\": \"x\", \"name\": \"end.\"}",
         ]
         .join("\n");
         let parsed = parse_batch(&text, Path::new("."));
-        let errors: Vec<&LineError> = parsed.iter().map(|p| p.as_ref().unwrap_err()).collect();
-        assert_eq!(errors.len(), 6);
+        let errors: Vec<&LineError> = parsed.iter().filter_map(|p| p.as_ref().err()).collect();
+        assert_eq!(errors.len(), 10, "{parsed:?}");
         let expect = [
             (1, "0001", "invalid JSON"),
             (2, "0002", "missing field `prompt`"),
@@ -206,6 +237,10 @@ mod tests {
             (4, "../up", "contains '/'"),
             (5, "0001", "already used by line 1"),
             (6, "0006", "invalid value: integer `-5`"),
+            (8, "fox", "already used by line 7"),
+            (9, "CON", "device name on Windows"),
+            (10, "nul.tar", "device name on Windows"),
+            (11, "end.", "ends with a dot"),
         ];
         for (error, (line, name, needle)) in errors.iter().zip(expect) {
             assert_eq!((error.line, error.name.as_str()), (line, name), "{error:?}");

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use klein::bundle::Manifest;
 use klein::fsutil::write_atomic;
+use klein::pipeline::request::check_reference_count;
 use klein::pipeline::{Pipeline, Request};
 use klein::stages::output::encode_png;
 use klein::KleinError;
@@ -72,19 +73,22 @@ fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
     let seed = args.seed.unwrap_or_else(random_seed);
     let reporter = Reporter::new(args.quiet);
 
-    // Every error of `Pipeline::load` names the bundle or the file in it.
-    let mut pipeline = Pipeline::load(&model, pipeline_options(args))?;
-
     let mut request = Request::new(prompt)
         .with_seed(seed)
         .with_num_images(args.num_images as usize);
-    for path in &args.refs {
-        request = request.with_reference(pipeline.load_reference(path)?);
-    }
     request.width = args.width;
     request.height = args.height;
     request.steps = args.steps;
     request.guidance = args.guidance;
+    // Every number the user gave, before anything is read or loaded.
+    request.check_bounds()?;
+    check_reference_count(args.refs.len())?;
+
+    // Every error of `Pipeline::load` names the bundle or the file in it.
+    let mut pipeline = Pipeline::load(&model, pipeline_options(args))?;
+    for path in &args.refs {
+        request.references.push(pipeline.load_reference(path)?);
+    }
     let (width, height) = pipeline.output_size(&request)?;
     warn_ignored_guidance(&pipeline, args.guidance);
     reporter.say(format!("seed: {seed}"));

@@ -1,0 +1,227 @@
+//! Every number a user gives is bounded (`src/limits.rs`), checked before anything is loaded, and
+//! refused with a message that names the bound: through the CLI (exit 2, no output), batch lines
+//! (the line fails, the others run), and the C API (`KLEIN_ERROR_USER`, the process lives).
+
+use std::ffi::{c_char, CString};
+use std::ptr;
+
+use klein::capi::{
+    klein_generate, klein_pipeline_free, klein_pipeline_load, KleinOptions, KleinPipeline,
+    KleinRequest, KleinStatus,
+};
+use klein::limits::{
+    MAX_BATCH_LINES, MAX_GUIDANCE, MAX_IMAGE_TOKENS, MAX_PROMPT_BYTES, MAX_REFERENCES, MAX_SIDE,
+    MAX_STEPS, MAX_THREADS,
+};
+
+use crate::cli::{assert_refused, generate, klein, path_str, FAST};
+use crate::util::{assert_mentions, ort_library, repo, temp_dir};
+
+/// Each number past its bound, with `-m` naming a bundle that does not exist: the bound is named,
+/// so it was checked before the bundle was opened.
+#[test]
+fn numbers_past_their_bounds_are_refused_before_the_bundle_is_read() {
+    let steps = format!("between 1 and {MAX_STEPS}");
+    let threads = format!("between 1 and {MAX_THREADS}");
+    let guidance = format!("between 0 and {MAX_GUIDANCE}");
+    let side = format!("between 16 and {MAX_SIDE}");
+    let cases: Vec<(Vec<String>, Vec<String>)> = vec![
+        (
+            vec!["--steps".into(), "100000000000".into()],
+            vec![steps.clone()],
+        ),
+        (
+            vec!["--steps".into(), (MAX_STEPS + 1).to_string()],
+            vec![steps.clone()],
+        ),
+        (vec!["--steps".into(), "0".into()], vec![steps]),
+        (
+            vec!["--threads".into(), "100000".into()],
+            vec![threads.clone()],
+        ),
+        (vec!["--threads".into(), "0".into()], vec![threads]),
+        (
+            vec!["--guidance".into(), "1e9".into()],
+            vec![guidance.clone()],
+        ),
+        (vec!["--guidance".into(), "NaN".into()], vec![guidance]),
+        (vec!["--width".into(), "5000".into()], vec![side.clone()]),
+        (vec!["--height".into(), "0".into()], vec![side]),
+    ];
+    for (flags, needles) in cases {
+        let mut extra: Vec<&str> = vec!["-m", "/no/such/bundle"];
+        extra.extend(flags.iter().map(String::as_str));
+        let needles: Vec<&str> = needles.iter().map(String::as_str).collect();
+        let run = assert_refused(&extra, &needles);
+        assert!(
+            !run.stderr.contains("/no/such/bundle"),
+            "checked after opening the bundle:\n{}",
+            run.describe()
+        );
+    }
+}
+
+/// Eleven references that do not exist: the count is refused before any file is read.
+#[test]
+fn too_many_references_are_refused_before_any_is_read() {
+    let mut extra: Vec<String> = FAST.iter().map(|s| s.to_string()).collect();
+    for i in 0..=MAX_REFERENCES {
+        extra.extend(["--ref".to_string(), format!("/no/such/ref{i}.png")]);
+    }
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let run = assert_refused(
+        &extra,
+        &[&format!(
+            "{} reference images: at most {MAX_REFERENCES}",
+            MAX_REFERENCES + 1
+        )],
+    );
+    assert!(!run.stderr.contains("ref0.png"), "{}", run.describe());
+}
+
+#[test]
+fn an_overlong_prompt_is_refused() {
+    let out_dir = temp_dir("limits-prompt");
+    let prompt = "a".repeat(MAX_PROMPT_BYTES + 1);
+    let run = generate(&prompt, &out_dir.join("out.png"), &FAST);
+    run.assert_user_error(&[&format!("at most {MAX_PROMPT_BYTES} are accepted")]);
+}
+
+/// A batch line with an absurd step count fails alone; the batch, and its rerun, go on.
+#[test]
+fn a_batch_line_past_a_bound_fails_alone() {
+    let dir = temp_dir("limits-batch");
+    let prompts = dir.join("p.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"prompt\": \"a\", \"seed\": 1}\n{\"prompt\": \"b\", \"steps\": 100000000000}\n",
+    )
+    .unwrap();
+    let out_dir = dir.join("out");
+    for attempt in 0..2 {
+        let mut args = vec!["generate", "--prompts", path_str(&prompts), "--out-dir"];
+        args.push(path_str(&out_dir));
+        args.extend(FAST);
+        let run = klein(args);
+        assert_eq!(run.code, Some(2), "attempt {attempt}:\n{}", run.describe());
+        assert!(!run.stderr.contains("panicked"), "{}", run.describe());
+        assert_mentions(&run.stderr, &[&format!("line 2 (0002): invalid request: steps is 100000000000: it must be between 1 and {MAX_STEPS}")]);
+        assert!(out_dir.join("0001.png").is_file(), "{}", run.describe());
+    }
+}
+
+#[test]
+fn a_batch_file_with_too_many_lines_is_refused() {
+    let dir = temp_dir("limits-batch-lines");
+    let prompts = dir.join("p.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"prompt\": \"a\"}\n".repeat(MAX_BATCH_LINES + 1),
+    )
+    .unwrap();
+    let run = klein([
+        "generate",
+        "--prompts",
+        path_str(&prompts),
+        "--out-dir",
+        path_str(&dir.join("out")),
+    ]);
+    run.assert_user_error(&[&format!("at most {MAX_BATCH_LINES} run in one batch")]);
+    assert!(!dir.join("out").join("0001.png").exists());
+}
+
+/// `--help` states the bounds of `src/limits.rs`, not other numbers.
+#[test]
+fn help_states_the_real_limits() {
+    let run = klein(["generate", "--help"]);
+    assert_eq!(run.code, Some(0), "{}", run.describe());
+    let help = run.stdout.split_whitespace().collect::<Vec<_>>().join(" ");
+    for needle in [
+        format!("16 to {MAX_SIDE}"),
+        format!("at most {MAX_IMAGE_TOKENS}"),
+        format!("Denoising steps, 1 to {MAX_STEPS}"),
+        format!("0 to {MAX_GUIDANCE}"),
+        format!("1 to {MAX_THREADS}"),
+        format!("at most {MAX_REFERENCES}"),
+    ] {
+        assert!(help.contains(&needle), "--help lacks `{needle}`:\n{help}");
+    }
+}
+
+fn call(f: impl FnOnce(*mut *mut c_char) -> KleinStatus) -> (KleinStatus, String) {
+    let mut message: *mut c_char = ptr::null_mut();
+    let status = f(&mut message);
+    let text = if message.is_null() {
+        String::new()
+    } else {
+        // SAFETY: a message from the library, NUL-terminated, freed once below.
+        let text = unsafe { std::ffi::CStr::from_ptr(message) }
+            .to_string_lossy()
+            .into_owned();
+        unsafe { klein::capi::klein_string_free(message) };
+        text
+    };
+    (status, text)
+}
+
+/// Through the C API: `steps = UINT32_MAX` and 100000 threads are user errors, the host lives.
+#[test]
+fn the_c_api_refuses_numbers_past_their_bounds() {
+    let bundle = CString::new(repo().join("onnx/klein-tiny").to_str().unwrap()).unwrap();
+    let library = CString::new(ort_library().to_str().unwrap()).unwrap();
+    let options = KleinOptions {
+        device: c"cpu".as_ptr(),
+        threads: 100_000,
+        ort_library: library.as_ptr(),
+        coreml_units: ptr::null(),
+        coreml_cache_dir: ptr::null(),
+        cuda_memory_limit: 0,
+    };
+    let mut pipeline: *mut KleinPipeline = ptr::null_mut();
+    // SAFETY (every call): valid or NULL pointers, NUL-terminated strings, a live pipeline.
+    let (status, message) =
+        call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &options, &mut pipeline, m) });
+    assert_eq!(status, KleinStatus::KLEIN_ERROR_USER, "{message}");
+    assert_mentions(&message, &[&format!("between 1 and {MAX_THREADS}")]);
+    assert!(pipeline.is_null());
+
+    let options = KleinOptions {
+        threads: 1,
+        ..options
+    };
+    let (status, message) =
+        call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &options, &mut pipeline, m) });
+    assert_eq!(status, KleinStatus::KLEIN_OK, "{message}");
+    let request = KleinRequest {
+        prompt: c"a cat".as_ptr(),
+        seed: 1,
+        width: 64,
+        height: 64,
+        steps: u32::MAX,
+        reference_paths: ptr::null(),
+        reference_count: 0,
+    };
+    let mut buffer = vec![0u8; 64 * 64 * 4];
+    let (status, message) = call(|m| unsafe {
+        klein_generate(
+            pipeline,
+            &request,
+            buffer.as_mut_ptr(),
+            buffer.len(),
+            ptr::null_mut(),
+            ptr::null_mut(),
+            None,
+            ptr::null_mut(),
+            m,
+        )
+    });
+    assert_eq!(status, KleinStatus::KLEIN_ERROR_USER, "{message}");
+    assert_mentions(
+        &message,
+        &[&format!(
+            "steps is {}: it must be between 1 and {MAX_STEPS}",
+            u32::MAX
+        )],
+    );
+    unsafe { klein_pipeline_free(pipeline) };
+}
