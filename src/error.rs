@@ -53,3 +53,15 @@ impl KleinError {
         !matches!(self, KleinError::Inference { .. } | KleinError::Cancelled)
     }
 }
+
+/// The message of an error and of every error that caused it, joined with ": ".
+pub fn chain(error: &dyn std::error::Error) -> String {
+    let mut message = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    message
+}

@@ -25,7 +25,7 @@ pub mod request;
 pub use denoise::{DenoiseContext, ReferenceTokens};
 pub use options::PipelineOptions;
 pub use progress::{Progress, ProgressFn, Stage, Timings};
-pub use prompts::{PromptCache, PromptEmbeds, PromptMemo};
+pub use prompts::{CacheLookup, PromptCache, PromptEmbeds, PromptMemo};
 pub use request::Request;
 
 use graphs::{GraphSource, LoadedGraphs};
@@ -66,6 +66,8 @@ pub struct Pipeline {
     prompt_cache: Option<PromptCache>,
     verification: Option<Verification>,
     graphs: LoadedGraphs,
+    /// Problems that did not stop a stage ([`Pipeline::take_warnings`]).
+    warnings: Vec<String>,
 }
 
 impl Pipeline {
@@ -112,6 +114,7 @@ impl Pipeline {
             prompt_cache,
             verification,
             graphs: LoadedGraphs::default(),
+            warnings: Vec::new(),
         })
     }
 
@@ -126,6 +129,13 @@ impl Pipeline {
     /// How the bundle's hashes were checked at load time (`None`: not checked).
     pub fn verification(&self) -> Option<&Verification> {
         self.verification.as_ref()
+    }
+
+    /// Problems met since the last call that did not stop the work (a prompt-cache entry that was
+    /// rejected, a cache that could not be written), oldest first. The library never prints: an
+    /// app shows or logs them.
+    pub fn take_warnings(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.warnings)
     }
 
     /// The execution provider the graphs run on (known once a graph is loaded).
@@ -175,11 +185,15 @@ impl Pipeline {
     ) -> Result<PromptEmbeds> {
         request::check_prompt(prompt)?;
         let encoded = self.tokenizer.encode(prompt)?;
-        if let Some(embeds) = self.prompt_cache.as_ref().and_then(|c| c.get(prompt)) {
-            return Ok(PromptEmbeds {
-                embeds,
-                truncated: encoded.truncated,
-            });
+        match self.prompt_cache.as_ref().map(|c| c.get(prompt)) {
+            Some(CacheLookup::Hit(embeds)) => {
+                return Ok(PromptEmbeds {
+                    embeds,
+                    truncated: encoded.truncated,
+                })
+            }
+            Some(CacheLookup::Rejected(warning)) => self.warnings.push(warning),
+            Some(CacheLookup::Miss) | None => {}
         }
         let seq = encoded.input_ids.len();
         // [L] -> [1, L]
@@ -198,7 +212,13 @@ impl Pipeline {
                 .map_err(|e| internal("prompt_embeds", e))
         })?;
         if let Some(cache) = &self.prompt_cache {
-            cache.put(prompt, &embeds)?;
+            // The cache only saves time: a failure to write it is a warning.
+            if let Err(error) = cache.put(prompt, &embeds) {
+                self.warnings.push(format!(
+                    "the prompt cache could not be written: {}",
+                    crate::error::chain(&error)
+                ));
+            }
         }
         Ok(PromptEmbeds {
             embeds,

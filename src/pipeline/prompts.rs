@@ -11,7 +11,7 @@ use sha2::{Digest, Sha256};
 
 use crate::bundle::Manifest;
 use crate::error::{KleinError, Result};
-use crate::fsutil::{hex, write_atomic};
+use crate::fsutil::{hex, sha256_hex, write_atomic};
 
 const TENSOR: &str = "prompt_embeds";
 
@@ -22,11 +22,30 @@ pub struct PromptEmbeds {
     pub truncated: bool,
 }
 
-/// The on-disk cache of prompt embeddings.
+/// Metadata key of an entry's bundle key (what [`PromptCache::new`] derives from the manifest).
+const META_BUNDLE: &str = "klein.bundle";
+/// Metadata key of the sha256 of the entry's prompt.
+const META_PROMPT: &str = "klein.prompt_sha256";
+
+/// The on-disk cache of prompt embeddings. Entries are checked when read (their bundle and prompt,
+/// dtype, shape, finite values): a bad one is a miss, reported as such, and rewritten.
 #[derive(Debug, Clone)]
 pub struct PromptCache {
     dir: PathBuf,
     bundle_key: String,
+    /// `[1, max_sequence_length, embed_dim]` of this bundle.
+    shape: [usize; 3],
+}
+
+/// What a cache lookup found.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CacheLookup {
+    /// A valid entry, `[1, L, D]`.
+    Hit(Array3<f32>),
+    /// No entry.
+    Miss,
+    /// An entry that cannot be used (why, naming the file); treat as a miss.
+    Rejected(String),
 }
 
 impl PromptCache {
@@ -45,7 +64,16 @@ impl PromptCache {
             file_hash(&manifest.tokenizer.file),
             manifest.tokenizer.max_sequence_length
         );
-        PromptCache { dir, bundle_key }
+        let shape = [
+            1,
+            manifest.tokenizer.max_sequence_length,
+            manifest.text_encoder.embed_dim,
+        ];
+        PromptCache {
+            dir,
+            bundle_key,
+            shape,
+        }
     }
 
     fn path(&self, prompt: &str) -> PathBuf {
@@ -57,21 +85,61 @@ impl PromptCache {
             .join(format!("{}.safetensors", hex(&hasher.finalize())))
     }
 
-    /// The cached embeddings `[1, L, D]`, or `None` (a missing or unreadable entry is a miss).
-    pub fn get(&self, prompt: &str) -> Option<Array3<f32>> {
-        let bytes = std::fs::read(self.path(prompt)).ok()?;
-        let tensors = SafeTensors::deserialize(&bytes).ok()?;
-        let view = tensors.tensor(TENSOR).ok()?;
-        let shape = view.shape();
-        if view.dtype() != Dtype::F32 || shape.len() != 3 {
-            return None;
+    /// The cached embeddings of `prompt`, checked: written for this bundle and this prompt,
+    /// float32 of shape `[1, L, D]`, every value finite.
+    pub fn get(&self, prompt: &str) -> CacheLookup {
+        let path = self.path(prompt);
+        let bytes = match std::fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return CacheLookup::Miss,
+            Err(e) => return self.rejected(&path, &format!("unreadable ({e})")),
+        };
+        match self.check_entry(&bytes, prompt) {
+            Ok(embeds) => CacheLookup::Hit(embeds),
+            Err(reason) => self.rejected(&path, &reason),
+        }
+    }
+
+    fn rejected(&self, path: &std::path::Path, reason: &str) -> CacheLookup {
+        CacheLookup::Rejected(format!(
+            "prompt cache entry {} {reason}; encoding the prompt again",
+            path.display()
+        ))
+    }
+
+    /// The embeddings of a valid entry, or why it is not one.
+    fn check_entry(&self, bytes: &[u8], prompt: &str) -> std::result::Result<Array3<f32>, String> {
+        let (_, metadata) = SafeTensors::read_metadata(bytes)
+            .map_err(|e| format!("is not a safetensors file ({e})"))?;
+        let meta = metadata.metadata().clone().unwrap_or_default();
+        if meta.get(META_BUNDLE) != Some(&self.bundle_key)
+            || meta.get(META_PROMPT) != Some(&sha256_hex(prompt.as_bytes()))
+        {
+            return Err("was written for another bundle or prompt".to_string());
+        }
+        let tensors = SafeTensors::deserialize(bytes)
+            .map_err(|e| format!("is not a safetensors file ({e})"))?;
+        let view = tensors
+            .tensor(TENSOR)
+            .map_err(|_| format!("has no `{TENSOR}` tensor"))?;
+        if view.dtype() != Dtype::F32 || view.shape() != self.shape {
+            return Err(format!(
+                "holds {:?} {:?}, this bundle's embeddings are F32 {:?}",
+                view.dtype(),
+                view.shape(),
+                self.shape
+            ));
         }
         let values: Vec<f32> = view
             .data()
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
-        Array3::from_shape_vec((shape[0], shape[1], shape[2]), values).ok()
+        if values.iter().any(|v| !v.is_finite()) {
+            return Err("holds non-finite values".to_string());
+        }
+        let [b, l, d] = self.shape;
+        Array3::from_shape_vec((b, l, d), values).map_err(|e| e.to_string())
     }
 
     /// Stores `embeds` for `prompt` (atomically: a reader never sees a partial entry).
@@ -89,11 +157,16 @@ impl PromptCache {
                 message: e.to_string(),
             }
         })?;
-        let bytes =
-            safetensors::serialize([(TENSOR, view)], None).map_err(|e| KleinError::Inference {
+        let metadata = HashMap::from([
+            (META_BUNDLE.to_string(), self.bundle_key.clone()),
+            (META_PROMPT.to_string(), sha256_hex(prompt.as_bytes())),
+        ]);
+        let bytes = safetensors::serialize([(TENSOR, view)], Some(metadata)).map_err(|e| {
+            KleinError::Inference {
                 stage: "prompt cache",
                 message: e.to_string(),
-            })?;
+            }
+        })?;
         write_atomic(&self.path(prompt), &bytes)
     }
 }

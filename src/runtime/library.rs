@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use ort::environment::Environment;
 
+pub(super) use crate::error::chain as error_chain;
 use crate::error::{KleinError, Result};
 
 /// Environment variable naming the ONNX Runtime library (the name `ort` itself uses).
@@ -292,16 +293,4 @@ fn same_file(a: &Path, b: &Path) -> bool {
         (Ok(a), Ok(b)) => a == b,
         _ => a == b,
     }
-}
-
-/// The message of an error and of every error that caused it, joined with ": ".
-pub(super) fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut message = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        message.push_str(": ");
-        message.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    message
 }

@@ -1,11 +1,35 @@
 //! The on-disk prompt-embedding cache: a hit equals a fresh encoding, entries are keyed by prompt,
-//! and an unreadable entry is a miss, not an error.
+//! and an entry that cannot be used (another prompt's, wrong shape, NaN, corrupt) is a miss with a
+//! warning, not an error; an unwritable cache is a warning too.
 use klein::pipeline::{Pipeline, PipelineOptions};
 use klein::runtime::{Device, RuntimeOptions};
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+use std::path::Path;
 
 use crate::util::{ort_library, repo, temp_dir};
 
-fn pipeline(cache: &std::path::Path) -> Pipeline {
+/// The pipeline's warnings mention `needle`.
+fn assert_warned(pipeline: &mut Pipeline, needle: &str) {
+    let warnings = pipeline.take_warnings();
+    assert!(
+        warnings.iter().any(|w| w.contains(needle)),
+        "no warning with `{needle}`: {warnings:?}"
+    );
+}
+
+/// Replaces the tensor of a cache entry, keeping its metadata (bundle and prompt).
+fn rewrite(entry: &Path, values: &[f32], shape: &[usize]) {
+    let bytes = std::fs::read(entry).unwrap();
+    let (_, metadata) = SafeTensors::read_metadata(&bytes).unwrap();
+    let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let view = TensorView::new(Dtype::F32, shape.to_vec(), &data).unwrap();
+    let out =
+        safetensors::serialize([("prompt_embeds", view)], metadata.metadata().clone()).unwrap();
+    std::fs::write(entry, out).unwrap();
+}
+
+fn pipeline(cache: &Path) -> Pipeline {
     let options = PipelineOptions::default()
         .with_device(Device::Cpu)
         .with_threads(1)
@@ -27,7 +51,7 @@ fn cached_embeddings_equal_fresh_ones() {
         .collect();
     assert_eq!(entries.len(), 1, "one entry per prompt: {entries:?}");
 
-    // A new pipeline reads the entry: swap in another prompt's entry and it is what comes back.
+    // Another prompt's entry in this prompt's place is rejected (with a warning), not used.
     let other = pipeline(&cache)
         .encode_prompt("another prompt", None)
         .unwrap()
@@ -38,15 +62,44 @@ fn cached_embeddings_equal_fresh_ones() {
         .map(|e| e.unwrap().path())
         .find(|p| *p != entries[0])
         .unwrap();
+    let original = std::fs::read(&entries[0]).unwrap();
     std::fs::copy(&other_entry, &entries[0]).unwrap();
+    let mut p = pipeline(&cache);
+    let again = p
+        .encode_prompt("a lighthouse at dusk", None)
+        .unwrap()
+        .embeds;
+    assert_eq!(again, fresh, "encoded again");
+    assert_warned(&mut p, "another bundle or prompt");
+    assert_eq!(std::fs::read(&entries[0]).unwrap(), original, "rewritten");
+
+    // A valid entry is what comes back, bit for bit.
+    let doubled: Vec<f32> = fresh.iter().map(|v| v * 2.0).collect();
+    rewrite(&entries[0], &doubled, fresh.shape());
     let hit = pipeline(&cache)
         .encode_prompt("a lighthouse at dusk", None)
         .unwrap()
         .embeds;
-    assert_eq!(
-        hit, other,
-        "the embeddings came from the cache entry, bit for bit"
-    );
+    assert_eq!(hit.iter().copied().collect::<Vec<f32>>(), doubled);
+
+    // Wrong shape and non-finite values: rejected, encoded again.
+    for (values, shape, needle) in [
+        (vec![0.5f32; 6], vec![1usize, 2, 3], "holds F32 [1, 2, 3]"),
+        (
+            vec![f32::NAN; fresh.len()],
+            fresh.shape().to_vec(),
+            "non-finite",
+        ),
+    ] {
+        rewrite(&entries[0], &values, &shape);
+        let mut p = pipeline(&cache);
+        let again = p
+            .encode_prompt("a lighthouse at dusk", None)
+            .unwrap()
+            .embeds;
+        assert_eq!(again, fresh, "{needle}");
+        assert_warned(&mut p, needle);
+    }
 
     // A corrupt entry is a miss: the prompt is encoded again and the entry rewritten.
     std::fs::write(&entries[0], b"not safetensors").unwrap();
@@ -56,4 +109,15 @@ fn cached_embeddings_equal_fresh_ones() {
         .embeds;
     assert_eq!(again, fresh);
     assert_ne!(std::fs::read(&entries[0]).unwrap(), b"not safetensors");
+}
+
+/// A cache directory that cannot be created (under a file) warns; the prompt is still encoded.
+#[test]
+fn an_unwritable_cache_is_a_warning() {
+    let dir = temp_dir("prompt-cache-unwritable");
+    std::fs::write(dir.join("file"), b"x").unwrap();
+    let mut p = pipeline(&dir.join("file").join("cache"));
+    let embeds = p.encode_prompt("a cat", None).unwrap().embeds;
+    assert!(embeds.iter().all(|v| v.is_finite()));
+    assert_warned(&mut p, "the prompt cache could not be written");
 }

@@ -101,7 +101,7 @@ fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
     let generation = pipeline.generate(&request, Some(&mut reporter.callback("")))?;
     reporter.clear();
     let device = device_name(&pipeline);
-    reporter.report(&pipeline, &generation, args.timings, "");
+    reporter.report(&mut pipeline, &generation, args.timings, "");
     reporter.say(format!("device: {device}"));
     let text = png_text(
         &pipeline,

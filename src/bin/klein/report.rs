@@ -60,14 +60,17 @@ impl Reporter {
         self.bar.reset();
     }
 
-    /// The warnings and, with --timings, the stage times of a finished generation.
+    /// The pipeline's warnings, the prompt's truncation and, with --timings, the stage times of a finished generation.
     pub(crate) fn report(
         &self,
-        pipeline: &Pipeline,
+        pipeline: &mut Pipeline,
         generation: &Generation,
         timings: bool,
         label: &str,
     ) {
+        for warning in pipeline.take_warnings() {
+            eprintln!("klein: warning: {label}{warning}");
+        }
         if generation.prompt_truncated {
             eprintln!(
                 "klein: warning: {label}the prompt is longer than {} tokens and was truncated, as the reference pipeline does",
