@@ -1,4 +1,10 @@
-//! Stage 7 output: decoder floats to uint8 RGB, and PNG bytes with text metadata.
+//! Stage 7 output: decoder floats to uint8 RGB, and the bytes of a PNG, JPEG or WebP file with the
+//! generation settings as metadata.
+use std::path::Path;
+
+use image::codecs::jpeg::JpegEncoder;
+use image::codecs::webp::WebPEncoder;
+use image::ExtendedColorType;
 
 use ndarray::ArrayView4;
 
@@ -34,6 +40,103 @@ pub fn to_rgb_images(decoded: ArrayView4<f32>) -> Vec<RgbImage> {
             }
         })
         .collect()
+}
+
+/// The file formats an output can be written in, chosen by the file's extension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImageFormat {
+    /// PNG, with the generation settings as UTF-8 text chunks (iTXt).
+    Png,
+    /// Baseline JPEG at `quality` (1-100), with the settings as JSON in a comment (COM) segment.
+    Jpeg { quality: u8 },
+    /// Lossless WebP (the `image` crate writes no lossy WebP), without the settings.
+    WebP,
+}
+
+/// Extensions [`ImageFormat::from_path`] knows, for messages.
+pub const OUTPUT_EXTENSIONS: &str = ".png, .jpg, .jpeg or .webp";
+
+impl ImageFormat {
+    /// The format `path`'s extension names (case-insensitive; none: PNG); `jpeg_quality` is used
+    /// for JPEG.
+    pub fn from_path(path: &Path, jpeg_quality: u8) -> Result<ImageFormat> {
+        let extension = path
+            .extension()
+            .map(|e| e.to_string_lossy().to_ascii_lowercase());
+        match extension.as_deref() {
+            None | Some("png") => Ok(ImageFormat::Png),
+            Some("jpg" | "jpeg") => Ok(ImageFormat::Jpeg {
+                quality: jpeg_quality,
+            }),
+            Some("webp") => Ok(ImageFormat::WebP),
+            Some(other) => Err(KleinError::Request(format!(
+                "output {}: klein writes {OUTPUT_EXTENSIONS} files, not .{other}",
+                path.display()
+            ))),
+        }
+    }
+}
+
+/// Encodes `image` in `format`, with `text` (key, value pairs) where the format holds it.
+pub fn encode_image(
+    image: &RgbImage,
+    format: ImageFormat,
+    text: &[(String, String)],
+) -> Result<Vec<u8>> {
+    match format {
+        ImageFormat::Png => encode_png(image, text),
+        ImageFormat::Jpeg { quality } => encode_jpeg(image, quality, text),
+        ImageFormat::WebP => encode_webp(image),
+    }
+}
+
+fn encode_error(format: &'static str, e: impl std::fmt::Display) -> KleinError {
+    KleinError::Inference {
+        stage: format,
+        message: e.to_string(),
+    }
+}
+
+/// Baseline JPEG; `text` as a JSON object in a COM segment right after SOI.
+fn encode_jpeg(image: &RgbImage, quality: u8, text: &[(String, String)]) -> Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    JpegEncoder::new_with_quality(&mut bytes, quality.clamp(1, 100))
+        .encode(
+            &image.pixels,
+            image.width,
+            image.height,
+            ExtendedColorType::Rgb8,
+        )
+        .map_err(|e| encode_error("jpeg encode", e))?;
+    let object: serde_json::Map<String, serde_json::Value> = text
+        .iter()
+        .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+        .collect();
+    let comment = serde_json::to_vec(&object).map_err(|e| encode_error("jpeg encode", e))?;
+    // A segment's length (2 bytes) counts itself: at most 65533 bytes of comment.
+    if let Ok(length) = u16::try_from(comment.len() + 2) {
+        if bytes.starts_with(&[0xFF, 0xD8]) {
+            let mut segment = vec![0xFF, 0xFE];
+            segment.extend_from_slice(&length.to_be_bytes());
+            segment.extend_from_slice(&comment);
+            bytes.splice(2..2, segment);
+        }
+    }
+    Ok(bytes)
+}
+
+/// Lossless WebP.
+fn encode_webp(image: &RgbImage) -> Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    WebPEncoder::new_lossless(&mut bytes)
+        .encode(
+            &image.pixels,
+            image.width,
+            image.height,
+            ExtendedColorType::Rgb8,
+        )
+        .map_err(|e| encode_error("webp encode", e))?;
+    Ok(bytes)
 }
 
 /// Encodes `image` as PNG with UTF-8 text chunks (iTXt), in memory.
@@ -75,6 +178,61 @@ mod tests {
         .unwrap();
         let images = to_rgb_images(decoded.view());
         assert_eq!(images[0].pixels, vec![0, 128, 0, 255, 255, 128]);
+    }
+
+    #[test]
+    fn formats_follow_the_extension() {
+        let format = |p: &str| ImageFormat::from_path(Path::new(p), 90);
+        assert_eq!(format("a.PNG").unwrap(), ImageFormat::Png);
+        assert_eq!(format("a").unwrap(), ImageFormat::Png);
+        assert_eq!(format("a.jpeg").unwrap(), ImageFormat::Jpeg { quality: 90 });
+        assert_eq!(format("a.webp").unwrap(), ImageFormat::WebP);
+        let error = format("a.gif").unwrap_err().to_string();
+        assert!(
+            error.contains("not .gif") && error.contains(OUTPUT_EXTENSIONS),
+            "{error}"
+        );
+    }
+
+    /// Each format decodes back to the image (exactly for PNG and WebP, closely for JPEG) and the
+    /// JPEG's comment holds the settings.
+    #[test]
+    fn every_format_decodes_back() {
+        let image = RgbImage {
+            width: 16,
+            height: 8,
+            // A smooth gradient: JPEG's chroma subsampling keeps it within a few levels.
+            pixels: (0..16 * 8)
+                .flat_map(|i| [(i % 16 * 16) as u8, (i / 16 * 32) as u8, 128])
+                .collect(),
+        };
+        let text = vec![("seed".to_string(), "7".to_string())];
+        for format in [
+            ImageFormat::Png,
+            ImageFormat::WebP,
+            ImageFormat::Jpeg { quality: 100 },
+        ] {
+            let bytes = encode_image(&image, format, &text).unwrap();
+            let decoded = image::load_from_memory(&bytes).unwrap().to_rgb8();
+            let worst = decoded
+                .as_raw()
+                .iter()
+                .zip(&image.pixels)
+                .map(|(a, b)| a.abs_diff(*b))
+                .max()
+                .unwrap();
+            // Lossless formats exactly; JPEG at quality 100 within 8 levels on this smooth gradient.
+            let allowed = if format == ImageFormat::Png || format == ImageFormat::WebP {
+                0
+            } else {
+                8
+            };
+            assert!(worst <= allowed, "{format:?}: max difference {worst}");
+        }
+        let jpeg = encode_image(&image, ImageFormat::Jpeg { quality: 90 }, &text).unwrap();
+        assert_eq!(&jpeg[..4], &[0xFF, 0xD8, 0xFF, 0xFE]);
+        let length = usize::from(u16::from_be_bytes([jpeg[4], jpeg[5]]));
+        assert_eq!(&jpeg[6..4 + length], br#"{"seed":"7"}"#);
     }
 
     #[test]

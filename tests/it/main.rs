@@ -15,6 +15,7 @@ mod fuzz_targets;
 mod layers;
 mod limits;
 mod manifest;
+mod outputs;
 mod prompt_cache;
 mod runtime;
 mod threads;

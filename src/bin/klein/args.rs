@@ -82,9 +82,12 @@ pub(crate) struct GenerateArgs {
     /// Threads per operator, 1 to 1024 [default: ONNX Runtime's choice, one per physical core]
     #[arg(long)]
     pub(crate) threads: Option<usize>,
-    /// Output PNG file; with --num-images N, files NAME-1.png ... NAME-N.png
+    /// Output file: .png (with the settings as text), .jpg/.jpeg (settings in a comment) or .webp (lossless); with --num-images N, files NAME-1.png ... NAME-N.png, written all or none
     #[arg(short, long, default_value = "klein.png")]
     pub(crate) output: PathBuf,
+    /// JPEG quality of a .jpg/.jpeg output, 1 to 100
+    #[arg(long, default_value_t = 90, value_parser = clap::value_parser!(u8).range(1..=100))]
+    pub(crate) quality: u8,
     /// Print nothing on stderr but errors and warnings
     #[arg(long, short)]
     pub(crate) quiet: bool,

@@ -1,14 +1,15 @@
 //! The `klein` command line: parses flags ([`args`]), reports progress on stderr ([`report`]),
 //! writes image files ([`outputs`]); `--prompts` runs a JSON Lines batch ([`batch`], [`jsonl`]).
 //! All the work is done by the library.
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::Parser;
 use klein::bundle::Manifest;
-use klein::fsutil::write_atomic;
+use klein::fsutil::{remove_pending_temp_files, write_all_atomic};
 use klein::pipeline::request::check_reference_count;
 use klein::pipeline::{Pipeline, Request};
-use klein::stages::output::encode_png;
+use klein::stages::output::encode_image;
 use klein::KleinError;
 
 mod args;
@@ -20,13 +21,23 @@ mod report;
 use args::{
     check_device_flags, default_model, pipeline_options, Cli, Command, GenerateArgs, InfoArgs,
 };
-use outputs::{
-    bundle_sha256, check_output_paths, output_paths, png_text, random_seed, variant_name,
-};
+use outputs::{bundle_sha256, output_files, png_text, random_seed, variant_name};
 use report::{device_name, warn_ignored_guidance, Reporter};
+
+/// Exit code after SIGINT, SIGTERM or SIGHUP (128 + SIGINT, as shells report Ctrl-C).
+const INTERRUPTED: i32 = 130;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Interrupted (Ctrl-C, SIGTERM, SIGHUP): remove the temporary files of a write in flight, so
+    // that no hidden partial file is left, then exit. Outputs are renamed into place only whole.
+    let handler = ctrlc::set_handler(|| {
+        remove_pending_temp_files();
+        std::process::exit(INTERRUPTED);
+    });
+    if let Err(error) = handler {
+        eprintln!("klein: warning: no interrupt handler ({error}); an interrupted write may leave a temporary file");
+    }
     let result = match cli.command {
         Command::Generate(args) => generate(*args),
         Command::Info(args) => info(args).map(|()| ExitCode::SUCCESS),
@@ -68,8 +79,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<ExitCode> {
 /// `klein generate PROMPT -o FILE`: one prompt, `--num-images` images.
 fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
     let model = default_model(args.model.clone());
-    let paths = output_paths(&args.output, usize::from(args.num_images));
-    check_output_paths(&paths)?;
+    let (paths, format) = output_files(&args.output, usize::from(args.num_images), args.quality)?;
     let seed = args.seed.unwrap_or_else(random_seed);
     let reporter = Reporter::new(args.quiet);
 
@@ -111,8 +121,19 @@ fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
         &device,
         &bundle_sha256(&pipeline)?,
     )?;
-    for (image, path) in generation.images.iter().zip(&paths) {
-        write_atomic(path, &encode_png(image, &text)?)?;
+    // Every image of the command, or none: a failure leaves earlier outputs as they were.
+    let encoded = generation
+        .images
+        .iter()
+        .map(|image| encode_image(image, format, &text))
+        .collect::<klein::Result<Vec<_>>>()?;
+    let files: Vec<(&Path, &[u8])> = paths
+        .iter()
+        .map(PathBuf::as_path)
+        .zip(encoded.iter().map(Vec::as_slice))
+        .collect();
+    write_all_atomic(&files)?;
+    for path in &paths {
         println!("{}", path.display());
     }
     Ok(())

@@ -1,5 +1,5 @@
-//! The files the command line writes: output paths checked before any work, and the PNG's text
-//! metadata.
+//! The files the command line writes: output paths and format checked before any work, and the
+//! settings stored in each image.
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::path::{Path, PathBuf};
@@ -8,17 +8,34 @@ use anyhow::Context;
 use klein::bundle::manifest::ModelVariant;
 use klein::bundle::MANIFEST_FILE;
 use klein::pipeline::{Generation, Pipeline};
+use klein::stages::output::ImageFormat;
 
 use crate::UsageError;
 
-/// Refuses, before any work, output paths that could not be written once the images are made.
-pub(crate) fn check_output_paths(paths: &[PathBuf]) -> anyhow::Result<()> {
-    for path in paths {
+/// The files `--output` names for `n` images (`out.png`, or `out-1.png` ... `out-N.png`) and
+/// their format, refused before any work when they could not be written once the images are made:
+/// a directory (or a path ending in a separator), a missing directory, an unknown extension.
+pub(crate) fn output_files(
+    output: &Path,
+    n: usize,
+    jpeg_quality: u8,
+) -> anyhow::Result<(Vec<PathBuf>, ImageFormat)> {
+    let text = output.as_os_str().to_string_lossy();
+    if output.is_dir() || text.ends_with(std::path::is_separator) || output.file_name().is_none() {
+        return Err(UsageError(format!(
+            "output {} is a directory; give a file name such as {}",
+            output.display(),
+            output.join("klein.png").display()
+        ))
+        .into());
+    }
+    let format = ImageFormat::from_path(output, jpeg_quality)?;
+    let paths = output_paths(output, n);
+    for path in &paths {
         if path.is_dir() {
             return Err(UsageError(format!(
-                "output {} is a directory; give a file name such as {}",
-                path.display(),
-                path.join("klein.png").display()
+                "output {} is a directory; give another file name",
+                path.display()
             ))
             .into());
         }
@@ -35,11 +52,11 @@ pub(crate) fn check_output_paths(paths: &[PathBuf]) -> anyhow::Result<()> {
             .into());
         }
     }
-    Ok(())
+    Ok((paths, format))
 }
 
 /// Output paths: `out.png`, or `out-1.png` ... `out-N.png` for a batch.
-pub(crate) fn output_paths(output: &Path, n: usize) -> Vec<PathBuf> {
+fn output_paths(output: &Path, n: usize) -> Vec<PathBuf> {
     if n == 1 {
         return vec![output.to_path_buf()];
     }
@@ -47,13 +64,14 @@ pub(crate) fn output_paths(output: &Path, n: usize) -> Vec<PathBuf> {
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "klein".into());
-    let ext = output
-        .extension()
-        .map(|e| e.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "png".into());
-    (1..=n)
-        .map(|i| output.with_file_name(format!("{stem}-{i}.{ext}")))
-        .collect()
+    match output.extension() {
+        Some(ext) => (1..=n)
+            .map(|i| output.with_file_name(format!("{stem}-{i}.{}", ext.to_string_lossy())))
+            .collect(),
+        None => (1..=n)
+            .map(|i| output.with_file_name(format!("{stem}-{i}")))
+            .collect(),
+    }
 }
 
 /// A seed for a generation that names none (printed and stored, so the image can be remade).

@@ -1,0 +1,243 @@
+//! Atomic writes: whole files or nothing, for one file or a set (the images of one command), with
+//! the temporary files known so that a signal handler can remove them.
+//!
+//! A file is written to a hidden temporary file in its directory, synced, renamed over its path,
+//! and the directory synced (so the rename survives a power loss, on Unix). A set is staged whole
+//! before the first rename; files it replaces are kept aside until every rename has succeeded and
+//! put back if one fails. A crash (not an error) between two renames can still leave part of a
+//! set new: no file system renames several files as one.
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
+
+use crate::error::{KleinError, Result};
+
+/// Temporary files that exist now (written or kept aside), for [`remove_pending_temp_files`].
+static PENDING: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+/// Removes every temporary file a write of this process has in flight (staged outputs are lost;
+/// files kept aside are put back). For a signal handler before it exits; the library does not
+/// install one.
+pub fn remove_pending_temp_files() {
+    let pending = std::mem::take(&mut *PENDING.lock().unwrap_or_else(PoisonError::into_inner));
+    for path in pending {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+/// A temporary file registered in [`PENDING`] while it lives; dropping it removes the file.
+struct Temp {
+    path: PathBuf,
+}
+
+impl Temp {
+    fn next_to(path: &Path) -> Temp {
+        let temp = Temp {
+            path: temp_path(path),
+        };
+        PENDING
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(temp.path.clone());
+        temp
+    }
+
+    /// The file is now somewhere else (renamed): nothing to remove.
+    fn forget(self) {
+        let path = self.path.clone();
+        PENDING
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|p| *p != path);
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Temp {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+        PENDING
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|p| *p != self.path);
+    }
+}
+
+fn io_error<'a>(
+    path: &'a Path,
+    action: &'static str,
+) -> impl FnOnce(std::io::Error) -> KleinError + 'a {
+    move |source| KleinError::Io {
+        path: path.to_path_buf(),
+        action,
+        source,
+    }
+}
+
+/// Writes `bytes` to `path` atomically: on any error `path` is untouched and no temporary file is
+/// left.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_all_atomic(&[(path, bytes)])
+}
+
+/// Writes every file or none: all are staged (written and synced) first, then renamed into
+/// place; if a write or a rename fails, the files already renamed are taken back (the ones they
+/// replaced are restored) and the error is returned.
+pub fn write_all_atomic(files: &[(&Path, &[u8])]) -> Result<()> {
+    let mut staged = Vec::with_capacity(files.len());
+    for &(path, bytes) in files {
+        let temp = Temp::next_to(path);
+        let mut file = std::fs::File::create(&temp.path).map_err(io_error(path, "create"))?;
+        file.write_all(bytes).map_err(io_error(path, "write"))?;
+        file.sync_all().map_err(io_error(path, "sync"))?;
+        staged.push((path, temp));
+    }
+    // (target, the file it replaced, kept aside) for every rename done.
+    let mut done: Vec<(&Path, Option<Temp>)> = Vec::with_capacity(staged.len());
+    for (path, temp) in staged {
+        let result = (|| {
+            let aside = if path.exists() {
+                let aside = Temp::next_to(path);
+                std::fs::rename(path, &aside.path).map_err(io_error(path, "move aside"))?;
+                Some(aside)
+            } else {
+                None
+            };
+            match std::fs::rename(&temp.path, path) {
+                Ok(()) => Ok(aside),
+                Err(e) => {
+                    if let Some(aside) = aside {
+                        let _ = std::fs::rename(&aside.path, path);
+                        aside.forget();
+                    }
+                    Err(io_error(path, "rename into place")(e))
+                }
+            }
+        })();
+        match result {
+            Ok(aside) => {
+                temp.forget();
+                done.push((path, aside));
+            }
+            Err(error) => {
+                for (path, aside) in done.into_iter().rev() {
+                    match aside {
+                        Some(aside) => {
+                            let _ = std::fs::rename(&aside.path, path);
+                            aside.forget();
+                        }
+                        None => {
+                            let _ = std::fs::remove_file(path);
+                        }
+                    }
+                }
+                return Err(error);
+            }
+        }
+    }
+    drop(done); // removes the replaced files kept aside
+    for &(path, _) in files {
+        sync_parent(path);
+    }
+    Ok(())
+}
+
+/// Syncs the directory of `path`, so that a rename in it is durable (Unix; elsewhere a no-op).
+/// Best effort: the data itself was synced before the rename.
+fn sync_parent(path: &Path) {
+    #[cfg(unix)]
+    if let Some(dir) = path.parent() {
+        let dir = if dir.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            dir
+        };
+        if let Ok(dir) = std::fs::File::open(dir) {
+            let _ = dir.sync_all();
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+}
+
+/// `.NAME.klein-tmp-PID-N`: unique per process and per call, so that threads writing the same
+/// path at once (two pipelines stamping one bundle) do not share a temporary file.
+fn temp_path(path: &Path) -> PathBuf {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    path.with_file_name(format!(".{name}.klein-tmp-{}-{n}", std::process::id()))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may unwrap: a failure is a test failure
+mod tests {
+    use super::*;
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn failed_write_leaves_no_file() {
+        let dir = std::env::temp_dir().join(format!("klein-out-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let missing = dir.join("no-such-dir").join("x.png");
+        assert!(write_atomic(&missing, b"data").is_err());
+        let ok = dir.join("x.png");
+        write_atomic(&ok, b"data").unwrap();
+        assert_eq!(std::fs::read(&ok).unwrap(), b"data");
+        let leftovers: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .collect();
+        assert_eq!(leftovers.len(), 1, "only the output file remains");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The second file cannot be renamed into place (its path is a directory): the first keeps
+    /// its old content, and no temporary file is left.
+    #[test]
+    fn a_set_is_written_whole_or_not_at_all() {
+        let dir = std::env::temp_dir().join(format!("klein-set-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("b.png")).unwrap();
+        std::fs::write(dir.join("a.png"), b"old").unwrap();
+        let (a, b) = (dir.join("a.png"), dir.join("b.png"));
+        assert!(write_all_atomic(&[(&a, b"new"), (&b, b"new")]).is_err());
+        assert_eq!(std::fs::read(&a).unwrap(), b"old");
+        assert_eq!(names(&dir), ["a.png", "b.png"]);
+        std::fs::remove_dir(&b).unwrap();
+        write_all_atomic(&[(&a, b"new a"), (&b, b"new b")]).unwrap();
+        assert_eq!(std::fs::read(&a).unwrap(), b"new a");
+        assert_eq!(std::fs::read(&b).unwrap(), b"new b");
+        assert_eq!(names(&dir), ["a.png", "b.png"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A temporary file is listed for the signal handler while it exists, and removed with its
+    /// listing when dropped. (`remove_pending_temp_files` itself is exercised by the CLI's
+    /// interrupt test: calling it here would race with the other tests' writes.)
+    #[test]
+    fn temporary_files_are_listed_while_they_exist() {
+        let dir = std::env::temp_dir().join(format!("klein-pending-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let temp = Temp::next_to(&dir.join("x.png"));
+        std::fs::write(&temp.path, b"partial").unwrap();
+        let listed = |p: &Path| PENDING.lock().unwrap().iter().any(|q| q == p);
+        let path = temp.path.clone();
+        assert!(listed(&path));
+        drop(temp);
+        assert!(!listed(&path));
+        assert!(names(&dir).is_empty(), "{:?}", names(&dir));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,64 @@
+//! File-system helpers shared by the bundle checks, the caches and the outputs: atomic writes
+//! ([`atomic`]) and streamed SHA-256.
+use std::fs::File;
+use std::io::Read;
+use std::path::Path;
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{KleinError, Result};
+
+mod atomic;
+pub use atomic::{remove_pending_temp_files, write_all_atomic, write_atomic};
+
+/// Read buffer for hashing: large enough that hashing, not system calls, sets the pace.
+const HASH_BUFFER_BYTES: usize = 1 << 20;
+
+/// Lower-case hexadecimal of `bytes`.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Lower-case hex SHA-256 of `bytes`.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    hex(&Sha256::digest(bytes))
+}
+
+/// Lower-case hex SHA-256 of a file, streamed.
+pub fn sha256_file(path: &Path) -> Result<String> {
+    let io_error = |source| KleinError::Io {
+        path: path.to_path_buf(),
+        action: "hashing",
+        source,
+    };
+    let mut file = File::open(path).map_err(io_error)?;
+    let mut hasher = Sha256::new();
+    let mut buffer = vec![0u8; HASH_BUFFER_BYTES];
+    loop {
+        let n = match file.read(&mut buffer) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(io_error(e)),
+        };
+        hasher.update(&buffer[..n]);
+    }
+    Ok(hex(&hasher.finalize()))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may unwrap: a failure is a test failure
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hashes_as_sha256sum() {
+        // sha256 of "abc" (FIPS 180-2, appendix B.1).
+        let want = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
+        assert_eq!(sha256_hex(b"abc"), want);
+        let path = std::env::temp_dir().join(format!("klein-hash-{}", std::process::id()));
+        std::fs::write(&path, b"abc").unwrap();
+        assert_eq!(sha256_file(&path).unwrap(), want);
+        std::fs::remove_file(&path).unwrap();
+    }
+}

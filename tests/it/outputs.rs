@@ -1,0 +1,100 @@
+//! The CLI's output files: paths checked before generating (a directory, a path ending in a
+//! separator, an unknown extension), the format the extension names, and an interrupted run that
+//! leaves nothing behind.
+
+use std::path::Path;
+
+use crate::cli::{files_in, generate, path_str, FAST};
+use crate::util::temp_dir;
+
+/// `-o DIR --num-images 2` and `-o newdir/` are refused before generating, and nothing is
+/// written beside the directory.
+#[test]
+fn a_directory_as_output_is_refused_before_generating() {
+    let parent = temp_dir("outputs-dir");
+    let dir = parent.join("pictures");
+    std::fs::create_dir(&dir).unwrap();
+    let run = generate("a cat", &dir, &[&FAST[..], &["--num-images", "2"]].concat());
+    run.assert_user_error(&[path_str(&dir), "is a directory"]);
+    assert_eq!(files_in(&parent), ["pictures"], "{}", run.describe());
+    assert!(!run.stderr.contains("seed:"), "{}", run.describe());
+
+    let new_dir = format!("{}/", parent.join("newdir").display());
+    let run = generate("a cat", Path::new(&new_dir), &FAST);
+    run.assert_user_error(&["newdir/", "is a directory"]);
+    assert!(!run.stderr.contains("seed:"), "{}", run.describe());
+    assert_eq!(files_in(&parent), ["pictures"], "{}", run.describe());
+}
+
+/// The extension names the format: JPEG and WebP are written as such, an unknown one is refused
+/// with the list of formats.
+#[test]
+fn the_extension_names_the_format() {
+    let dir = temp_dir("outputs-format");
+    let jpeg = dir.join("out.JPG");
+    generate("a cat", &jpeg, &[&FAST[..], &["--seed", "1"]].concat()).assert_success(&[&jpeg]);
+    let bytes = std::fs::read(&jpeg).unwrap();
+    assert_eq!(&bytes[..3], &[0xFF, 0xD8, 0xFF], "a JPEG");
+    assert_eq!(&bytes[2..4], &[0xFF, 0xFE], "a comment segment first");
+    let length = usize::from(u16::from_be_bytes([bytes[4], bytes[5]]));
+    let comment = String::from_utf8_lossy(&bytes[6..4 + length]);
+    assert!(
+        comment.contains("\"seed\":\"1\""),
+        "settings in the comment: {comment}"
+    );
+
+    let webp = dir.join("out.webp");
+    generate("a cat", &webp, &FAST).assert_success(&[&webp]);
+    let bytes = std::fs::read(&webp).unwrap();
+    assert_eq!((&bytes[..4], &bytes[8..12]), (&b"RIFF"[..], &b"WEBP"[..]));
+
+    let gif = dir.join("out.gif");
+    let run = generate("a cat", &gif, &FAST);
+    run.assert_user_error(&["not .gif", ".png, .jpg, .jpeg or .webp"]);
+    assert!(!run.stderr.contains("seed:"), "{}", run.describe());
+    assert_eq!(files_in(&dir), ["out.JPG", "out.webp"]);
+}
+
+/// SIGINT while generating: exit 130, no output and no temporary file.
+#[cfg(unix)]
+#[test]
+fn an_interrupted_run_leaves_nothing() {
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    let dir = temp_dir("outputs-interrupt");
+    let out = dir.join("out.png");
+    // The bundle's default 1024x1024 with many steps: long enough to be interrupted.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_klein"))
+        .args([
+            "generate",
+            "a cat",
+            "--steps",
+            "50",
+            "--num-images",
+            "2",
+            "-o",
+        ])
+        .arg(&out)
+        .env("ORT_DYLIB_PATH", crate::util::ort_library())
+        .env("KLEIN_CACHE_DIR", crate::util::test_cache_dir())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let killed = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let started = Instant::now();
+    let status = child.wait().unwrap();
+    assert!(started.elapsed() < Duration::from_secs(30));
+    assert_eq!(status.code(), Some(130), "{status:?}");
+    assert!(
+        files_in(&dir).is_empty(),
+        "left behind: {:?}",
+        files_in(&dir)
+    );
+}
