@@ -34,6 +34,7 @@ use std::ptr;
 use std::slice;
 
 use crate::error::KleinError;
+use crate::pipeline::request::check_reference_count;
 use crate::pipeline::{Pipeline, PipelineOptions, Progress, Request};
 use crate::runtime::{CoreMlOptions, CudaOptions, RuntimeOptions};
 
@@ -96,6 +97,11 @@ pub struct KleinRequest {
     pub height: u32,
     /// Denoising steps; 0: the bundle's default.
     pub steps: u32,
+    /// Classifier-free guidance scale (base models only); 0: the bundle's default. A value of 1 or
+    /// less turns guidance off, as in diffusers.
+    pub guidance: f64,
+    /// Images to generate for the prompt, written one after the other into `rgba_out`; 0: 1.
+    pub num_images: u32,
     /// `reference_count` paths of reference images (PNG, JPEG, WebP); may be NULL when the count is 0.
     pub reference_paths: *const *const c_char,
     pub reference_count: usize,
@@ -185,7 +191,8 @@ pub unsafe extern "C" fn klein_output_size(
     unsafe { guard(error_message, body) }
 }
 
-/// Generates one image into the caller's buffer `rgba_out`: `width * height * 4` bytes, row-major
+/// Generates `request.num_images` images (0 or 1: one) into the caller's buffer `rgba_out`:
+/// `num_images * width * height * 4` bytes, the images one after the other, each row-major
 /// `[height, width, 4]` RGBA with alpha 255. The buffer is written only on `KLEIN_OK`.
 ///
 /// `out_width` and `out_height` (each may be NULL) receive the image size as soon as it is known,
@@ -225,12 +232,14 @@ pub unsafe extern "C" fn klein_generate(
         if let Some(out) = unsafe { out_height.as_mut() } {
             *out = height;
         }
-        let needed = rgba_len_for(width, height);
+        let count = request.num_images;
+        let needed = rgba_len_for(width, height, count);
         if rgba_len < needed {
             return Err(Failure {
                 status: KLEIN_ERROR_BUFFER_TOO_SMALL,
                 message: format!(
-                    "rgba_out holds {rgba_len} bytes; the {width}x{height} image needs {needed} (width * height * 4)"
+                    "rgba_out holds {rgba_len} bytes; {count} {width}x{height} image(s) need {needed} \
+                     (num_images * width * height * 4)"
                 ),
             });
         }
@@ -248,25 +257,28 @@ pub unsafe extern "C" fn klein_generate(
             _ => ControlFlow::Continue(()),
         };
         let generation = pipeline.generate(&request, Some(&mut on_progress))?;
-        let image = match generation.images.as_slice() {
-            [image] if (image.width, image.height) == (width, height) => image,
-            images => {
-                return Err(Failure {
-                    status: KLEIN_ERROR_RUNTIME,
-                    message: format!(
-                        "expected one {width}x{height} image, the pipeline made {:?}",
-                        images
-                            .iter()
-                            .map(|i| (i.width, i.height))
-                            .collect::<Vec<_>>()
-                    ),
-                })
-            }
-        };
+        let images = &generation.images;
+        if images.len() != count
+            || images
+                .iter()
+                .any(|i| (i.width, i.height) != (width, height))
+        {
+            return Err(Failure {
+                status: KLEIN_ERROR_RUNTIME,
+                message: format!(
+                    "expected {count} {width}x{height} image(s), the pipeline made {:?}",
+                    images
+                        .iter()
+                        .map(|i| (i.width, i.height))
+                        .collect::<Vec<_>>()
+                ),
+            });
+        }
         // Non-NULL with at least `needed` bytes (checked above).
         let rgba = unsafe { slice::from_raw_parts_mut(rgba_out, needed) };
-        // [H, W, 3] -> [H, W, 4], alpha 255
-        for (dst, src) in rgba.chunks_exact_mut(4).zip(image.pixels.chunks_exact(3)) {
+        // N x [H, W, 3] -> [N, H, W, 4], alpha 255
+        let pixels = images.iter().flat_map(|i| i.pixels.chunks_exact(3));
+        for (dst, src) in rgba.chunks_exact_mut(4).zip(pixels) {
             dst[..3].copy_from_slice(src);
             dst[3] = u8::MAX;
         }
@@ -458,6 +470,8 @@ unsafe fn to_request(
         width,
         height,
         steps,
+        guidance,
+        num_images,
         reference_paths,
         reference_count,
     } = *request;
@@ -467,6 +481,11 @@ unsafe fn to_request(
     result.width = (width != 0).then_some(width);
     result.height = (height != 0).then_some(height);
     result.steps = (steps != 0).then_some(steps as usize);
+    result.guidance = (guidance != 0.0).then_some(guidance);
+    result.num_images = num_images.max(1) as usize;
+    // Every number before any reference file is read.
+    result.check_bounds()?;
+    check_reference_count(reference_count)?;
     let paths = match (reference_paths.is_null(), reference_count) {
         (_, 0) => &[][..],
         (true, count) => {
@@ -487,9 +506,9 @@ unsafe fn to_request(
     Ok(result)
 }
 
-/// Bytes of a `width x height` RGBA image (at most 4096 x 4096 x 4: no overflow).
-fn rgba_len_for(width: u32, height: u32) -> usize {
-    width as usize * height as usize * 4
+/// Bytes of `count` `width x height` RGBA images (at most 16 x 4096 x 4096 x 4: no overflow).
+fn rgba_len_for(width: u32, height: u32, count: usize) -> usize {
+    width as usize * height as usize * 4 * count
 }
 
 /// A step count for C (`u32`); counts are far below `u32::MAX`.

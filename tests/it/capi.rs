@@ -259,6 +259,8 @@ fn entry_points_check_their_arguments() {
         width: 64,
         height: 48,
         steps: 2,
+        guidance: 0.0,
+        num_images: 0,
         reference_paths: ptr::null(),
         reference_count: 0,
     };
@@ -316,7 +318,7 @@ fn entry_points_check_their_arguments() {
     assert_eq!((w, h), (64, 48), "the size needed is reported");
     assert_mentions(
         &message,
-        &["rgba_out holds 8 bytes", "64x48 image needs 12288"],
+        &["rgba_out holds 8 bytes", "64x48 image(s) need 12288"],
     );
 
     let no_prompt = KleinRequest {
@@ -345,4 +347,90 @@ fn entry_points_check_their_arguments() {
         klein_pipeline_free(ptr::null_mut());
         klein_string_free(ptr::null_mut());
     }
+}
+
+/// `num_images` fills the buffer with that many images, equal to the Rust API's batch; `guidance`
+/// is read (past its bound it is refused).
+#[test]
+fn c_requests_carry_num_images_and_guidance() {
+    use KleinStatus::*;
+    let bundle = CString::new(repo().join("onnx/klein-tiny").to_str().unwrap()).unwrap();
+    let library = CString::new(ort_library().to_str().unwrap()).unwrap();
+    let options = KleinOptions {
+        device: c"cpu".as_ptr(),
+        threads: 1,
+        ort_library: library.as_ptr(),
+        coreml_units: ptr::null(),
+        coreml_cache_dir: ptr::null(),
+        cuda_memory_limit: 0,
+    };
+    let mut pipeline: *mut KleinPipeline = ptr::null_mut();
+    // SAFETY (every call): valid pointers, NUL-terminated strings, a live pipeline.
+    let (status, message) =
+        call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &options, &mut pipeline, m) });
+    assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
+    let request = KleinRequest {
+        prompt: c"a red fox in the snow".as_ptr(),
+        seed: 42,
+        width: 64,
+        height: 48,
+        steps: 2,
+        guidance: 0.0,
+        num_images: 2,
+        reference_paths: ptr::null(),
+        reference_count: 0,
+    };
+    let generate = |request: &KleinRequest, buffer: &mut [u8], m| unsafe {
+        klein_generate(
+            pipeline,
+            request,
+            buffer.as_mut_ptr(),
+            buffer.len(),
+            ptr::null_mut(),
+            ptr::null_mut(),
+            None,
+            ptr::null_mut(),
+            m,
+        )
+    };
+    let mut one = vec![0u8; 64 * 48 * 4];
+    let (status, message) = call(|m| generate(&request, &mut one, m));
+    assert_eq!(status, KLEIN_ERROR_BUFFER_TOO_SMALL, "{message}");
+    assert_mentions(&message, &["2 64x48 image(s) need 24576"]);
+
+    let mut two = vec![0u8; 2 * 64 * 48 * 4];
+    let (status, message) = call(|m| generate(&request, &mut two, m));
+    assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
+    let expected = tiny_pipeline()
+        .generate(
+            &Request::new("a red fox in the snow")
+                .with_seed(42)
+                .with_size(64, 48)
+                .with_steps(2)
+                .with_num_images(2),
+            None,
+        )
+        .unwrap();
+    let rgb: Vec<u8> = two.chunks_exact(4).flat_map(|p| p[..3].to_vec()).collect();
+    let want: Vec<u8> = expected
+        .images
+        .iter()
+        .flat_map(|i| i.pixels.clone())
+        .collect();
+    assert_eq!(
+        rgb, want,
+        "the two images, in order, as the Rust API makes them"
+    );
+
+    let strong = KleinRequest {
+        guidance: 1e9,
+        ..request
+    };
+    let (status, message) = call(|m| generate(&strong, &mut two, m));
+    assert_eq!(status, KLEIN_ERROR_USER, "{message}");
+    assert_mentions(
+        &message,
+        &["guidance 1000000000 must be a number between 0 and 100"],
+    );
+    unsafe { klein_pipeline_free(pipeline) };
 }

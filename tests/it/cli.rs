@@ -511,7 +511,8 @@ fn reference_sets_the_size_and_is_recorded() {
 
 #[test]
 fn info_prints_the_bundle_summary_and_verifies_hashes() {
-    let bundle = bundle_dir().display().to_string();
+    // The default model: the bundled tiny model, written to the cache directory.
+    let bundle = test_cache_dir().join("bundled").display().to_string();
     let summary = [
         bundle.as_str(),
         "klein-tiny (variant tiny, distilled)",
@@ -935,4 +936,38 @@ fn failing_run_leaves_an_existing_output_untouched() {
         "the existing output changed"
     );
     assert_eq!(files_in(&dir), ["out.png"], "no temporary file is left");
+}
+
+/// A copy of the binary elsewhere (as `cargo install` makes) still has its default model: the
+/// bundled tiny model is written to the cache directory and used from there.
+#[test]
+fn a_copied_binary_keeps_its_default_model() {
+    let dir = temp_dir("cli-installed");
+    let exe = dir.join("klein");
+    std::fs::copy(env!("CARGO_BIN_EXE_klein"), &exe).unwrap();
+    let out = dir.join("out.png");
+    let cache = dir.join("cache");
+    let output = Command::new(&exe)
+        .args(["generate", "a cat", "-o"])
+        .arg(&out)
+        .args(FAST)
+        .env("ORT_DYLIB_PATH", ort_library())
+        .env("KLEIN_CACHE_DIR", &cache)
+        .env_remove("KLEIN_MODEL")
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(out.is_file());
+    let bundled: Vec<String> = files_in(&cache.join("bundled"));
+    assert_eq!(bundled.len(), 1, "{bundled:?}");
+    assert!(cache
+        .join("bundled")
+        .join(&bundled[0])
+        .join("manifest.json")
+        .is_file());
 }

@@ -198,6 +198,8 @@ fn the_c_api_refuses_numbers_past_their_bounds() {
         width: 64,
         height: 64,
         steps: u32::MAX,
+        guidance: 0.0,
+        num_images: 0,
         reference_paths: ptr::null(),
         reference_count: 0,
     };

@@ -8,8 +8,7 @@ use klein::runtime::{
     ComputeUnits, ConvSearch, CoreMlOptions, CudaOptions, Device, RuntimeOptions,
 };
 
-/// The bundled tiny model, used when neither `--model` nor `KLEIN_MODEL` is given.
-const BUNDLED_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/onnx/klein-tiny");
+use crate::bundled::bundled_model;
 
 #[derive(Parser)]
 #[command(
@@ -151,10 +150,12 @@ pub(crate) struct InfoArgs {
     pub(crate) verify: bool,
 }
 
-pub(crate) fn default_model(model: Option<PathBuf>) -> PathBuf {
-    model
-        .or_else(|| std::env::var_os("KLEIN_MODEL").map(PathBuf::from))
-        .unwrap_or_else(|| PathBuf::from(BUNDLED_MODEL))
+/// The bundle to use: `--model`, else `$KLEIN_MODEL`, else the bundled tiny model.
+pub(crate) fn default_model(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    match model.or_else(|| std::env::var_os("KLEIN_MODEL").map(PathBuf::from)) {
+        Some(model) => Ok(model),
+        None => bundled_model(),
+    }
 }
 
 pub(crate) fn pipeline_options(args: &GenerateArgs) -> PipelineOptions {

@@ -288,7 +288,7 @@ impl BatchRun<'_> {
         to_run: ToRun,
         reporter: &Reporter,
     ) -> anyhow::Result<()> {
-        let model = default_model(args.model.clone());
+        let model = default_model(args.model.clone())?;
         let options = pipeline_options(args).with_keep_text_encoder(true);
         let mut pipeline = Pipeline::load(&model, options)?;
         let bundle_hash = bundle_sha256(&pipeline)?;

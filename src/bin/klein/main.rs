@@ -14,6 +14,7 @@ use klein::KleinError;
 
 mod args;
 mod batch;
+mod bundled;
 mod jsonl;
 mod outputs;
 mod report;
@@ -78,7 +79,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<ExitCode> {
 
 /// `klein generate PROMPT -o FILE`: one prompt, `--num-images` images.
 fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
-    let model = default_model(args.model.clone());
+    let model = default_model(args.model.clone())?;
     let (paths, format) = output_files(&args.output, usize::from(args.num_images), args.quality)?;
     let seed = args.seed.unwrap_or_else(random_seed);
     let reporter = Reporter::new(args.quiet);
@@ -140,7 +141,7 @@ fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
 }
 
 fn info(args: InfoArgs) -> anyhow::Result<()> {
-    let model = default_model(args.model);
+    let model = default_model(args.model)?;
     let manifest = Manifest::load(&model)?;
     if args.verify {
         manifest.verify_hashes(&model)?;

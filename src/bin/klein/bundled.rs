@@ -1,0 +1,67 @@
+//! The bundled tiny model, inside the binary: `klein generate` works with no `--model` wherever
+//! the binary is (installed with `cargo install`, copied), not only in the repository it was built
+//! from. Its files are written once to the cache directory, then used from there like any bundle
+//! (checked against their manifest at every load, with the verification stamp).
+use std::path::PathBuf;
+
+use anyhow::Context;
+use klein::bundle::default_cache_dir;
+use klein::fsutil::{sha256_hex, write_atomic};
+
+macro_rules! bundled {
+    ($($name:literal),* $(,)?) => {
+        &[$(($name, include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/onnx/klein-tiny/", $name)))),*]
+    };
+}
+
+/// Every file of `onnx/klein-tiny/`, manifest last (its presence marks a complete copy).
+pub(crate) const FILES: &[(&str, &[u8])] = bundled!(
+    "text_encoder.onnx",
+    "tokenizer.json",
+    "transformer.onnx",
+    "vae_decoder.onnx",
+    "vae_encoder.onnx",
+    "manifest.json",
+);
+
+/// The directory of the bundled model: `<cache>/bundled/<manifest sha256>/`, written there first
+/// when missing or different. The cache is [`default_cache_dir`], else the system's temporary
+/// directory.
+pub(crate) fn bundled_model() -> anyhow::Result<PathBuf> {
+    let (_, manifest) = FILES[FILES.len() - 1];
+    let dir = default_cache_dir()
+        .unwrap_or_else(|| std::env::temp_dir().join("klein"))
+        .join("bundled")
+        .join(&sha256_hex(manifest)[..16]);
+    let complete = std::fs::read(dir.join("manifest.json")).is_ok_and(|m| m == manifest);
+    if !complete {
+        std::fs::create_dir_all(&dir)
+            .with_context(|| format!("creating {} for the bundled model", dir.display()))?;
+        for (name, bytes) in FILES {
+            write_atomic(&dir.join(name), bytes)?;
+        }
+    }
+    Ok(dir)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may unwrap: a failure is a test failure
+mod tests {
+    use super::*;
+
+    /// The embedded files are exactly the bundle's: its manifest's `files` and the manifest.
+    #[test]
+    fn every_file_of_the_bundle_is_embedded() {
+        let (_, manifest) = FILES[FILES.len() - 1];
+        let manifest: serde_json::Value = serde_json::from_slice(manifest).unwrap();
+        let mut listed: Vec<&str> = manifest["files"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        listed.push("manifest.json");
+        let embedded: Vec<&str> = FILES.iter().map(|(name, _)| *name).collect();
+        assert_eq!(embedded, listed);
+    }
+}
