@@ -10,7 +10,9 @@
 //!   Engine). No bfloat16, and no `MatMulNBits`: ORT would run every quantized MatMul on the CPU,
 //!   one partition per layer, copying activations back and forth (slower than the CPU alone).
 //!
-//! [`Device::Auto`] falls back to the CPU, so a bundle passes for `auto` when the CPU runs it.
+//! A bundle passes for [`Device::Auto`] when one of the devices auto tries in this build
+//! ([`Device::auto_candidates`]) runs it; auto then skips, per graph, the devices that cannot
+//! ([`auto_skip`]), and says why.
 //! CUDA and CoreML rows are what ONNX Runtime documents and registers; they have not been run on
 //! such hardware here (see the README).
 use super::manifest::{GraphsSpec, Precision, QuantizationSpec};
@@ -23,11 +25,20 @@ pub fn unsupported(
     precision: Precision,
     quantization: Option<&QuantizationSpec>,
 ) -> Option<String> {
-    let device = if device == Device::Auto {
-        Device::Cpu
-    } else {
-        device
-    };
+    if device == Device::Auto {
+        // Auto can run a graph when one of the devices it tries can.
+        let mut reasons = Vec::new();
+        for candidate in Device::auto_candidates() {
+            match unsupported(candidate, precision, quantization) {
+                None => return None,
+                Some(reason) => reasons.push(format!("{candidate}: {reason}")),
+            }
+        }
+        return Some(format!(
+            "no device auto tries in this build can run it ({})",
+            reasons.join("; ")
+        ));
+    }
     let precision_ok = match device {
         Device::Cuda(_) => true,
         Device::Cpu | Device::CoreMl | Device::Auto => precision != Precision::Bf16,
@@ -58,6 +69,17 @@ pub fn unsupported(
         )),
         _ => None,
     }
+}
+
+/// The devices auto must not try for a graph of this precision and quantization, with why.
+pub fn auto_skip(
+    precision: Precision,
+    quantization: Option<&QuantizationSpec>,
+) -> Vec<(Device, String)> {
+    Device::auto_candidates()
+        .into_iter()
+        .filter_map(|d| unsupported(d, precision, quantization).map(|why| (d, why)))
+        .collect()
 }
 
 /// Checks every graph of a bundle against `device`, naming the first graph it cannot run.
@@ -107,10 +129,27 @@ mod tests {
     #[test]
     fn bf16_runs_on_cuda_only() {
         assert_eq!(unsupported(Device::Cuda(1), Precision::Bf16, None), None);
-        for device in [Device::Cpu, Device::CoreMl, Device::Auto] {
+        for device in [Device::Cpu, Device::CoreMl] {
             let reason = unsupported(device, Precision::Bf16, None).expect("refused");
             assert!(reason.contains("--precision fp16"), "{reason}");
         }
+    }
+
+    /// Auto runs a bf16 bundle when this build can try CUDA (skipping the CPU for it), and
+    /// refuses it, naming every device it tried, when it cannot.
+    #[test]
+    fn auto_checks_the_devices_it_tries() {
+        let skip = auto_skip(Precision::Bf16, None);
+        assert!(skip.iter().any(|(d, _)| *d == Device::Cpu), "{skip:?}");
+        let refused = unsupported(Device::Auto, Precision::Bf16, None);
+        assert_eq!(refused.is_none(), cfg!(feature = "cuda"), "{refused:?}");
+        if let Some(reason) = refused {
+            assert!(
+                reason.contains("no device auto tries") && reason.contains("cpu: "),
+                "{reason}"
+            );
+        }
+        assert!(auto_skip(Precision::Fp32, None).is_empty());
     }
 
     #[test]

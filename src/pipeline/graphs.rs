@@ -5,6 +5,7 @@ use std::path::Path;
 
 use super::progress::{timed, ProgressFn, Stage};
 use crate::bundle::contract::check_graph;
+use crate::bundle::support::auto_skip;
 use crate::bundle::{Component, Manifest};
 use crate::error::{KleinError, Result};
 use crate::runtime::{load_graph, Device, Graph, SessionConfig};
@@ -18,6 +19,18 @@ pub(crate) struct LoadedGraphs {
     bucket: Option<usize>,
     /// The device of the graph loaded last.
     device_used: Option<Device>,
+    /// Where each graph loaded so far runs, and the devices auto skipped for it.
+    placements: Vec<Placement>,
+}
+
+/// Where one graph runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    pub component: Component,
+    /// The device its session runs on (never auto).
+    pub device: Device,
+    /// The devices auto tried first or skipped, each with why.
+    pub skipped: Vec<(Device, String)>,
 }
 
 /// Where a graph comes from: the bundle, its manifest and the session settings.
@@ -48,12 +61,23 @@ impl LoadedGraphs {
             let path = source
                 .dir
                 .join(graph_file(source.manifest, component, bucket)?);
+            let spec = source.manifest.graphs.get(component);
+            let session = source
+                .session
+                .clone()
+                .with_auto_skip(auto_skip(spec.precision, spec.quantization.as_ref()));
             let graph = timed(progress, load_stage(component), |_| {
-                let graph = load_graph(component.as_str(), &path, source.session)?;
-                check_graph(component, source.manifest.graphs.get(component), &graph)?;
+                let graph = load_graph(component.as_str(), &path, &session)?;
+                check_graph(component, spec, &graph)?;
                 Ok(graph)
             })?;
             self.device_used = Some(graph.device());
+            self.placements.retain(|p| p.component != component);
+            self.placements.push(Placement {
+                component,
+                device: graph.device(),
+                skipped: graph.skipped_devices().to_vec(),
+            });
             *slot = Some(graph);
         }
         slot.as_mut()
@@ -68,6 +92,11 @@ impl LoadedGraphs {
     /// The device of the graph loaded last.
     pub fn device_used(&self) -> Option<Device> {
         self.device_used
+    }
+
+    /// Where each graph loaded so far runs, in the order they were loaded.
+    pub fn placements(&self) -> &[Placement] {
+        &self.placements
     }
 }
 

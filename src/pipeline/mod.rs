@@ -28,6 +28,7 @@ pub use progress::{Progress, ProgressFn, Stage, Timings};
 pub use prompts::{CacheLookup, PromptCache, PromptEmbeds, PromptMemo};
 pub use request::Request;
 
+pub use graphs::Placement;
 use graphs::{GraphSource, LoadedGraphs};
 use progress::timed;
 use request::Plan;
@@ -138,9 +139,15 @@ impl Pipeline {
         std::mem::take(&mut self.warnings)
     }
 
-    /// The execution provider the graphs run on (known once a graph is loaded).
+    /// The execution provider of the graph loaded last (known once a graph is loaded); see
+    /// [`Pipeline::placements`] for every graph's.
     pub fn device_used(&self) -> Option<Device> {
         self.graphs.device_used()
+    }
+
+    /// Where each graph loaded so far runs, and which devices auto skipped for it and why.
+    pub fn placements(&self) -> &[Placement] {
+        self.graphs.placements()
     }
 
     /// Loads every graph now (instead of on first use) and checks each against the manifest.

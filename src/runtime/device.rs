@@ -37,6 +37,22 @@ impl Device {
     }
 }
 
+impl Device {
+    /// The devices [`Device::Auto`] tries, in order: CUDA device 0 and CoreML where compiled in,
+    /// then the CPU.
+    pub fn auto_candidates() -> Vec<Device> {
+        let mut candidates = Vec::new();
+        if cfg!(feature = "cuda") {
+            candidates.push(Device::Cuda(0));
+        }
+        if cfg!(feature = "coreml") {
+            candidates.push(Device::CoreMl);
+        }
+        candidates.push(Device::Cpu);
+        candidates
+    }
+}
+
 impl fmt::Display for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -236,6 +252,9 @@ pub struct SessionConfig {
     pub(crate) cuda: CudaOptions,
     /// Settings of the CoreML provider (used when the device is CoreML, or auto picks it).
     pub(crate) coreml: CoreMlOptions,
+    /// Devices [`Device::Auto`] must not try for this graph, each with why (set per graph by the
+    /// pipeline from what the bundle's precision allows).
+    pub(crate) auto_skip: Vec<(Device, String)>,
 }
 
 impl SessionConfig {
@@ -268,6 +287,12 @@ impl SessionConfig {
         self.coreml = coreml;
         self
     }
+
+    /// Devices auto must not try, with why.
+    pub(crate) fn with_auto_skip(mut self, skip: Vec<(Device, String)>) -> Self {
+        self.auto_skip = skip;
+        self
+    }
 }
 
 /// Why building one session failed: the device, the graph file, or the session itself.
@@ -287,16 +312,28 @@ impl LoadFailure {
 }
 
 /// Registers the execution provider of a concrete (non-`Auto`) device, failing loudly.
+///
+/// With `strict` (a device the user named), ONNX Runtime may not place a node the device cannot
+/// run on the CPU (`session.disable_cpu_ep_fallback`): such a graph fails to load, and ONNX
+/// Runtime's message names the nodes. Auto allows the fallback.
 pub(super) fn register_device(
     builder: SessionBuilder,
     device: Device,
+    strict: bool,
     cuda: &CudaOptions,
     coreml: &CoreMlOptions,
 ) -> std::result::Result<SessionBuilder, LoadFailure> {
-    match device {
-        Device::Cpu | Device::Auto => Ok(builder),
-        Device::Cuda(id) => register_cuda(builder, id, cuda),
-        Device::CoreMl => register_coreml(builder, coreml),
+    let builder = match device {
+        Device::Cpu | Device::Auto => return Ok(builder),
+        Device::Cuda(id) => register_cuda(builder, id, cuda)?,
+        Device::CoreMl => register_coreml(builder, coreml)?,
+    };
+    if strict {
+        builder
+            .with_disable_cpu_fallback()
+            .map_err(|e| LoadFailure::Session(e.to_string()))
+    } else {
+        Ok(builder)
     }
 }
 

@@ -57,6 +57,7 @@ pub fn load_graph(name: &'static str, path: &Path, config: &SessionConfig) -> Re
         optimization,
         cuda,
         coreml,
+        auto_skip,
     } = config.clone();
     if !path.is_file() {
         return Err(KleinError::Bundle {
@@ -76,7 +77,8 @@ pub fn load_graph(name: &'static str, path: &Path, config: &SessionConfig) -> Re
                 .map_err(|e| LoadFailure::Session(error_chain(&e)))?,
             None => builder,
         };
-        let mut builder = register_device(builder, device, &cuda, &coreml)?;
+        let strict = config.device != Device::Auto;
+        let mut builder = register_device(builder, device, strict, &cuda, &coreml)?;
         builder.commit_from_file(path).map_err(|e| match e.code() {
             // The file itself is not a graph ONNX Runtime can read: a bad bundle, not a bad run.
             ErrorCode::InvalidProtobuf | ErrorCode::InvalidGraph | ErrorCode::NoModel => {
@@ -86,29 +88,35 @@ pub fn load_graph(name: &'static str, path: &Path, config: &SessionConfig) -> Re
         })
     };
 
+    let mut skipped_devices = Vec::new();
     let candidates: Vec<Device> = match device {
         Device::Auto => {
-            let mut c = Vec::new();
-            if cfg!(feature = "cuda") {
-                c.push(Device::Cuda(0));
-            }
-            if cfg!(feature = "coreml") {
-                c.push(Device::CoreMl);
-            }
-            c.push(Device::Cpu);
-            c
+            skipped_devices.extend(auto_skip.iter().cloned());
+            Device::auto_candidates()
+                .into_iter()
+                .filter(|d| !auto_skip.iter().any(|(skip, _)| skip == d))
+                .collect()
         }
         named => vec![named],
     };
-    let mut skipped_devices = Vec::new();
+    if candidates.is_empty() {
+        return Err(KleinError::Device {
+            device: device.to_string(),
+            message: format!(
+                "no device auto may use can run the {name} graph: {}",
+                describe_skipped(&skipped_devices)
+            ),
+        });
+    }
+    let last = candidates.len() - 1;
     let mut loaded = None;
-    for candidate in candidates {
+    for (i, candidate) in candidates.into_iter().enumerate() {
         match build(candidate) {
             Ok(session) => {
                 loaded = Some((candidate, session));
                 break;
             }
-            Err(failure) if candidate != Device::Cpu && device == Device::Auto => {
+            Err(failure) if i < last => {
                 skipped_devices.push((candidate, failure.message().to_string()));
             }
             Err(LoadFailure::Device(message)) => {
@@ -364,4 +372,13 @@ impl Graph {
         }
         Ok(prepared)
     }
+}
+
+/// `cuda:0: why; cpu: why`, for messages about the devices auto skipped.
+pub fn describe_skipped(skipped: &[(Device, String)]) -> String {
+    skipped
+        .iter()
+        .map(|(device, why)| format!("{device}: {why}"))
+        .collect::<Vec<_>>()
+        .join("; ")
 }

@@ -39,7 +39,7 @@ mod tensor;
 pub use device::{
     ComputeUnits, ConvSearch, CoreMlOptions, CudaOptions, Device, OptimizationLevel, SessionConfig,
 };
-pub use graph::{load_graph, Graph};
+pub use graph::{describe_skipped, load_graph, Graph};
 pub use library::{
     init, locate_library, runtime_info, LibrarySource, LogLevel, LogSink, RuntimeInfo,
     RuntimeOptions, ORT_DYLIB_ENV,

@@ -457,6 +457,10 @@ fn defaults_come_from_the_bundle_and_timings_are_printed() {
             run.describe()
         );
     }
+    // Where each graph ran (the text encoder, released before the transformer loads, included).
+    for graph in ["text_encoder", "transformer", "vae_decoder"] {
+        assert_mentions(&run.stderr, &[&format!("{graph}: runs on cpu")]);
+    }
 }
 
 #[test]

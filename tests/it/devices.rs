@@ -156,3 +156,22 @@ fn auto_accepts_every_device_setting() {
     );
     run.assert_success(&[&out]);
 }
+
+/// Auto checks a bundle against the devices it tries in this build, and names each: a CPU-only
+/// build refuses a bf16 bundle (a CUDA build would run it there, skipping the CPU).
+#[test]
+fn auto_refuses_what_no_device_it_tries_can_run() {
+    let bundle = BundleCopy::new("devices-auto-bf16");
+    edit_manifest(bundle.path(), |m| {
+        m["graphs"]["transformer"]["precision"] = "bf16".into();
+    });
+    assert_refused(
+        &[&["-m", bundle.arg(), "--device", "auto"], &FAST[..]].concat(),
+        &[
+            "device auto",
+            "bf16 transformer graph",
+            "no device auto tries in this build can run it",
+            "cpu: CPUExecutionProvider has no bfloat16 kernels",
+        ],
+    );
+}

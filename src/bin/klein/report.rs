@@ -71,6 +71,14 @@ impl Reporter {
         for warning in pipeline.take_warnings() {
             eprintln!("klein: warning: {label}{warning}");
         }
+        for placement in pipeline.placements() {
+            for (device, why) in &placement.skipped {
+                self.say(format!(
+                    "auto: the {} graph skipped {device}: {why}",
+                    placement.component
+                ));
+            }
+        }
         if generation.prompt_truncated {
             eprintln!(
                 "klein: warning: {label}the prompt is longer than {} tokens and was truncated, as the reference pipeline does",
@@ -80,6 +88,9 @@ impl Reporter {
         if timings {
             for (stage, elapsed) in &generation.timings {
                 eprintln!("{:>20}: {:8.3} s", stage.label(), elapsed.as_secs_f64());
+            }
+            for placement in pipeline.placements() {
+                eprintln!("{:>20}: runs on {}", placement.component, placement.device);
             }
         }
     }
@@ -98,9 +109,19 @@ pub(crate) fn warn_ignored_guidance(pipeline: &Pipeline, guidance: Option<f64>) 
     ignored
 }
 
+/// Where the graphs ran: `cpu` when every loaded graph ran on one device, else each graph's
+/// (`text_encoder cpu, transformer cuda:0, ...`); `none` before any graph loaded.
 pub(crate) fn device_name(pipeline: &Pipeline) -> String {
-    pipeline
-        .device_used()
-        .map(|d| d.to_string())
-        .unwrap_or_else(|| "none".to_string())
+    let placements = pipeline.placements();
+    let Some(first) = placements.first() else {
+        return "none".to_string();
+    };
+    if placements.iter().all(|p| p.device == first.device) {
+        return first.device.to_string();
+    }
+    placements
+        .iter()
+        .map(|p| format!("{} {}", p.component, p.device))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
