@@ -91,7 +91,9 @@ impl PromptCache {
         let path = self.path(prompt);
         let bytes = match std::fs::read(&path) {
             Ok(bytes) => bytes,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return CacheLookup::Miss,
+            // Missing, or its directory is (a file in the way): no entry. A cache that cannot be
+            // written is reported by `put`.
+            Err(_) if !path.exists() => return CacheLookup::Miss,
             Err(e) => return self.rejected(&path, &format!("unreadable ({e})")),
         };
         match self.check_entry(&bytes, prompt) {

@@ -21,7 +21,7 @@ fn a_directory_as_output_is_refused_before_generating() {
 
     let new_dir = format!("{}/", parent.join("newdir").display());
     let run = generate("a cat", Path::new(&new_dir), &FAST);
-    run.assert_user_error(&["newdir/", "is a directory"]);
+    run.assert_user_error(&["newdir/", "names a directory"]);
     assert!(!run.stderr.contains("seed:"), "{}", run.describe());
     assert_eq!(files_in(&parent), ["pictures"], "{}", run.describe());
 }

@@ -22,8 +22,13 @@ pub(crate) fn output_files(
 ) -> anyhow::Result<(Vec<PathBuf>, ImageFormat)> {
     let text = output.as_os_str().to_string_lossy();
     if output.is_dir() || text.ends_with(std::path::is_separator) || output.file_name().is_none() {
+        let what = if output.is_dir() {
+            "is a directory"
+        } else {
+            "names a directory (it ends with a separator)"
+        };
         return Err(UsageError(format!(
-            "output {} is a directory; give a file name such as {}",
+            "output {} {what}; give a file name such as {}",
             output.display(),
             output.join("klein.png").display()
         ))
