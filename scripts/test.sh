@@ -11,4 +11,6 @@ source scripts/python-env.sh
 cargo build --release
 cargo test --release
 cargo check --release --features cuda,coreml
+ruff check export
+ruff format --check export
 python -m pytest -q export/tests

@@ -5,17 +5,17 @@ For checkpoints too large to hold torch fp32, its float64 copy and a session at 
 `verify` against torch needs ~3x the text encoder in memory), this measures what a lower precision
 or a quantization costs: each component on the same realistic inputs (the reference's own prompt
 embeddings, the first step's noise and timestep, a decodable latent grid), one session at a time, and
-the final image of the same prompt and seed (`verify.bundle_image` for both bundles).
+the final image of the same prompt and seed (`ort_pipeline.bundle_image` for both bundles).
 """
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from .verify import _latent_ids, _psnr_threshold, _session, _text_ids, bundle_image, psnr, scheme_name
+from .manifest import read_manifest
+from .ort_pipeline import bundle_image, latent_ids, prompt_feeds, run_graph, text_ids
+from .tolerances import image_bar, psnr
 
 PROMPT = "a red fox in the snow, golden hour, photograph"
 
@@ -29,7 +29,10 @@ class Difference:
     rms_rel: float  # rms error / rms reference
 
     def line(self) -> str:
-        return f"{self.component:13s} {self.case:34s} max_abs {self.max_abs:.2e}  max_rel {self.max_rel:.2e}  rms_rel {self.rms_rel:.2e}"
+        return (
+            f"{self.component:13s} {self.case:34s} max_abs {self.max_abs:.2e}  "
+            f"max_rel {self.max_rel:.2e}  rms_rel {self.rms_rel:.2e}"
+        )
 
 
 def _difference(component, case, got, want) -> Difference:
@@ -37,31 +40,22 @@ def _difference(component, case, got, want) -> Difference:
     err = np.abs(got - want)
     scale = max(float(np.abs(want).max()), 1e-30)
     rms = max(float(np.sqrt(np.mean(want**2))), 1e-30)
-    return Difference(component, case, float(err.max()), float(err.max()) / scale, float(np.sqrt(np.mean(err**2))) / rms)
-
-
-def _run(bundle: Path, component: str, feeds: dict) -> np.ndarray:
-    spec = json.loads((bundle / "manifest.json").read_text(encoding="utf-8"))["graphs"][component]
-    return _session(bundle, spec["file"]).run(None, feeds)[0]  # the session is freed on return
-
-
-def _both(bundle, reference, component, feeds):
-    """(bundle output, reference output), one session in memory at a time."""
-    want = _run(reference, component, feeds)
-    return _run(bundle, component, feeds), want
+    max_abs, rms_err = float(err.max()), float(np.sqrt(np.mean(err**2)))
+    return Difference(component, case, max_abs, max_abs / scale, rms_err / rms)
 
 
 def component_differences(bundle, reference, width=512, height=512, seed=0):
     """Yields one Difference per component: `bundle` against `reference` on the same inputs."""
-    bundle, reference = Path(bundle), Path(reference)
-    manifest = json.loads((reference / "manifest.json").read_text(encoding="utf-8"))
-    tok, multiple, channels = manifest["tokenizer"], manifest["latents"]["pixel_multiple"], manifest["latents"]["channels"]
-    from transformers import PreTrainedTokenizerFast
+    graphs, manifest = read_manifest(bundle)["graphs"], read_manifest(reference)
+    multiple, channels = manifest["latents"]["pixel_multiple"], manifest["latents"]["channels"]
 
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(reference / tok["file"]), pad_token=tok["pad_token"], padding_side=tok["padding_side"])
-    enc = tokenizer([tok["prompt_prefix"] + PROMPT + tok["prompt_suffix"]], padding="max_length", max_length=tok["max_sequence_length"], return_tensors="np")
-    ids = {"input_ids": enc["input_ids"].astype(np.int64), "attention_mask": enc["attention_mask"].astype(np.int64)}
-    got, embeds = _both(bundle, reference, "text_encoder", ids)
+    def both(component, feeds):
+        """(bundle output, reference output), one session in memory at a time."""
+        want = run_graph(reference, manifest["graphs"][component], feeds)
+        return run_graph(bundle, graphs[component], feeds), want
+
+    ids = prompt_feeds(reference, manifest["tokenizer"], PROMPT)
+    got, embeds = both("text_encoder", ids)
     yield _difference("text_encoder", f"1 prompt, L {ids['input_ids'].shape[1]}", got, embeds)
 
     h, w = height // multiple, width // multiple
@@ -71,15 +65,15 @@ def component_differences(bundle, reference, width=512, height=512, seed=0):
         "latents": noise,
         "prompt_embeds": embeds,  # the reference's: each graph is measured on its own
         "timestep": np.ones((1,), np.float32),
-        "img_ids": _latent_ids(h, w).numpy(),
-        "txt_ids": _text_ids(embeds.shape[1]).numpy(),
+        "img_ids": latent_ids(h, w).numpy(),
+        "txt_ids": text_ids(embeds.shape[1]).numpy(),
     }
-    yield _difference("transformer", f"{width}x{height}, first step", *_both(bundle, reference, "transformer", feeds))
+    yield _difference("transformer", f"{width}x{height}, first step", *both("transformer", feeds))
 
     latents = torch.randn((1, channels, h, w), generator=g).numpy()
-    yield _difference("vae_decoder", f"{w}x{h} latents", *_both(bundle, reference, "vae_decoder", {"latents": latents}))
+    yield _difference("vae_decoder", f"{w}x{h} latents", *both("vae_decoder", {"latents": latents}))
     image = (torch.rand((1, 3, height, width), generator=g) * 2 - 1).numpy()
-    yield _difference("vae_encoder", f"{width}x{height} image", *_both(bundle, reference, "vae_encoder", {"image": image}))
+    yield _difference("vae_encoder", f"{width}x{height} image", *both("vae_encoder", {"image": image}))
 
 
 @dataclass
@@ -94,15 +88,16 @@ class ImageDifference:
         return self.psnr >= self.threshold
 
     def line(self) -> str:
-        return f"image         {self.case:34s} {self.scheme:9s} PSNR {self.psnr:6.2f} dB against the reference bundle (min {self.threshold:.0f})  {'ok' if self.ok else 'FAIL'}"
+        return (
+            f"image         {self.case:34s} {self.scheme:9s} PSNR {self.psnr:6.2f} dB against the reference bundle "
+            f"(min {self.threshold:.0f})  {'ok' if self.ok else 'FAIL'}"
+        )
 
 
 def image_difference(bundle, reference, width=512, height=512, seed=0, steps=None) -> ImageDifference:
-    """The final image of `bundle` against `reference`'s, same prompt, seed and size. The threshold is
-    verify's for the coarsest graph of `bundle` (verify._psnr_threshold)."""
-    graphs = json.loads((Path(bundle) / "manifest.json").read_text(encoding="utf-8"))["graphs"]
-    coarsest = min(graphs.values(), key=_psnr_threshold)
+    """The final image of `bundle` against `reference`'s, same prompt, seed and size, with verify's
+    PSNR bar for `bundle` (tolerances.image_bar)."""
+    threshold, scheme = image_bar(read_manifest(bundle)["graphs"])
     got = bundle_image(bundle, PROMPT, seed, width, height, steps)
     want = bundle_image(reference, PROMPT, seed, width, height, steps)
-    scheme = scheme_name(coarsest["precision"], coarsest.get("quantization"))
-    return ImageDifference(f"{width}x{height} seed {seed}", scheme, psnr(got, want), _psnr_threshold(coarsest))
+    return ImageDifference(f"{width}x{height} seed {seed}", scheme, psnr(got, want), threshold)

@@ -4,10 +4,12 @@ Every architecture number comes from the checkpoint's own config files. Componen
 a time so that a caller can export and free each before the next (the 4B does not fit otherwise).
 """
 
-import json
+from pathlib import Path
 
 import torch
-from pathlib import Path
+
+from .errors import CheckpointError
+from .jsonfile import read_json
 
 EXPECTED_CLASSES = {
     "text_encoder": ("Qwen3ForCausalLM",),
@@ -18,17 +20,8 @@ EXPECTED_CLASSES = {
 }
 
 
-class CheckpointError(Exception):
-    """The checkpoint directory is not a usable FLUX.2-klein checkpoint."""
-
-
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing (a diffusers FLUX.2-klein checkpoint has this file)")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    return read_json(path, CheckpointError, "a diffusers FLUX.2-klein checkpoint has this file")
 
 
 class Checkpoint:
@@ -61,7 +54,9 @@ class Checkpoint:
             if not any((self.root / component).glob("*.safetensors")):
                 raise CheckpointError(f"{self.root / component}: no *.safetensors weights")
         if not (self.root / "tokenizer" / "tokenizer.json").is_file():
-            raise CheckpointError(f"{self.root / 'tokenizer' / 'tokenizer.json'}: missing (a fast tokenizer file is required)")
+            raise CheckpointError(
+                f"{self.root / 'tokenizer' / 'tokenizer.json'}: missing (a fast tokenizer file is required)"
+            )
         self._check_scheduler()
 
     @property
@@ -73,7 +68,13 @@ class Checkpoint:
         path = self.root / "scheduler" / "scheduler_config.json"
         unsupported = [
             key
-            for key in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas", "stochastic_sampling")
+            for key in (
+                "use_karras_sigmas",
+                "use_exponential_sigmas",
+                "use_beta_sigmas",
+                "invert_sigmas",
+                "stochastic_sampling",
+            )
             if cfg.get(key)
         ]
         if cfg.get("shift_terminal"):
@@ -92,12 +93,16 @@ class Checkpoint:
         overrides = {}
         if num_layers is not None:
             layer_types = self.text_encoder_config.get("layer_types")
-            overrides = {"num_hidden_layers": num_layers, **({"layer_types": layer_types[:num_layers]} if layer_types else {})}
+            overrides = {
+                "num_hidden_layers": num_layers,
+                **({"layer_types": layer_types[:num_layers]} if layer_types else {}),
+            }
         verbosity = logging.get_verbosity()
         logging.set_verbosity_error()  # the skipped layers' weights would be reported as unexpected keys
         try:
             return self._load(
-                lambda: Qwen3ForCausalLM.from_pretrained(self.root / "text_encoder", dtype=torch.float32, **overrides), "text_encoder"
+                lambda: Qwen3ForCausalLM.from_pretrained(self.root / "text_encoder", dtype=torch.float32, **overrides),
+                "text_encoder",
             )
         finally:
             logging.set_verbosity(verbosity)
@@ -105,12 +110,17 @@ class Checkpoint:
     def load_transformer(self):
         from diffusers import Flux2Transformer2DModel
 
-        return self._load(lambda: Flux2Transformer2DModel.from_pretrained(self.root / "transformer", torch_dtype=torch.float32), "transformer")
+        return self._load(
+            lambda: Flux2Transformer2DModel.from_pretrained(self.root / "transformer", torch_dtype=torch.float32),
+            "transformer",
+        )
 
     def load_vae(self):
         from diffusers import AutoencoderKLFlux2
 
-        return self._load(lambda: AutoencoderKLFlux2.from_pretrained(self.root / "vae", torch_dtype=torch.float32), "vae")
+        return self._load(
+            lambda: AutoencoderKLFlux2.from_pretrained(self.root / "vae", torch_dtype=torch.float32), "vae"
+        )
 
     def load_tokenizer(self):
         from transformers import AutoTokenizer

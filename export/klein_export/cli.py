@@ -2,12 +2,10 @@
 
 import argparse
 import sys
-from pathlib import Path
 
-from .checkpoint import CheckpointError
-from .precision import PRECISIONS, PrecisionError
-from .quantize import BITS, DEFAULT_BLOCK_SIZE, DEFAULT_COMPONENTS, QuantizationConfig, QuantizationError, parse_components
-from .static_shapes import StaticShapesError
+from .errors import CheckpointError, KleinExportError, QuantizationError
+from .precision import PRECISIONS
+from .quantize import BITS, DEFAULT_BLOCK_SIZE, DEFAULT_COMPONENTS, QuantizationConfig, parse_components
 
 EXIT_USER_ERROR = 2
 
@@ -17,7 +15,11 @@ def _quantization(args, required=False):
     if not args.quantize:
         if required:
             raise QuantizationError("--quantize int8|int4 is required")
-        given = [flag for flag, value in (("--components", args.components), ("--block-size", args.block_size)) if value is not None]
+        given = [
+            flag
+            for flag, value in (("--components", args.components), ("--block-size", args.block_size))
+            if value is not None
+        ]
         if given or args.asymmetric or args.accuracy_level:
             raise QuantizationError(f"{', '.join(given) or 'the quantization flags'} apply with --quantize only")
         return None
@@ -66,8 +68,6 @@ def _ranges(args):
 def _tiny(args):
     from .tiny import build_tiny
 
-    if Path(args.out).exists():
-        raise FileExistsError(f"{args.out}: already exists (choose a new directory)")
     print(build_tiny(args.out, seed=args.seed, preset=args.preset))
     return 0
 
@@ -94,9 +94,6 @@ def _verify(args):
 def _verify_against(args):
     from .against import component_differences, image_difference
 
-    for bundle in (args.bundle, args.against):
-        if not (Path(bundle) / "manifest.json").is_file():
-            raise FileNotFoundError(f"{Path(bundle) / 'manifest.json'}: missing (not a klein bundle)")
     for difference in component_differences(args.bundle, args.against, args.size, args.size):
         print(difference.line(), flush=True)
     if args.no_images:
@@ -114,24 +111,38 @@ def _fixtures(args):
 
 
 def _add_quantization_args(p):
-    p.add_argument("--quantize", choices=sorted(BITS), help="weight-only MatMulNBits quantization of the MatMul weights of --components")
-    p.add_argument("--block-size", type=int, help=f"weights per quantization block along K, a power of two >= 16 (default {DEFAULT_BLOCK_SIZE})")
+    p.add_argument(
+        "--quantize",
+        choices=sorted(BITS),
+        help="weight-only MatMulNBits quantization of the MatMul weights of --components",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        help=f"weights per quantization block along K, a power of two >= 16 (default {DEFAULT_BLOCK_SIZE})",
+    )
     p.add_argument(
         "--components",
-        help=f"comma-separated components to quantize (default {','.join(DEFAULT_COMPONENTS)}; the VAE is never quantized)",
+        help=f"comma-separated components to quantize (default {','.join(DEFAULT_COMPONENTS)}; "
+        "the VAE is never quantized)",
     )
-    p.add_argument("--asymmetric", action="store_true", help="a zero point per block (default: symmetric, no zero points)")
+    p.add_argument(
+        "--asymmetric", action="store_true", help="a zero point per block (default: symmetric, no zero points)"
+    )
     p.add_argument(
         "--accuracy-level",
         type=int,
         default=0,
         choices=range(5),
-        help="MatMulNBits accuracy_level: 0 unset (float compute, the default), 1 fp32, 2 fp16, 3 bf16, 4 int8 compute of the activations",
+        help="MatMulNBits accuracy_level: 0 unset (float compute, the default), 1 fp32, 2 fp16, 3 bf16, "
+        "4 int8 compute of the activations",
     )
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="klein-export", description="Export FLUX.2-klein checkpoints to klein ONNX bundles.")
+    p = argparse.ArgumentParser(
+        prog="klein-export", description="Export FLUX.2-klein checkpoints to klein ONNX bundles."
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("convert", help="diffusers checkpoint -> bundle")
@@ -139,7 +150,12 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True, help="bundle directory to write")
     c.add_argument("--force", action="store_true", help="overwrite an existing bundle")
     c.add_argument("--name", help="model name recorded in the manifest (default: the bundle directory name)")
-    c.add_argument("--variant", default="custom", choices=["4b", "9b", "tiny", "custom"], help="model variant recorded in the manifest")
+    c.add_argument(
+        "--variant",
+        default="custom",
+        choices=["4b", "9b", "tiny", "custom"],
+        help="model variant recorded in the manifest",
+    )
     c.add_argument(
         "--precision",
         default="fp32",
@@ -150,10 +166,15 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--static-shapes",
         metavar="WxH,...",
-        help="fixed-shape graphs for CoreML, one set per WIDTHxHEIGHT bucket (e.g. 1024x1024,768x1024,1024x768), batch 1; "
-        "the runtime picks the bucket of the requested size and refuses others",
+        help="fixed-shape graphs for CoreML, one set per WIDTHxHEIGHT bucket (e.g. 1024x1024,768x1024,1024x768), "
+        "batch 1; the runtime picks the bucket of the requested size and refuses others",
     )
-    c.add_argument("--refs", type=int, default=0, help="with --static-shapes: reference images per generation, each of the output's size (default 0)")
+    c.add_argument(
+        "--refs",
+        type=int,
+        default=0,
+        help="with --static-shapes: reference images per generation, each of the output's size (default 0)",
+    )
     _add_quantization_args(c)
     c.set_defaults(func=_convert)
 
@@ -171,11 +192,14 @@ def parser() -> argparse.ArgumentParser:
         "--preset",
         default="tiny",
         choices=["tiny", "wide", "4b"],
-        help="tiny: the test model; wide: the real 4B widths with 28 Qwen3 layers and 1+2 blocks; 4b: the published 4B architecture",
+        help="tiny: the test model; wide: the real 4B widths with 28 Qwen3 layers and 1+2 blocks; "
+        "4b: the published 4B architecture",
     )
     t.set_defaults(func=_tiny)
 
-    v = sub.add_parser("verify", help="torch fp32 vs ONNX Runtime per component at several shapes, and the final image vs diffusers")
+    v = sub.add_parser(
+        "verify", help="torch fp32 vs ONNX Runtime per component at several shapes, and the final image vs diffusers"
+    )
     v.add_argument("--checkpoint", help="the checkpoint the bundle was exported from (not needed with --against)")
     v.add_argument("--bundle", required=True)
     v.add_argument(
@@ -206,7 +230,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.func(args)
-    except (CheckpointError, FileExistsError, FileNotFoundError, PrecisionError, QuantizationError, StaticShapesError) as e:
+    except (KleinExportError, FileExistsError, FileNotFoundError) as e:
         print(f"klein-export: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
 

@@ -35,6 +35,27 @@ class GraphIO:
         return [t.name for t in self.outputs]
 
 
+@dataclass(frozen=True)
+class GraphEntry:
+    """An exported graph as `manifest.json["graphs"]` records it (unquantized: quantize.py sets that)."""
+
+    io: GraphIO
+    precision: str  # "fp32" | "fp16"
+    precision_scheme: dict | None = None  # PrecisionScheme.to_json() of an fp16 graph
+
+    def to_json(self) -> dict:
+        entry = {
+            "file": self.io.file,
+            "precision": self.precision,
+            "quantization": None,
+            "inputs": [t.to_json() for t in self.io.inputs],
+            "outputs": [t.to_json() for t in self.io.outputs],
+        }
+        if self.precision_scheme is not None:
+            entry["precision_scheme"] = self.precision_scheme
+        return entry
+
+
 def text_encoder_io(embed_dim: int) -> GraphIO:
     return GraphIO(
         "text_encoder",

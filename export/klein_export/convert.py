@@ -16,28 +16,22 @@ from torch.export import Dim
 
 from . import contract
 from .atomic import atomic_directory
-from .checkpoint import Checkpoint
 from .cache_key import stamp_bundle
+from .checkpoint import Checkpoint
+from .contract import GraphEntry
+from .errors import BundleExistsError, StaticShapesError
 from .manifest import HIDDEN_LAYERS, build_manifest, bundle_files, write_manifest
 from .onnx_export import export_graph
 from .precision import check_precision, to_float16
 from .quantize import QuantizationConfig, quantize_bundle
-from .static_shapes import StaticShapesError, check_refs, make_static, parse_buckets
+from .static_shapes import check_refs, make_static, parse_buckets
 from .tokenizer_facts import tokenizer_facts
 from .wrappers import TextEncoder, Transformer, VaeDecoder, VaeEncoder
 
 
-class BundleExistsError(FileExistsError):
-    """The output bundle exists and `force` was not given."""
-
-
-_STEPS = {"text_encoder": "_export_text_encoder", "transformer": "_export_transformer", "vae": "_export_vae"}
-
-
 def _export_component(label, checkpoint_root, out, precision):
-    """Runs in a child process: exports one component, returns its graphs and the child's peak RSS."""
-    results = globals()[_STEPS[label]](Checkpoint(checkpoint_root), Path(out), precision)
-    return list(results), _peak_rss_mb()
+    """Runs in a child process: exports one component, returns its GraphEntry list and the child's peak RSS."""
+    return EXPORTS[label](Checkpoint(checkpoint_root), Path(out), precision), _peak_rss_mb()
 
 
 def _export_isolated(label, checkpoint_root, out, precision):
@@ -75,8 +69,10 @@ def _export_text_encoder(ckpt, out, precision):
     mask = torch.ones(2, 12, dtype=torch.int64)
     mask[1, 7:] = 0
     batch, seq = Dim("batch"), Dim("seq")
-    export_graph(module, (ids, mask), {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}, io, out, precision)
-    return ((io, scheme),)
+    export_graph(
+        module, (ids, mask), {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}, io, out, precision
+    )
+    return [GraphEntry(io, precision, scheme)]
 
 
 def _export_transformer(ckpt, out, precision):
@@ -95,9 +91,15 @@ def _export_transformer(ckpt, out, precision):
         torch.randint(0, 8, (seq, len(cfg.axes_dims_rope)), generator=g),
     )
     b, t, s = Dim("batch"), Dim("tokens"), Dim("seq")
-    shapes = {"latents": {0: b, 1: t}, "prompt_embeds": {0: b, 1: s}, "timestep": {0: b}, "img_ids": {0: t}, "txt_ids": {0: s}}
+    shapes = {
+        "latents": {0: b, 1: t},
+        "prompt_embeds": {0: b, 1: s},
+        "timestep": {0: b},
+        "img_ids": {0: t},
+        "txt_ids": {0: s},
+    }
     export_graph(module, args, shapes, io, out, precision)
-    return ((io, scheme),)
+    return [GraphEntry(io, precision, scheme)]
 
 
 def _export_vae(ckpt, out, precision):
@@ -109,15 +111,37 @@ def _export_vae(ckpt, out, precision):
     lat_h, lat_w = Dim("lat_h", min=1, max=1024), Dim("lat_w", min=1, max=1024)
     enc_io = contract.vae_encoder_io(latent_ch)
     image = torch.rand(2, 3, 48, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    export_graph(VaeEncoder(vae).eval(), (image,), {"image": {0: Dim("batch"), 2: 16 * lat_h, 3: 16 * lat_w}}, enc_io, out, precision)
+    export_graph(
+        VaeEncoder(vae).eval(),
+        (image,),
+        {"image": {0: Dim("batch"), 2: 16 * lat_h, 3: 16 * lat_w}},
+        enc_io,
+        out,
+        precision,
+    )
     dec_io = contract.vae_decoder_io(latent_ch)
     latents = torch.randn(2, latent_ch, 3, 4, generator=torch.Generator().manual_seed(0))
-    export_graph(VaeDecoder(vae).eval(), (latents,), {"latents": {0: Dim("batch"), 2: lat_h, 3: lat_w}}, dec_io, out, precision)
-    return ((enc_io, enc_scheme), (dec_io, dec_scheme))
+    export_graph(
+        VaeDecoder(vae).eval(), (latents,), {"latents": {0: Dim("batch"), 2: lat_h, 3: lat_w}}, dec_io, out, precision
+    )
+    return [GraphEntry(enc_io, precision, enc_scheme), GraphEntry(dec_io, precision, dec_scheme)]
+
+
+# The components in export order (one process each), with the function that writes their graphs.
+EXPORTS = {"text_encoder": _export_text_encoder, "transformer": _export_transformer, "vae": _export_vae}
 
 
 def convert(
-    checkpoint, out, force=False, name=None, variant="custom", log=print, precision="fp32", quantization=None, static_shapes=None, refs=0
+    checkpoint,
+    out,
+    force=False,
+    name=None,
+    variant="custom",
+    log=print,
+    precision="fp32",
+    quantization=None,
+    static_shapes=None,
+    refs=0,
 ):
     """Export every component of `checkpoint` into the bundle directory `out`.
 
@@ -149,16 +173,18 @@ def convert(
         shutil.copyfile(ckpt.root / "tokenizer" / "tokenizer.json", tmp / "tokenizer.json")
         del tokenizer
         graphs = {}
-        for label in _STEPS:
+        for label in EXPORTS:
             start = time.perf_counter()
-            results, child_peak_mb = _export_isolated(label, ckpt.root, tmp, precision)
-            for io, scheme in results:
-                graphs[io.component] = (io, precision, None, scheme)
-            log(f"exported {label} ({precision}) in {time.perf_counter() - start:.1f} s (peak RSS {child_peak_mb:.0f} MB)")
+            entries, child_peak_mb = _export_isolated(label, ckpt.root, tmp, precision)
+            graphs.update((entry.io.component, entry) for entry in entries)
+            seconds = time.perf_counter() - start
+            log(f"exported {label} ({precision}) in {seconds:.1f} s (peak RSS {child_peak_mb:.0f} MB)")
         manifest = build_manifest(ckpt, facts, graphs, name or out.name, variant)
         if buckets is not None:
             seq = facts["max_sequence_length"]
-            manifest["static_shapes"] = make_static(tmp, manifest["graphs"], buckets, refs, seq, manifest["latents"]["pixel_multiple"], log)
+            manifest["static_shapes"] = make_static(
+                tmp, manifest["graphs"], buckets, refs, seq, manifest["latents"]["pixel_multiple"], log
+            )
         stamp_bundle(tmp)
         manifest["files"] = bundle_files(tmp)
         write_manifest(manifest, tmp)

@@ -15,9 +15,33 @@ from PIL import Image
 from safetensors.torch import save_file
 
 CASES = (
-    {"name": "t2i_square", "prompt": "a raccoon astronaut on the moon", "seed": 42, "width": 64, "height": 64, "steps": 4, "refs": []},
-    {"name": "t2i_nonsquare", "prompt": "a red fox in the snow, watercolor", "seed": 7, "width": 80, "height": 48, "steps": 4, "refs": []},
-    {"name": "edit_one_ref", "prompt": "make it an 80s ski photo", "seed": 3, "width": None, "height": None, "steps": 4, "refs": [(96, 64, "RGB")]},
+    {
+        "name": "t2i_square",
+        "prompt": "a raccoon astronaut on the moon",
+        "seed": 42,
+        "width": 64,
+        "height": 64,
+        "steps": 4,
+        "refs": [],
+    },
+    {
+        "name": "t2i_nonsquare",
+        "prompt": "a red fox in the snow, watercolor",
+        "seed": 7,
+        "width": 80,
+        "height": 48,
+        "steps": 4,
+        "refs": [],
+    },
+    {
+        "name": "edit_one_ref",
+        "prompt": "make it an 80s ski photo",
+        "seed": 3,
+        "width": None,
+        "height": None,
+        "steps": 4,
+        "refs": [(96, 64, "RGB")],
+    },
     {
         "name": "compose_three_refs",
         "prompt": "the person in the scene",
@@ -138,10 +162,9 @@ def run_case(pipe, case: dict, out_dir: Path) -> dict:
 
 
 def write_fixtures(checkpoint, out_dir, cases=CASES, log=print):
-    from diffusers import Flux2KleinPipeline
+    from .diffusers_reference import load_pipeline
 
-    pipe = Flux2KleinPipeline.from_pretrained(str(checkpoint), dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = load_pipeline(checkpoint)
     for case in cases:
         meta = run_case(pipe, case, Path(out_dir) / case["name"])
         log(f"{case['name']}: {meta['width']}x{meta['height']}, {len(meta['refs'])} reference(s)")

@@ -1,4 +1,4 @@
-"""Builds and checks `manifest.json` (schema in onnx/README.md)."""
+"""Builds, writes and reads `manifest.json` (schema in onnx/README.md)."""
 
 import hashlib
 import json
@@ -6,7 +6,11 @@ from pathlib import Path
 
 from . import FORMAT_VERSION, __version__
 from .contract import COMPONENTS
+from .errors import BundleError
+from .jsonfile import read_json
 from .onnx_export import OPSET
+
+MANIFEST = "manifest.json"
 
 MIN_ONNXRUNTIME_VERSION = "1.31.0"
 HIDDEN_LAYERS = (9, 18, 27)  # Flux2KleinPipeline text_encoder_out_layers default
@@ -43,7 +47,7 @@ def _versions() -> dict:
 
 
 def build_manifest(ckpt, tokenizer_facts: dict, graphs: dict, name: str, variant: str) -> dict:
-    """Everything but `files` (see `bundle_files`)."""
+    """Everything but `files` (see `bundle_files`); `graphs` maps each component to its GraphEntry."""
     te, tr, vae, sch = ckpt.text_encoder_config, ckpt.transformer_config, ckpt.vae_config, ckpt.scheduler_config
     hidden = te["hidden_size"]
     distilled = ckpt.is_distilled
@@ -99,37 +103,30 @@ def build_manifest(ckpt, tokenizer_facts: dict, graphs: dict, name: str, variant
             "time_shift_type": sch.get("time_shift_type", "exponential"),
             "empirical_mu": dict(EMPIRICAL_MU),
         },
-        "graphs": {},
+        "graphs": {component: graphs[component].to_json() for component in COMPONENTS},
         "files": {},
         "exporter": _versions(),
         "min_onnxruntime_version": MIN_ONNXRUNTIME_VERSION,
     }
-    for component in COMPONENTS:
-        # (io, precision, quantization) or (io, precision, quantization, precision_scheme)
-        io, precision, quantization, *scheme = graphs[component]
-        manifest["graphs"][component] = {
-            "file": io.file,
-            "precision": precision,
-            "quantization": quantization,
-            "inputs": [t.to_json() for t in io.inputs],
-            "outputs": [t.to_json() for t in io.outputs],
-        }
-        if scheme and scheme[0] is not None:
-            manifest["graphs"][component]["precision_scheme"] = scheme[0]
     return manifest
 
 
 def bundle_files(bundle_dir: Path, known: dict = None, changed=None) -> dict:
-    """The manifest's `files`: size and sha256 of every file but manifest.json. Entries of `known`
+    """The manifest's `files`: size and sha256 of every file but the manifest. Entries of `known`
     are reused for files not in `changed` (None: hash everything)."""
     known = known or {}
     files = {}
     for path in sorted(Path(bundle_dir).iterdir()):
-        if path.is_file() and path.name != "manifest.json":
+        if path.is_file() and path.name != MANIFEST:
             reuse = changed is not None and path.name not in changed and path.name in known
             files[path.name] = known[path.name] if reuse else file_entry(path)
     return files
 
 
 def write_manifest(manifest: dict, bundle_dir: Path):
-    (Path(bundle_dir) / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    (Path(bundle_dir) / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+
+
+def read_manifest(bundle_dir) -> dict:
+    """The bundle's manifest; BundleError naming the file when it is missing or not JSON."""
+    return read_json(Path(bundle_dir) / MANIFEST, BundleError, "not a klein bundle")

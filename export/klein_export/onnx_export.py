@@ -1,6 +1,5 @@
 """The one helper that calls the ONNX exporter, and the metadata every graph carries."""
 
-import json
 from pathlib import Path
 
 import onnx
@@ -12,8 +11,9 @@ OPSET = 20
 EXTERNAL_DATA_THRESHOLD = 1 << 31  # protobuf's 2 GB limit
 
 
-def export_graph(module, example_args, dynamic_shapes, io, out_dir: Path, precision="fp32", quantization=None):
-    """Export `module` to `out_dir / io.file` with the contract's names and metadata."""
+def export_graph(module, example_args, dynamic_shapes, io, out_dir: Path, precision="fp32"):
+    """Export `module` to `out_dir / io.file` with the contract's names and metadata (unquantized:
+    quantize.py rewrites `klein.quantization`)."""
     path = Path(out_dir) / io.file
     param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     external = param_bytes >= EXTERNAL_DATA_THRESHOLD * 0.9
@@ -36,7 +36,7 @@ def export_graph(module, example_args, dynamic_shapes, io, out_dir: Path, precis
         {
             "klein.component": io.component,
             "klein.precision": precision,
-            "klein.quantization": "none" if quantization is None else json.dumps(quantization, sort_keys=True),
+            "klein.quantization": "none",
             "klein.format_version": str(FORMAT_VERSION),
         }
     )
@@ -51,4 +51,6 @@ def check_names(path: Path, io):
     inputs = [i.name for i in model.graph.input]
     outputs = [o.name for o in model.graph.output]
     if inputs != io.input_names() or outputs != io.output_names():
-        raise RuntimeError(f"{path}: exported I/O {inputs} -> {outputs}, contract says {io.input_names()} -> {io.output_names()}")
+        raise RuntimeError(
+            f"{path}: exported I/O {inputs} -> {outputs}, contract says {io.input_names()} -> {io.output_names()}"
+        )

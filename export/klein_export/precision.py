@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .errors import PrecisionError
+
 PRECISIONS = ("fp32", "fp16", "bf16")
 FLOAT16_MAX = 65504.0
 
@@ -46,10 +48,6 @@ KEEP_FLOAT32 = {
     "text_encoder": {},
     "vae": {},
 }
-
-
-class PrecisionError(ValueError):
-    """The requested precision cannot be exported or would not run."""
 
 
 class Float16Island(nn.Module):
@@ -86,7 +84,8 @@ class PrecisionScheme:
             "float16": sorted({_pattern(n) for n in self.float16_modules}),
             "float16_module_count": len(self.float16_modules),
             "kept_float32": {_pattern(n): reason for n, reason in sorted(self.kept_float32.items())},
-            "float32_ops": "everything else: residual stream, norms, modulation, attention scores and softmax, RoPE, graph I/O",
+            "float32_ops": "everything else: residual stream, norms, modulation, attention scores and softmax, "
+            "RoPE, graph I/O",
         }
 
 
@@ -156,8 +155,11 @@ def check_precision(precision: str):
         import onnxruntime as ort
 
         reason = bfloat16_support()
-        detail = f"ONNX Runtime {ort.__version__}'s CPU provider: {reason}" if reason else (
-            f"ONNX Runtime {ort.__version__} now runs a bfloat16 MatMul on CPU, but klein-export has no tested bf16 path yet"
+        detail = (
+            f"ONNX Runtime {ort.__version__}'s CPU provider: {reason}"
+            if reason
+            else f"ONNX Runtime {ort.__version__} now runs a bfloat16 MatMul on CPU, "
+            "but klein-export has no tested bf16 path yet"
         )
         raise PrecisionError(f"--precision bf16 is refused ({detail}); use --precision fp16")
 
@@ -221,12 +223,10 @@ def measure_ranges(checkpoint, steps=2, size=64, prompt="a raccoon astronaut on 
     the largest softmax input of its scaled-dot-product attentions. Block outputs are the residual
     stream.
     """
-    from diffusers import Flux2KleinPipeline
-
+    from .diffusers_reference import diffusers_image, load_pipeline
     from .fixtures import synthetic_image
 
-    pipe = Flux2KleinPipeline.from_pretrained(str(checkpoint), dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = load_pipeline(checkpoint)
     ranges, handles = {}, []
     logits = _AttentionLogits()
 
@@ -253,17 +253,8 @@ def measure_ranges(checkpoint, steps=2, size=64, prompt="a raccoon astronaut on 
             handles.append(module.register_forward_hook(hook((component, name)), with_kwargs=True))
     try:
         image = [synthetic_image(size, size, "RGB", seed=seed)] if with_reference else None
-        with torch.no_grad(), logits:
-            pipe(
-                image=image,
-                prompt=prompt,
-                height=size,
-                width=size,
-                num_inference_steps=steps,
-                guidance_scale=1.0,
-                generator=torch.Generator("cpu").manual_seed(seed),
-                output_type="np",
-            )
+        with logits:
+            diffusers_image(pipe, prompt, seed, size, size, steps, image=image)
     finally:
         for h in handles:
             h.remove()

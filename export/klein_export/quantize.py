@@ -2,9 +2,10 @@
 
 The selected graphs are quantized once every component is exported (the torch modules are freed),
 one graph in memory at a time, with ONNX Runtime's `MatMulNBitsQuantizer` (round to nearest,
-blockwise along K); `klein-export quantize` does the same to a copy of an existing bundle. Only `MatMul` nodes with a constant 2-D
-weight become `com.microsoft.MatMulNBits`: the projections and MLPs of Qwen3 and of the MM-DiT blocks,
-and the transformer's input/output projections. Left in float, by construction:
+blockwise along K); `klein-export quantize` does the same to a copy of an existing bundle. Only
+`MatMul` nodes with a constant 2-D weight become `com.microsoft.MatMulNBits`: the projections and
+MLPs of Qwen3 and of the MM-DiT blocks, and the transformer's input/output projections. Left in
+float, by construction:
 
 - `Gemm` nodes: the transformer's timestep embedder, the shift/scale/gate modulation projections and
   the final AdaLayerNorm (their input is 2-D `[batch, dim]`, so the exporter writes Gemm). Errors there
@@ -19,13 +20,16 @@ error lands directly on the pixels.
 
 import json
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
 
+from .atomic import atomic_directory
 from .cache_key import stamp_bundle
-from .manifest import bundle_files, write_manifest
+from .errors import BundleExistsError, QuantizationError
+from .manifest import bundle_files, read_manifest, write_manifest
 from .onnx_export import EXTERNAL_DATA_THRESHOLD
 
 METHOD = "MatMulNBits"
@@ -38,10 +42,6 @@ LEFT_IN_FLOAT = (
     "Gemm (timestep embedder, modulation, final AdaLayerNorm), MatMul of two activations (attention), "
     "Gather (embedding table), norms, RoPE, residual stream"
 )
-
-
-class QuantizationError(ValueError):
-    """The requested quantization is not one this exporter writes."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,16 @@ class QuantizationConfig:
         if self.accuracy_level not in range(5):
             raise QuantizationError(f"--accuracy-level {self.accuracy_level}: expected 0 (unset) to 4 (int8 compute)")
         parse_components(",".join(self.components))
+
+    @classmethod
+    def from_scheme(cls, scheme: dict) -> "QuantizationConfig":
+        """The config that wrote a manifest graph's `quantization` (components left at the default)."""
+        return cls(
+            bits=scheme["bits"],
+            block_size=scheme["block_size"],
+            symmetric=scheme["symmetric"],
+            accuracy_level=scheme.get("accuracy_level") or 0,
+        )
 
 
 def parse_components(text: str) -> tuple:
@@ -161,16 +171,19 @@ def quantize_bundle(bundle_dir, config: QuantizationConfig, log=print):
     and rewrites its manifest: each graph's `quantization`, and the size and hash of the files that
     changed (a graph that shrinks under 2 GB loses its `.onnx.data` file)."""
     bundle_dir = Path(bundle_dir)
-    manifest = json.loads((bundle_dir / "manifest.json").read_text(encoding="utf-8"))
+    manifest = read_manifest(bundle_dir)
     if manifest.get("static_shapes"):
         raise QuantizationError(
-            f"{bundle_dir}: a static-shape bundle is for CoreML, which cannot run MatMulNBits; quantize a bundle without --static-shapes"
+            f"{bundle_dir}: a static-shape bundle is for CoreML, which cannot run MatMulNBits; "
+            "quantize a bundle without --static-shapes"
         )
     changed = set()
     for component in config.components:
         spec = manifest["graphs"][component]
         if spec.get("quantization") is not None:
-            raise QuantizationError(f"{bundle_dir / spec['file']}: already quantized ({spec['quantization']['bits']} bits)")
+            raise QuantizationError(
+                f"{bundle_dir / spec['file']}: already quantized ({spec['quantization']['bits']} bits)"
+            )
         spec["quantization"] = quantize_graph(bundle_dir / spec["file"], config)
         changed |= {spec["file"], spec["file"] + ".data"}
         log(f"quantized {component} to {config.bits} bits: {spec['quantization']['quantized_nodes']} MatMulNBits nodes")
@@ -183,15 +196,10 @@ def quantize_bundle(bundle_dir, config: QuantizationConfig, log=print):
 def quantize_copy(bundle, out, config: QuantizationConfig, force=False, log=print):
     """`klein-export quantize`: copies the bundle `bundle` to `out` and quantizes the copy. The copy is
     made in a sibling temporary directory and renamed into place when complete."""
-    import shutil
-
-    from .atomic import atomic_directory
-
     bundle, out = Path(bundle), Path(out)
-    if not (bundle / "manifest.json").is_file():
-        raise FileNotFoundError(f"{bundle / 'manifest.json'}: missing (not a klein bundle)")
+    read_manifest(bundle)  # a klein bundle, or BundleError before anything is written
     if out.exists() and not force:
-        raise FileExistsError(f"{out}: already exists; pass --force to overwrite it")
+        raise BundleExistsError(f"{out}: already exists; pass --force to overwrite it")
     if out.resolve() == bundle.resolve():
         raise QuantizationError(f"{out}: the output must differ from the input bundle")
     with atomic_directory(out) as tmp:

@@ -19,14 +19,11 @@ import onnx
 from onnx.external_data_helper import convert_model_to_external_data
 
 from .contract import BATCH, HEIGHT, LAT_H, LAT_W, SEQ, TOKENS, WIDTH
+from .errors import StaticShapesError
 
 PER_BUCKET = ("transformer", "vae_decoder", "vae_encoder")
 MAX_SIDE = 4096  # the runtime's largest side (src/pipeline.rs MAX_SIDE)
 MAX_REFS = 4
-
-
-class StaticShapesError(ValueError):
-    """A --static-shapes or --refs value that cannot be exported."""
 
 
 def parse_buckets(text: str, multiple: int) -> list:
@@ -40,7 +37,8 @@ def parse_buckets(text: str, multiple: int) -> list:
         for side in (w, h):
             if side % multiple or not multiple <= side <= MAX_SIDE:
                 raise StaticShapesError(
-                    f"--static-shapes: `{item}`: each side must be a multiple of {multiple} between {multiple} and {MAX_SIDE}"
+                    f"--static-shapes: `{item}`: each side must be a multiple of {multiple} "
+                    f"between {multiple} and {MAX_SIDE}"
                 )
         if (w, h) in buckets:
             raise StaticShapesError(f"--static-shapes: `{item}` is given twice")
@@ -59,7 +57,15 @@ def bucket_file(component: str, bucket) -> str:
 
 def _dims(width, height, refs, seq, multiple) -> dict:
     lat_h, lat_w = height // multiple, width // multiple
-    return {BATCH: 1, SEQ: seq, TOKENS: lat_h * lat_w * (1 + refs), HEIGHT: height, WIDTH: width, LAT_H: lat_h, LAT_W: lat_w}
+    return {
+        BATCH: 1,
+        SEQ: seq,
+        TOKENS: lat_h * lat_w * (1 + refs),
+        HEIGHT: height,
+        WIDTH: width,
+        LAT_H: lat_h,
+        LAT_W: lat_w,
+    }
 
 
 def _fix_shapes(model, spec: dict, dims: dict):
@@ -72,7 +78,7 @@ def _fix_shapes(model, spec: dict, dims: dict):
         dim_protos = value.type.tensor_type.shape.dim
         if len(dim_protos) != len(shape):
             raise RuntimeError(f"{value.name}: rank {len(dim_protos)} in the graph, {len(shape)} in the manifest")
-        for proto, size in zip(dim_protos, shape):
+        for proto, size in zip(dim_protos, shape, strict=True):
             proto.Clear()
             proto.dim_value = size
     del model.graph.value_info[:]
@@ -114,5 +120,7 @@ def make_static(bundle_dir, graphs: dict, buckets: list, refs: int, seq: int, mu
         "batch": 1,
         "seq": seq,
         "refs": refs,
-        "buckets": [{"width": w, "height": h, "files": files} for (w, h), files in zip(buckets, files_per_bucket)],
+        "buckets": [
+            {"width": w, "height": h, "files": files} for (w, h), files in zip(buckets, files_per_bucket, strict=True)
+        ],
     }

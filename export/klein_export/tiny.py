@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .errors import OutputExistsError
+
 ASSETS = Path(__file__).parent / "assets" / "qwen3-tokenizer"
 
 # Tiny architecture. The Qwen3 hidden size is small because the embedding table has the real
@@ -82,7 +84,7 @@ def _init_(module: nn.Module, generator: torch.Generator, gains: dict):
         elif isinstance(sub, nn.Embedding):
             with torch.no_grad():
                 sub.weight.copy_(torch.randn(sub.weight.shape, generator=generator))
-        elif hasattr(sub, "weight") and isinstance(getattr(sub, "weight"), nn.Parameter) and sub.weight.dim() == 1:
+        elif hasattr(sub, "weight") and isinstance(sub.weight, nn.Parameter) and sub.weight.dim() == 1:
             # norms: weights around `gain` (QK norms use a large gain: sharp attention)
             with torch.no_grad():
                 sub.weight.copy_(gain * (1.0 + 0.1 * torch.randn(sub.weight.shape, generator=generator)))
@@ -94,7 +96,7 @@ def _init_(module: nn.Module, generator: torch.Generator, gains: dict):
 # the default AutoencoderKLFlux2), and "wide": the same widths with fewer blocks, so that one
 # generation takes minutes on 2 cores while each block costs what it costs in the real model.
 FULL_QWEN3 = dict(
-    vocab_size=151936,
+    TINY_QWEN3,
     hidden_size=2560,
     intermediate_size=9728,
     num_hidden_layers=36,
@@ -102,9 +104,6 @@ FULL_QWEN3 = dict(
     num_key_value_heads=8,
     head_dim=128,
     max_position_embeddings=40960,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
 )
 FULL_TRANSFORMER = dict(
     TINY_TRANSFORMER,
@@ -119,24 +118,31 @@ FULL_VAE = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, lat
 
 PRESETS = {
     "tiny": (TINY_QWEN3, TINY_TRANSFORMER, TINY_VAE, "float32"),
-    "wide": (dict(FULL_QWEN3, num_hidden_layers=28), dict(FULL_TRANSFORMER, num_layers=1, num_single_layers=2), FULL_VAE, "bfloat16"),
+    "wide": (
+        dict(FULL_QWEN3, num_hidden_layers=28),
+        dict(FULL_TRANSFORMER, num_layers=1, num_single_layers=2),
+        FULL_VAE,
+        "bfloat16",
+    ),
     "4b": (FULL_QWEN3, FULL_TRANSFORMER, FULL_VAE, "bfloat16"),
 }
 
 
-def build_tiny(out_dir, seed: int = 0, transformer_overrides=None, vae_overrides=None, qwen_overrides=None, preset="tiny"):
+def build_tiny(
+    out_dir, seed: int = 0, transformer_overrides=None, vae_overrides=None, qwen_overrides=None, preset="tiny"
+):
     """Write a random-weight checkpoint of `preset` to `out_dir` (which must not exist).
 
     Components are built, saved and freed one at a time (the 4B preset does not fit in memory
     at once); large presets are stored in bfloat16, as the published checkpoints are.
     """
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise OutputExistsError(f"{out_dir}: already exists (choose a new directory)")
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     qwen_cfg, transformer_cfg, vae_cfg, storage = PRESETS[preset]
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        raise FileExistsError(f"{out_dir}: already exists (choose a new directory)")
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -154,7 +160,18 @@ def build_tiny(out_dir, seed: int = 0, transformer_overrides=None, vae_overrides
     del qwen
 
     transformer = Flux2Transformer2DModel(**{**transformer_cfg, **(transformer_overrides or {})}).eval()
-    _init_(transformer, g, {"norm_q": 4.0, "norm_k": 4.0, "norm_added_q": 4.0, "norm_added_k": 4.0, "modulation": 2.0, "context_embedder": 4.0})
+    _init_(
+        transformer,
+        g,
+        {
+            "norm_q": 4.0,
+            "norm_k": 4.0,
+            "norm_added_q": 4.0,
+            "norm_added_k": 4.0,
+            "modulation": 2.0,
+            "context_embedder": 4.0,
+        },
+    )
     save(transformer, "transformer")
     del transformer
 

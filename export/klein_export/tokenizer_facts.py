@@ -1,7 +1,9 @@
 """What the runtime needs to tokenise without a template engine, read from the checkpoint's tokenizer."""
 
+from .errors import CheckpointError
+
 MAX_SEQUENCE_LENGTH = 512  # Flux2KleinPipeline.tokenizer_max_length
-_SENTINEL = "\uE000klein-prompt\uE000"
+_SENTINEL = "\ue000klein-prompt\ue000"
 
 
 def tokenizer_facts(tokenizer) -> dict:
@@ -18,13 +20,13 @@ def tokenizer_facts(tokenizer) -> dict:
 
     text = render(_SENTINEL)
     if text.count(_SENTINEL) != 1:
-        raise ValueError("the chat template does not contain the prompt exactly once")
+        raise CheckpointError("the chat template does not contain the prompt exactly once")
     prefix, suffix = text.split(_SENTINEL)
     # The template must be a plain wrapper: another prompt renders with the same prefix and suffix.
     if render("other prompt") != prefix + "other prompt" + suffix:
-        raise ValueError("the chat template is not a fixed prefix + prompt + suffix; klein cannot reproduce it")
+        raise CheckpointError("the chat template is not a fixed prefix + prompt + suffix; klein cannot reproduce it")
     if tokenizer.pad_token_id is None:
-        raise ValueError("the tokenizer has no pad token")
+        raise CheckpointError("the tokenizer has no pad token")
     return {
         "file": "tokenizer.json",
         "prompt_prefix": prefix,

@@ -11,4 +11,6 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_bundle(tiny_checkpoint, tmp_path_factory):
-    return convert(tiny_checkpoint, tmp_path_factory.mktemp("bundle") / "klein-tiny", variant="tiny", log=lambda _: None)
+    return convert(
+        tiny_checkpoint, tmp_path_factory.mktemp("bundle") / "klein-tiny", variant="tiny", log=lambda _: None
+    )

@@ -38,9 +38,19 @@ def test_manifest_schema_and_hashes(tiny_bundle):
     tok = manifest["tokenizer"]
     assert tok["prompt_prefix"] == "<|im_start|>user\n"
     assert tok["prompt_suffix"] == "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-    assert (tok["pad_token"], tok["pad_token_id"], tok["padding_side"], tok["max_sequence_length"]) == ("<|endoftext|>", 151643, "right", 512)
+    assert (tok["pad_token"], tok["pad_token_id"], tok["padding_side"], tok["max_sequence_length"]) == (
+        "<|endoftext|>",
+        151643,
+        "right",
+        512,
+    )
     te = manifest["text_encoder"]
-    assert (te["hidden_layers"], te["layers_in_graph"], te["embed_dim"], te["num_hidden_layers"]) == ([9, 18, 27], 27, 48, 28)
+    assert (te["hidden_layers"], te["layers_in_graph"], te["embed_dim"], te["num_hidden_layers"]) == (
+        [9, 18, 27],
+        27,
+        48,
+        28,
+    )
     assert manifest["transformer"]["joint_attention_dim"] == 48
     assert manifest["scheduler"]["time_shift_type"] == "exponential" and manifest["scheduler"]["use_dynamic_shifting"]
     assert manifest["latents"] == {"channels": 128, "pixel_multiple": 16}

@@ -1,7 +1,7 @@
 """fp16, int8 and int4 bundles of the tiny checkpoint: export, manifest and metadata, what runs in which
 precision, error against torch fp32 per component and PSNR of the final image against diffusers fp32.
 
-Tolerances are those of `klein_export.verify` (stated and justified there): per component, the fp32
+Tolerances are those of `klein_export.tolerances` (stated and justified there): per component, the fp32
 rule with its floor scaled by the scheme's unit error (fp16 2^-11, int8 2^-8, int4 2^-4, against
 float32's 2^-24), and for quantized float32 graphs agreement to the fp32 rule with torch running the
 quantizer's own dequantized weights; per image, PSNR_THRESHOLD (fp32 80, fp16 40, int8 24, int4 18 dB)
@@ -20,9 +20,17 @@ from klein_export.against import component_differences, image_difference
 from klein_export.cli import main
 from klein_export.contract import COMPONENTS
 from klein_export.convert import convert
-from klein_export.precision import FLOAT16_MAX, KEEP_FLOAT32, PrecisionError, bfloat16_support, measure_ranges, summarise_ranges
+from klein_export.precision import (
+    FLOAT16_MAX,
+    KEEP_FLOAT32,
+    PrecisionError,
+    bfloat16_support,
+    measure_ranges,
+    summarise_ranges,
+)
 from klein_export.quantize import QuantizationConfig, QuantizationError, parse_components, quantize_copy
-from klein_export.verify import IMAGE_CASES, PSNR_THRESHOLD, verify, verify_images
+from klein_export.tolerances import PSNR_THRESHOLD
+from klein_export.verify import IMAGE_CASES, verify, verify_images
 
 QUANTIZED = ("text_encoder", "transformer")
 # Matrix products of the tiny checkpoint that hold a constant weight and are exported as MatMul:
@@ -42,12 +50,16 @@ def fp16_bundle(tiny_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def int8_bundle(tiny_bundle, tmp_path_factory):
-    return quantize_copy(tiny_bundle, tmp_path_factory.mktemp("int8") / "klein-tiny-int8", QuantizationConfig(bits=8), log=lambda _: None)
+    return quantize_copy(
+        tiny_bundle, tmp_path_factory.mktemp("int8") / "klein-tiny-int8", QuantizationConfig(bits=8), log=lambda _: None
+    )
 
 
 @pytest.fixture(scope="module")
 def int4_bundle(tiny_bundle, tmp_path_factory):
-    return quantize_copy(tiny_bundle, tmp_path_factory.mktemp("int4") / "klein-tiny-int4", QuantizationConfig(bits=4), log=lambda _: None)
+    return quantize_copy(
+        tiny_bundle, tmp_path_factory.mktemp("int4") / "klein-tiny-int4", QuantizationConfig(bits=4), log=lambda _: None
+    )
 
 
 @pytest.fixture
@@ -90,7 +102,10 @@ def test_fp16_manifest_and_metadata(fp16_bundle, tiny_bundle):
         spec = manifest["graphs"][component]
         assert (spec["precision"], spec["quantization"]) == ("fp16", None), component
         # The I/O contract is unchanged: graph inputs and outputs stay float32 / int64.
-        assert (spec["inputs"], spec["outputs"]) == (fp32["graphs"][component]["inputs"], fp32["graphs"][component]["outputs"])
+        assert (spec["inputs"], spec["outputs"]) == (
+            fp32["graphs"][component]["inputs"],
+            fp32["graphs"][component]["outputs"],
+        )
         assert spec["precision_scheme"]["float16_module_count"] > 0
         assert _metadata(fp16_bundle / spec["file"]) == {
             "klein.component": component,
@@ -108,7 +123,9 @@ def test_fp16_graphs_keep_norms_attention_and_modulation_in_float32(fp16_bundle)
         types = _tensor_types(model)
         initializers = {i.name for i in model.graph.initializer}
         for v in [*model.graph.input, *model.graph.output]:
-            assert types[v.name] in (TensorProto.FLOAT, TensorProto.INT64), f"{component}: {v.name} is not float32/int64"
+            assert types[v.name] in (TensorProto.FLOAT, TensorProto.INT64), (
+                f"{component}: {v.name} is not float32/int64"
+            )
         half = {}
         for node in model.graph.node:
             if TensorProto.FLOAT16 in (types[name] for name in [*node.input, *node.output] if name):
@@ -131,10 +148,15 @@ def test_quantized_manifest_and_metadata(bundles, tiny_bundle, name, bits):
         spec = manifest["graphs"][component]
         meta = _metadata(bundle / spec["file"])
         assert (spec["precision"], meta["klein.precision"]) == ("fp32", "fp32")
-        assert (spec["inputs"], spec["outputs"]) == (_manifest(tiny_bundle)["graphs"][component]["inputs"], _manifest(tiny_bundle)["graphs"][component]["outputs"])
+        assert (spec["inputs"], spec["outputs"]) == (
+            _manifest(tiny_bundle)["graphs"][component]["inputs"],
+            _manifest(tiny_bundle)["graphs"][component]["outputs"],
+        )
         if component not in QUANTIZED:
             assert spec["quantization"] is None and meta["klein.quantization"] == "none", component
-            assert manifest["files"][spec["file"]] == _manifest(tiny_bundle)["files"][spec["file"]], "VAE graph unchanged"
+            assert manifest["files"][spec["file"]] == _manifest(tiny_bundle)["files"][spec["file"]], (
+                "VAE graph unchanged"
+            )
             continue
         q = spec["quantization"]
         assert {k: q[k] for k in ("method", "bits", "block_size", "symmetric", "accuracy_level", "op_types")} == {
@@ -152,7 +174,9 @@ def test_quantized_manifest_and_metadata(bundles, tiny_bundle, name, bits):
         assert len(nbits) == MATMUL_WEIGHTS[component]
         assert all({a.name: a.i for a in n.attribute}["bits"] == bits for n in nbits)
         weights = {i.name for i in model.graph.initializer}
-        assert not [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in weights], "a constant-weight MatMul left in float"
+        assert not [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in weights], (
+            "a constant-weight MatMul left in float"
+        )
         assert q["float_nodes"].get("Gemm", 0) == (6 if component == "transformer" else 0)
 
 
@@ -183,7 +207,10 @@ def test_bundle_sizes(tiny_bundle, bundles):
     sizes = {"fp32": tiny_bundle, **bundles}
     sizes = {name: {p.name: p.stat().st_size for p in bundle.glob("*.onnx*")} for name, bundle in sizes.items()}
     for name, files in sizes.items():
-        print(f"{name}: {sum(files.values()) / 1e6:.2f} MB in graphs  " + "  ".join(f"{k} {v / 1e6:.2f}" for k, v in sorted(files.items())))
+        print(
+            f"{name}: {sum(files.values()) / 1e6:.2f} MB in graphs  "
+            + "  ".join(f"{k} {v / 1e6:.2f}" for k, v in sorted(files.items()))
+        )
     assert sizes["int4"]["transformer.onnx"] < sizes["int8"]["transformer.onnx"] < sizes["fp32"]["transformer.onnx"]
     assert sizes["fp16"]["transformer.onnx"] < sizes["fp32"]["transformer.onnx"]
     assert sizes["int8"]["vae_decoder.onnx"] == sizes["fp32"]["vae_decoder.onnx"], "the VAE is not quantized"
@@ -207,7 +234,10 @@ def test_bf16_is_refused_with_the_reason(tiny_checkpoint, tmp_path, capsys):
     assert reason is not None, "ONNX Runtime's CPU provider now runs bf16 MatMul: revisit the bf16 refusal"
     with pytest.raises(PrecisionError, match="bf16 is refused.*CPU provider.*use --precision fp16"):
         convert(tiny_checkpoint, tmp_path / "bf16", precision="bf16")
-    assert main(["convert", "--checkpoint", str(tiny_checkpoint), "--out", str(tmp_path / "bf16"), "--precision", "bf16"]) == 2
+    assert (
+        main(["convert", "--checkpoint", str(tiny_checkpoint), "--out", str(tmp_path / "bf16"), "--precision", "bf16"])
+        == 2
+    )
     assert "NOT_IMPLEMENTED" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
@@ -225,7 +255,9 @@ def test_quantize_refuses_a_quantized_graph_and_bad_options(int8_bundle, tmp_pat
 def test_large_quantized_graph_goes_to_external_data(tiny_checkpoint, tiny_bundle, tmp_path, monkeypatch):
     # The 2 GB protobuf limit, lowered so that the tiny transformer crosses it.
     monkeypatch.setattr("klein_export.quantize.EXTERNAL_DATA_THRESHOLD", 100_000)
-    out = quantize_copy(tiny_bundle, tmp_path / "ext", QuantizationConfig(bits=4, components=("transformer",)), log=lambda _: None)
+    out = quantize_copy(
+        tiny_bundle, tmp_path / "ext", QuantizationConfig(bits=4, components=("transformer",)), log=lambda _: None
+    )
     manifest = _manifest(out)
     _check_files(out, manifest)
     assert "transformer.onnx.data" in manifest["files"]
@@ -252,7 +284,7 @@ def test_activation_ranges_are_measured(tiny_checkpoint):
 def test_verify_against_the_fp32_bundle(tiny_bundle, bundles, capsys):
     """`verify --against`: ORT against ORT, no torch. A bundle against itself differs by nothing; fp16
     differs a little and int8 more in the text encoder and transformer, never in the VAE (not
-    quantized); the image passes the scheme's PSNR bar (verify.PSNR_THRESHOLD)."""
+    quantized); the image passes the scheme's PSNR bar (tolerances.PSNR_THRESHOLD)."""
     same = {d.component: d for d in component_differences(tiny_bundle, tiny_bundle, 64, 64)}
     assert set(same) == set(COMPONENTS) and all(d.max_abs == 0 for d in same.values())
     assert image_difference(tiny_bundle, tiny_bundle, 64, 64).psnr == float("inf")

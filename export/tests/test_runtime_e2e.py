@@ -28,9 +28,23 @@ REPO = Path(__file__).resolve().parents[2]
 KLEIN = REPO / "target" / "release" / "klein"
 
 CASES = [
-    {"id": "t2i-96x64", "prompt": "ein Fuchs im Schnee, 日本の春", "seed": 2026, "size": (96, 64), "steps": 4, "refs": []},
+    {
+        "id": "t2i-96x64",
+        "prompt": "ein Fuchs im Schnee, 日本の春",
+        "seed": 2026,
+        "size": (96, 64),
+        "steps": 4,
+        "refs": [],
+    },
     {"id": "t2i-48x112-empty-prompt", "prompt": "", "seed": 5, "size": (48, 112), "steps": 2, "refs": []},
-    {"id": "edit-explicit-size", "prompt": "make it night", "seed": 17, "size": (64, 80), "steps": 3, "refs": [(112, 80, "RGB")]},
+    {
+        "id": "edit-explicit-size",
+        "prompt": "make it night",
+        "seed": 17,
+        "size": (64, 80),
+        "steps": 3,
+        "refs": [(112, 80, "RGB")],
+    },
     {
         "id": "compose-three-refs",
         "prompt": "the cat from the first image on the sofa of the second, in the style of the third",

@@ -82,7 +82,9 @@ def test_manifest_lists_buckets_sharing_weights(static_bundle):
         for graph in graphs:
             model = onnx.load(str(graph), load_external_data=False)
             external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
-            assert external and {e.value for t in external for e in t.external_data if e.key == "location"} == {weights.name}
+            assert external and {e.value for t in external for e in t.external_data if e.key == "location"} == {
+                weights.name
+            }
             assert graph.stat().st_size < weights.stat().st_size / 5, graph.name
         # onnx writes external data 0600; the bundle's files get the umask's mode like any new file.
         umask = os.umask(0)

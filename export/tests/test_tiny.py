@@ -49,7 +49,9 @@ def generate(pipe, seed=0, **kwargs):
 
 def embeds_without_template(pipe, prompt):
     ids = pipe.tokenizer(prompt, return_tensors="pt", padding="max_length", truncation=True, max_length=512)
-    out = pipe.text_encoder(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"], output_hidden_states=True, use_cache=False)
+    out = pipe.text_encoder(
+        input_ids=ids["input_ids"], attention_mask=ids["attention_mask"], output_hidden_states=True, use_cache=False
+    )
     return torch.cat([out.hidden_states[k] for k in (9, 18, 27)], dim=-1)
 
 
@@ -64,7 +66,10 @@ def test_tiny_checkpoint_is_reproducible(tiny_checkpoint, tmp_path):
 
 def test_every_stage_matters(pipe, tmp_path):
     right = generate(pipe)
-    wrong = {"hidden layers 8/17/26": generate(pipe, text_encoder_out_layers=(8, 17, 26)), "another seed": generate(pipe, seed=1)}
+    wrong = {
+        "hidden layers 8/17/26": generate(pipe, text_encoder_out_layers=(8, 17, 26)),
+        "another seed": generate(pipe, seed=1),
+    }
     with torch.no_grad():
         wrong["no chat template"] = generate(pipe, prompt=None, prompt_embeds=embeds_without_template(pipe, PROMPT))
     pad = pipe.tokenizer.pad_token

@@ -1,0 +1,69 @@
+"""What a bundle may differ from its reference by: per component (`verify`), and per image (`verify`
+and `verify --against`)."""
+
+import numpy as np
+
+# fp32 tolerance. A case passes when ORT's max abs error against torch fp32 is at most
+# max(ABS_TOLERANCE, FLOOR_FACTOR * floor, REL_TOLERANCE * max|torch|), where floor is torch fp32's own
+# max abs error against the same module run in float64 on the same inputs. Random-weight models with
+# sharp attention amplify rounding: on the tiny checkpoint torch fp32 itself is 7.7e-3 away from
+# float64 on embeddings of magnitude 21 (3.6e-4 relative), and ORT's float32 sin/cos of timestep*1000
+# differs from torch's by an ulp, which the modulation amplifies to ~5e-5 relative in the velocity.
+# A fixed 1e-5 would measure summation order, not the graph; a wrong layer or op gives errors of order 1.
+ABS_TOLERANCE = 1e-5
+FLOOR_FACTOR = 2.0
+REL_TOLERANCE = 1e-4
+
+# Lower precisions. A scheme that rounds at unit error u instead of float32's u32 = 2^-24 gives, to
+# first order, errors u/u32 times the float32 ones on the same module and inputs, so its tolerance
+# against torch fp32 is the float32 rule with the floor term scaled by u/u32:
+#   max(ABS_TOLERANCE, FLOOR_FACTOR * floor * u / u32, REL_TOLERANCE * max|torch|).
+# u is half a step relative to the largest value the step is scaled to: float16 2^-11 (weights and
+# matmul operands of the float16 islands), symmetric int8 2^-8 and int4 2^-4 (of the block's max |w|).
+# The floor measures how much the module amplifies rounding on these very inputs, so the tolerance
+# adapts to the model: on the tiny checkpoint, built to make every stage matter, the text encoder
+# amplifies float32 rounding ~500-6000x and its int8/int4 tolerances exceed the output's own scale
+# (the comparison says nothing there; `line()` says "uninformative"); a better-conditioned model has a
+# smaller floor and a tighter tolerance. What then shows that a
+# quantized graph computes what it should is the second check: against the torch module with the
+# quantizer's own dequantized weights, the graph must agree to the float32 rule (floor: the larger of
+# the two modules' fp32-vs-fp64 errors).
+U32 = 2.0**-24
+UNIT_ERROR = {"fp32": U32, "fp16": 2.0**-11, 8: 2.0**-8, 4: 2.0**-4}
+
+# End to end: PSNR (dB, of the float image in [0, 255]) of the bundle's image against diffusers fp32,
+# same prompt, seed and size. fp32: summation order only (tests/test_tiny.py: a 1e-6 change of the
+# initial noise stays above 90 dB). fp16: an rms error under 1% of the range. int8/int4: on the tiny
+# checkpoint the image moves with the weights by design (a wrong hidden layer costs 32 dB there,
+# another seed 14 dB); measured 27-28 dB (int8) and 21 dB (int4), thresholds a few dB below and well
+# above an unrelated image. A quantized bundle must also reproduce diffusers run with the same
+# dequantized weights to EMULATED_PSNR (float32 differences only).
+PSNR_THRESHOLD = {"fp32": 80.0, "fp16": 40.0, 8: 24.0, 4: 18.0}
+EMULATED_PSNR = 80.0
+
+
+def scheme_name(precision: str, quantization) -> str:
+    return precision + (f"+int{quantization['bits']}" if quantization else "")
+
+
+def unit_error(precision: str, quantization) -> float:
+    u = UNIT_ERROR[precision]
+    return max(u, UNIT_ERROR[quantization["bits"]]) if quantization else u
+
+
+def psnr_threshold(spec: dict) -> float:
+    """The image PSNR bar of one manifest graph (`graphs.*`): its precision's, or its quantization's if lower."""
+    quantization = spec.get("quantization")
+    threshold = PSNR_THRESHOLD[spec["precision"]]
+    return min(threshold, PSNR_THRESHOLD[quantization["bits"]]) if quantization else threshold
+
+
+def image_bar(graphs: dict) -> tuple:
+    """(PSNR threshold, scheme name) of a bundle's image: those of its graph that loses the most."""
+    coarsest = min(graphs.values(), key=psnr_threshold)
+    return psnr_threshold(coarsest), scheme_name(coarsest["precision"], coarsest.get("quantization"))
+
+
+def psnr(a, b) -> float:
+    mse = np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)
+    return float("inf") if mse == 0 else float(10 * np.log10(255.0**2 / mse))
