@@ -56,6 +56,13 @@ fn describe(failure: Failure) -> String {
         }
         Failure::Empty => "cannot decode (a JPEG with no pixels)".to_string(),
         Failure::TooLarge { width, height } => too_large(width, height),
+        Failure::Libjpeg { code, .. } if code == mozjpeg_sys::JERR_CANT_SUSPEND as i32 => format!(
+            "cannot decode this arithmetic-coded JPEG as Pillow does: its data runs across one of \
+             the {} KiB blocks Pillow feeds libjpeg, whose arithmetic decoder cannot wait for the \
+             next, so Pillow fails on it (\"broken data stream\"); re-encode it with Huffman \
+             coding (the default of every encoder)",
+            libjpeg::PILLOW_BLOCK / 1024
+        ),
         Failure::Libjpeg { code, .. } if code == mozjpeg_sys::JERR_NO_BACKING_STORE as i32 => {
             format!(
                 "the image needs more than {} MiB of decoder memory (a large progressive JPEG); \

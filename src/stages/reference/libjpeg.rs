@@ -7,9 +7,12 @@
 //!   upsampling, block smoothing), only `out_color_space` set: greyscale for one component, RGB for
 //!   three (libjpeg picks the file's colour space: YCbCr, or RGB for Adobe transform 0 and
 //!   component ids R, G, B), CMYK for four (libjpeg converts YCCK, Adobe transform 2, to CMYK);
-//! - a suspending data source over the whole file: where libjpeg needs bytes past the end, Pillow
-//!   reports "image file is truncated"; so does this (a missing EOI marker after the last row is
-//!   accepted, as Pillow accepts it);
+//! - a suspending data source fed as `ImageFile.load` feeds it: the file in blocks of
+//!   [`PILLOW_BLOCK`] bytes, each libjpeg call that suspends retried with one more block. This
+//!   matters twice: where libjpeg needs bytes past the end, Pillow reports "image file is
+//!   truncated" (a missing EOI marker after the last row is accepted); and libjpeg's arithmetic
+//!   decoder cannot suspend, so an arithmetic-coded scan that runs across a block boundary fails in
+//!   Pillow ("broken data stream"), and fails here the same way (`JERR_CANT_SUSPEND`);
 //! - warnings (corrupt data libjpeg can skip) are neither printed nor fatal;
 //! - errors end the decoding with libjpeg's message. libjpeg's default `error_exit` calls `exit()`;
 //!   Pillow longjmps out of it. Rust cannot longjmp, so `error_exit` unwinds instead (the
@@ -22,6 +25,9 @@ use std::ffi::{c_int, c_long, CStr};
 use std::panic::{self, AssertUnwindSafe};
 
 use mozjpeg_sys as ffi;
+
+/// `ImageFile.MAXBLOCK`: the bytes `ImageFile.load` reads per call of the decoder.
+pub(super) const PILLOW_BLOCK: usize = 65536;
 
 /// `jpeg_read_header` return values (jpeglib.h).
 const JPEG_SUSPENDED: c_int = 0;
@@ -65,11 +71,25 @@ pub(super) struct Bounds {
     pub max_bytes: u64,
 }
 
+/// The data source: libjpeg's manager first (libjpeg sees only that part, through `cinfo.src`),
+/// then where Pillow's feeding stands.
+#[repr(C)]
+struct Source {
+    mgr: ffi::jpeg_source_mgr,
+    /// The whole file.
+    start: *const u8,
+    len: usize,
+    /// End of the bytes handed to libjpeg so far (Pillow's blocks read so far).
+    window_end: usize,
+    /// Bytes libjpeg asked to skip past the window (Pillow's `source->skip`).
+    pending_skip: usize,
+}
+
 /// libjpeg's state: boxed so that the pointers between its parts stay valid.
 struct Decoder {
     cinfo: ffi::jpeg_decompress_struct,
     err: ffi::jpeg_error_mgr,
-    src: ffi::jpeg_source_mgr,
+    src: Source,
     created: bool,
 }
 
@@ -123,19 +143,23 @@ fn run(decoder: &mut Decoder, data: &[u8], bounds: &Bounds) -> Result<Samples, F
         (*cinfo.common.mem).max_memory_to_use =
             c_long::try_from(bounds.max_bytes).unwrap_or(c_long::MAX);
 
-        src.next_input_byte = data.as_ptr();
-        src.bytes_in_buffer = data.len();
-        src.init_source = Some(init_source);
-        src.fill_input_buffer = Some(fill_input_buffer);
-        src.skip_input_data = Some(skip_input_data);
-        src.resync_to_restart = Some(ffi::jpeg_resync_to_restart);
-        src.term_source = Some(term_source);
-        cinfo.src = src;
+        src.start = data.as_ptr();
+        src.len = data.len();
+        src.window_end = data.len().min(PILLOW_BLOCK);
+        src.mgr.next_input_byte = data.as_ptr();
+        src.mgr.bytes_in_buffer = src.window_end;
+        src.mgr.init_source = Some(init_source);
+        src.mgr.fill_input_buffer = Some(fill_input_buffer);
+        src.mgr.skip_input_data = Some(skip_input_data);
+        src.mgr.resync_to_restart = Some(ffi::jpeg_resync_to_restart);
+        src.mgr.term_source = Some(term_source);
+        let src: *mut Source = src;
+        cinfo.src = &mut (*src).mgr;
 
         // Pillow: `do ok = jpeg_read_header(FALSE) while (ok == JPEG_HEADER_TABLES_ONLY)`.
         loop {
             match ffi::jpeg_read_header(cinfo, 0) {
-                JPEG_SUSPENDED => return Err(Failure::Truncated),
+                JPEG_SUSPENDED => feed(&mut *src)?,
                 JPEG_HEADER_TABLES_ONLY => continue,
                 _ => break,
             }
@@ -155,16 +179,16 @@ fn run(decoder: &mut Decoder, data: &[u8], bounds: &Bounds) -> Result<Samples, F
         if width > bounds.max_side || height > bounds.max_side || bytes > bounds.max_bytes {
             return Err(Failure::TooLarge { width, height });
         }
-        if ffi::jpeg_start_decompress(cinfo) == 0 {
-            return Err(Failure::Truncated);
+        while ffi::jpeg_start_decompress(cinfo) == 0 {
+            feed(&mut *src)?;
         }
         // Unscaled output: the header's size, the requested number of components.
         let row_bytes = width as usize * components;
         let mut samples = vec![0u8; row_bytes * height as usize];
         for row in samples.chunks_exact_mut(row_bytes) {
             let mut rows = [row.as_mut_ptr()];
-            if ffi::jpeg_read_scanlines(cinfo, rows.as_mut_ptr(), 1) != 1 {
-                return Err(Failure::Truncated);
+            while ffi::jpeg_read_scanlines(cinfo, rows.as_mut_ptr(), 1) != 1 {
+                feed(&mut *src)?;
             }
         }
         // Pillow ignores a suspension here (every row is out): it only reads up to EOI.
@@ -213,21 +237,47 @@ unsafe extern "C-unwind" fn init_source(_cinfo: &mut ffi::jpeg_decompress_struct
 
 unsafe extern "C-unwind" fn term_source(_cinfo: &mut ffi::jpeg_decompress_struct) {}
 
-/// The whole file is already in the buffer: asking for more means it is truncated. Returning
-/// FALSE suspends libjpeg, as Pillow's source does while it waits for bytes that never come.
+/// Pillow's next call after a suspension: one more block of the file after what libjpeg left
+/// unconsumed, the pending skip applied first (a skip past it waits for the block after);
+/// `Truncated` when the file has no more.
+fn feed(src: &mut Source) -> Result<(), Failure> {
+    loop {
+        if src.window_end == src.len {
+            return Err(Failure::Truncated);
+        }
+        src.window_end = src.len.min(src.window_end + PILLOW_BLOCK);
+        // SAFETY: `next_input_byte` points into the file (`start..start + len`), at or before the
+        // old window end.
+        let consumed = unsafe { src.mgr.next_input_byte.offset_from(src.start) } as usize;
+        let skip = src.pending_skip.min(src.window_end - consumed);
+        src.pending_skip -= skip;
+        // SAFETY: `consumed + skip <= window_end <= len`: inside the file.
+        src.mgr.next_input_byte = unsafe { src.start.add(consumed + skip) };
+        src.mgr.bytes_in_buffer = src.window_end - consumed - skip;
+        if src.pending_skip == 0 {
+            return Ok(());
+        }
+    }
+}
+
+/// No more bytes until the next block: returning FALSE suspends libjpeg, as Pillow's source does
+/// (the arithmetic decoder, which cannot suspend, raises `JERR_CANT_SUSPEND` instead).
 unsafe extern "C-unwind" fn fill_input_buffer(_cinfo: &mut ffi::jpeg_decompress_struct) -> ffi::boolean {
     0
 }
 
-/// Skips `num_bytes` (a marker libjpeg does not keep); past the end, consumes everything, so the
-/// next read suspends (Pillow's source would wait for the rest).
+/// Skips `num_bytes` (a marker libjpeg does not keep); past the window, consumes it and leaves the
+/// rest for [`feed`], as Pillow's `skip_input_data` does.
 unsafe extern "C-unwind" fn skip_input_data(cinfo: &mut ffi::jpeg_decompress_struct, num_bytes: c_long) {
-    // SAFETY: `cinfo.src` is the source set in `run`; advancing within `bytes_in_buffer` keeps
-    // `next_input_byte` inside the caller's slice.
+    // SAFETY: `cinfo.src` is the `mgr` field of the `#[repr(C)]` `Source` set in `run` (its first
+    // field, so the pointers are the same); advancing within `bytes_in_buffer` keeps
+    // `next_input_byte` inside the window.
     unsafe {
-        let src = &mut *cinfo.src;
-        let skip = usize::try_from(num_bytes).unwrap_or(0).min(src.bytes_in_buffer);
-        src.next_input_byte = src.next_input_byte.add(skip);
-        src.bytes_in_buffer -= skip;
+        let src = &mut *cinfo.src.cast::<Source>();
+        let wanted = usize::try_from(num_bytes).unwrap_or(0);
+        let skip = wanted.min(src.mgr.bytes_in_buffer);
+        src.mgr.next_input_byte = src.mgr.next_input_byte.add(skip);
+        src.mgr.bytes_in_buffer -= skip;
+        src.pending_skip = wanted - skip;
     }
 }

@@ -292,6 +292,7 @@ fn target_area_size(width: u32, height: u32, target_area: u64) -> (u32, u32) {
 #[allow(clippy::unwrap_used)] // tests may unwrap: a failure is a test failure
 mod tests {
     use super::*;
+    use crate::limits::MAX_DECODE_SIDE;
     use safetensors::{Dtype, SafeTensors};
     use std::path::PathBuf;
 
@@ -528,6 +529,12 @@ mod tests {
             assert!(
                 err.contains("larger than this runtime decodes"),
                 "{name}: {err}"
+            );
+            let header = read_header(&path);
+            assert!(
+                matches!(&header, Err(KleinError::Image { reason, .. })
+                    if reason.contains("larger than this runtime decodes")),
+                "{name}: {header:?}"
             );
         }
     }
