@@ -19,8 +19,11 @@ fn corpus() -> PathBuf {
     std::env::var_os("KLEIN_DECODE_CORPUS").map_or_else(|| fixture("decode"), PathBuf::from)
 }
 
-/// Pillow's pixels per file (`[H, W, 3]` uint8), and the files Pillow refuses with its message.
-fn expected() -> (BTreeMap<String, (Vec<usize>, Vec<u8>)>, BTreeMap<String, String>) {
+/// Pillow's pixels per file: shape `[H, W, 3]` and uint8 values.
+type Pixels = BTreeMap<String, (Vec<usize>, Vec<u8>)>;
+
+/// Pillow's pixels per file, and the files Pillow refuses with its message.
+fn expected() -> (Pixels, BTreeMap<String, String>) {
     let bytes = std::fs::read(corpus().join("expected.safetensors")).unwrap();
     let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
     let refused: BTreeMap<String, String> =
@@ -125,7 +128,13 @@ fn every_corpus_file_decodes_to_pillows_pixels() {
     }
     eprintln!("{}", report.join("\n"));
     eprintln!("{} files, {failures} failures", files.len());
-    assert_eq!(failures, 0, "{failures} of {} files:\n{}", files.len(), report.join("\n"));
+    assert_eq!(
+        failures,
+        0,
+        "{failures} of {} files:\n{}",
+        files.len(),
+        report.join("\n")
+    );
 }
 
 /// `read_header` gives the oriented size `load_image` gives, and the format, for every file
@@ -148,7 +157,10 @@ fn headers_give_the_oriented_size() {
         assert_eq!(header.format, format, "{name}");
     }
     let rotated = read_header(&corpus().join("j_orient6.jpg")).unwrap();
-    assert_eq!((rotated.width, rotated.height, rotated.orientation), (16, 24, 6));
+    assert_eq!(
+        (rotated.width, rotated.height, rotated.orientation),
+        (16, 24, 6)
+    );
 }
 
 /// `jpeg` with a comment segment of `len` bytes (marker included) inserted after SOI.
@@ -208,7 +220,11 @@ fn broken_jpegs_are_refused_with_libjpegs_message() {
     assert!(err.contains("2 colour components"), "{err}");
 
     // only the signature, cut inside the header, and random bytes after SOI
-    for bytes in [&good[..3], &good[..200], &[0xFF, 0xD8, 0xFF, 0x12, 0x34][..]] {
+    for bytes in [
+        &good[..3],
+        &good[..200],
+        &[0xFF, 0xD8, 0xFF, 0x12, 0x34][..],
+    ] {
         let err = reason(decode_image_bytes(bytes, label));
         assert!(err.contains("cannot decode"), "{err}");
     }

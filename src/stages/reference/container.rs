@@ -76,14 +76,17 @@ fn other_format(bytes: &[u8]) -> Option<&'static str> {
 }
 
 fn be16(bytes: &[u8], at: usize) -> Option<u32> {
-    Some(u32::from(u16::from_be_bytes(bytes.get(at..at + 2)?.try_into().ok()?)))
+    Some(u32::from(u16::from_be_bytes(
+        bytes.get(at..at + 2)?.try_into().ok()?,
+    )))
 }
 
 fn be32(bytes: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_be_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
 }
 
-const TRUNCATED: &str = "cannot decode (the file ends inside its header); the file may be truncated";
+const TRUNCATED: &str =
+    "cannot decode (the file ends inside its header); the file may be truncated";
 
 /// `JpegImageFile._open`: markers from SOI up to the first SOS.
 fn jpeg(bytes: &[u8]) -> Result<Container, String> {
@@ -294,9 +297,9 @@ const MAX_TEXT_CHUNK: usize = 1024 * 1024;
 fn inflate(data: &[u8]) -> Result<Option<Vec<u8>>, String> {
     match miniz_oxide::inflate::decompress_to_vec_zlib_with_limit(data, MAX_TEXT_CHUNK) {
         Ok(text) => Ok(Some(text)),
-        Err(e) if e.status == miniz_oxide::inflate::TINFLStatus::HasMoreOutput => Err(
-            "cannot decode (a PNG text chunk over Pillow's MAX_TEXT_CHUNK)".to_string(),
-        ),
+        Err(e) if e.status == miniz_oxide::inflate::TINFLStatus::HasMoreOutput => {
+            Err("cannot decode (a PNG text chunk over Pillow's MAX_TEXT_CHUNK)".to_string())
+        }
         // A truncated stream gives Python what it could inflate.
         Err(e) if e.status == miniz_oxide::inflate::TINFLStatus::FailedCannotMakeProgress => {
             Ok(Some(e.output))
@@ -377,9 +380,10 @@ fn png_text(kind: &[u8], data: &[u8], metadata: &mut Metadata) -> Result<(), Str
         b"Raw profile type exif" => metadata.raw_profile_exif = Some(text),
         b"XML:com.adobe.xmp" => metadata.xmp_text = Some(text),
         b"exif" => {
-            return Err(format!(
+            return Err(
                 "cannot decode (a compressed PNG text chunk named exif, which Pillow fails on)"
-            ))
+                    .to_string(),
+            )
         }
         _ => {}
     }
@@ -391,8 +395,12 @@ fn webp(bytes: &[u8]) -> Result<Container, String> {
     let mut decoder = image_webp::WebPDecoder::new(Cursor::new(bytes))
         .map_err(|e| format!("cannot decode ({e}); the file may be corrupt or truncated"))?;
     let (width, height) = decoder.dimensions();
-    let exif = decoder.exif_metadata().map_err(|e| format!("cannot decode ({e})"))?;
-    let xmp = decoder.xmp_metadata().map_err(|e| format!("cannot decode ({e})"))?;
+    let exif = decoder
+        .exif_metadata()
+        .map_err(|e| format!("cannot decode ({e})"))?;
+    let xmp = decoder
+        .xmp_metadata()
+        .map_err(|e| format!("cannot decode ({e})"))?;
     Ok(Container {
         format: ImageFormat::WebP,
         width,

@@ -63,4 +63,3 @@ pub(super) fn too_large(width: u32, height: u32) -> String {
         MAX_DECODE_BYTES / (1024 * 1024)
     )
 }
-

@@ -56,14 +56,14 @@ fn describe(failure: Failure) -> String {
         }
         Failure::Empty => "cannot decode (a JPEG with no pixels)".to_string(),
         Failure::TooLarge { width, height } => too_large(width, height),
-        Failure::Libjpeg { code, .. } if code == mozjpeg_sys::JERR_CANT_SUSPEND as i32 => format!(
+        Failure::Libjpeg { code, .. } if code == mozjpeg_sys::JERR_CANT_SUSPEND => format!(
             "cannot decode this arithmetic-coded JPEG as Pillow does: its data runs across one of \
              the {} KiB blocks Pillow feeds libjpeg, whose arithmetic decoder cannot wait for the \
              next, so Pillow fails on it (\"broken data stream\"); re-encode it with Huffman \
              coding (the default of every encoder)",
             libjpeg::PILLOW_BLOCK / 1024
         ),
-        Failure::Libjpeg { code, .. } if code == mozjpeg_sys::JERR_NO_BACKING_STORE as i32 => {
+        Failure::Libjpeg { code, .. } if code == mozjpeg_sys::JERR_NO_BACKING_STORE => {
             format!(
                 "the image needs more than {} MiB of decoder memory (a large progressive JPEG); \
                  downscale it first",
@@ -138,7 +138,11 @@ mod tests {
     fn libjpeg_messages_are_formatted_like_printf() {
         let ints = [3, 0xd9, 0, 0, 0, 0, 0, 0];
         assert_eq!(
-            printf("Corrupt JPEG data: %u extraneous bytes before marker 0x%02x", &ints, ""),
+            printf(
+                "Corrupt JPEG data: %u extraneous bytes before marker 0x%02x",
+                &ints,
+                ""
+            ),
             "Corrupt JPEG data: 3 extraneous bytes before marker 0xd9"
         );
         assert_eq!(printf("Bogus %s (%4u)", &[7; 8], "x"), "Bogus x (   7)");

@@ -1,6 +1,9 @@
 //! libjpeg-turbo's decompressor, called as Pillow's `libImaging/JpegDecode.c` calls it. This is
 //! the only module of the stages with `unsafe` code: the C API of libjpeg, through `mozjpeg-sys`
-//! (mozjpeg 4's decompressor is libjpeg-turbo's, compiled from C by the `cc` crate).
+//! 2.2.3 (mozjpeg 4.1, whose decompressor is libjpeg-turbo 2.1's, compiled from C by the `cc`
+//! crate, without SIMD). Pillow 13's wheels ship libjpeg-turbo 3.2.0: the decoding paths used here
+//! (islow IDCT, fancy upsampling, colour conversion, Huffman and arithmetic decoding) give the same
+//! samples, which tests/it/decode.rs checks file by file.
 //!
 //! What Pillow does, and so what this does:
 //! - the default decompression parameters of `jpeg_read_header` (islow integer IDCT, fancy chroma
@@ -51,7 +54,7 @@ pub(super) enum Failure {
     Components(c_int),
     /// A header with no pixels.
     Empty,
-    /// The image is larger than the caller's bounds (`width`, `height`, `components`).
+    /// The image is larger than the caller's bounds.
     TooLarge { width: u32, height: u32 },
     /// libjpeg's `error_exit`: its message code, its message template (a C format string) and the
     /// parameters libjpeg would format into it.
@@ -262,13 +265,18 @@ fn feed(src: &mut Source) -> Result<(), Failure> {
 
 /// No more bytes until the next block: returning FALSE suspends libjpeg, as Pillow's source does
 /// (the arithmetic decoder, which cannot suspend, raises `JERR_CANT_SUSPEND` instead).
-unsafe extern "C-unwind" fn fill_input_buffer(_cinfo: &mut ffi::jpeg_decompress_struct) -> ffi::boolean {
+unsafe extern "C-unwind" fn fill_input_buffer(
+    _cinfo: &mut ffi::jpeg_decompress_struct,
+) -> ffi::boolean {
     0
 }
 
 /// Skips `num_bytes` (a marker libjpeg does not keep); past the window, consumes it and leaves the
 /// rest for [`feed`], as Pillow's `skip_input_data` does.
-unsafe extern "C-unwind" fn skip_input_data(cinfo: &mut ffi::jpeg_decompress_struct, num_bytes: c_long) {
+unsafe extern "C-unwind" fn skip_input_data(
+    cinfo: &mut ffi::jpeg_decompress_struct,
+    num_bytes: c_long,
+) {
     // SAFETY: `cinfo.src` is the `mgr` field of the `#[repr(C)]` `Source` set in `run` (its first
     // field, so the pointers are the same); advancing within `bytes_in_buffer` keeps
     // `next_input_byte` inside the window.

@@ -190,7 +190,9 @@ fn first_integer(tiff: &Tiff<'_>, kind: u16, at: usize) -> u8 {
         6 => tiff.data.get(at).map(|&v| f64::from(v as i8)),
         16 => tiff.bytes::<8>(at).map(|b| u64::from_be_bytes(b) as f64),
         11 => tiff.u32(at).map(|v| f64::from(f32::from_bits(v))),
-        12 => tiff.bytes::<8>(at).map(|b| f64::from_bits(u64::from_be_bytes(b))),
+        12 => tiff
+            .bytes::<8>(at)
+            .map(|b| f64::from_bits(u64::from_be_bytes(b))),
         5 | 10 => match (tiff.u32(at), tiff.u32(at + 4)) {
             (Some(num), Some(den)) if kind == 5 && den != 0 && num % den == 0 => {
                 Some(f64::from(num / den))
@@ -235,14 +237,26 @@ pub(super) fn transpose(image: RgbImage, orientation: u8) -> RgbImage {
 mod tests {
     use super::*;
 
+    /// A TIFF header and a first IFD holding one Orientation entry.
     fn exif_with(kind: u16, count: u32, value: [u8; 4], big_endian: bool) -> Vec<u8> {
-        let mut tiff = Vec::new();
-        let (u16b, u32b): (fn(u16) -> [u8; 2], fn(u32) -> [u8; 4]) = if big_endian {
-            tiff.extend(b"MM\0*");
-            (u16::to_be_bytes, u32::to_be_bytes)
+        let u16b = |v: u16| {
+            if big_endian {
+                v.to_be_bytes()
+            } else {
+                v.to_le_bytes()
+            }
+        };
+        let u32b = |v: u32| {
+            if big_endian {
+                v.to_be_bytes()
+            } else {
+                v.to_le_bytes()
+            }
+        };
+        let mut tiff = if big_endian {
+            b"MM\0*".to_vec()
         } else {
-            tiff.extend(b"II*\0");
-            (u16::to_le_bytes, u32::to_le_bytes)
+            b"II*\0".to_vec()
         };
         tiff.extend(u32b(8));
         tiff.extend(u16b(1));

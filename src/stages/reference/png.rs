@@ -40,7 +40,14 @@ pub(super) fn decode(bytes: &[u8]) -> Result<RgbImage, String> {
     let rows = raw.chunks_exact(frame.line_size).take(height as usize);
     let mut rgb = Vec::with_capacity(width as usize * height as usize * 3);
     for row in rows {
-        convert_row(row, width as usize, depth, frame.color_type, palette, &mut rgb);
+        convert_row(
+            row,
+            width as usize,
+            depth,
+            frame.color_type,
+            palette,
+            &mut rgb,
+        );
     }
     RgbImage::from_raw(width, height, rgb)
         .ok_or_else(|| "cannot decode (the PNG data is shorter than its header)".to_string())
@@ -88,7 +95,9 @@ fn convert_row(
         // "LA", "LA;16B" (high byte): grey replicated, alpha dropped
         (ColorType::GrayscaleAlpha, _) => {
             let step = 2 * usize::from(depth / 8);
-            row.chunks_exact(step).take(width).for_each(|s| grey(out, s[0]));
+            row.chunks_exact(step)
+                .take(width)
+                .for_each(|s| grey(out, s[0]));
         }
         // "RGB", "RGBA", "RGB;16B", "RGBA;16B": the high byte of each sample, alpha dropped
         (ColorType::Rgb | ColorType::Rgba, _) => {
