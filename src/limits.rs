@@ -36,8 +36,12 @@ pub const MAX_BATCH_LINES: usize = 100_000;
 /// Largest width or height of a reference file this runtime decodes, to refuse decompression
 /// bombs before allocating.
 pub const MAX_DECODE_SIDE: u32 = 16384;
-/// Largest decoded reference pixel buffer, in bytes (512 MiB, the image crate's default).
+/// Largest decoded reference pixel buffer, in bytes (512 MiB, the image crate's default); also
+/// libjpeg's working memory (the coefficients of a progressive JPEG).
 pub const MAX_DECODE_BYTES: u64 = 512 * 1024 * 1024;
+/// Largest reference file read into memory: no file klein decodes within [`MAX_DECODE_BYTES`] of
+/// pixels needs more.
+pub const MAX_DECODE_FILE_BYTES: u64 = MAX_DECODE_BYTES;
 
 /// Largest `references.time_offset_scale` (in size) a manifest may give: reference `i` gets time
 /// coordinate `scale * (i + 1)`, and there are at most `MAX_IMAGE_TOKENS` references (one token

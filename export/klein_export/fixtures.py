@@ -2,8 +2,10 @@
 
 For each case: `case.json` (prompt, seed, size, steps, reference files) and `tensors.safetensors` with
 the token ids and mask, prompt embeddings, initial noise, reference tokens, sigmas, timesteps, the
-packed latents after every step and the final uint8 image. Reference images are written as PNG files
-beside them.
+packed latents after every step and the final uint8 image. Reference images are written beside them:
+PNG files, or, where a case gives a reference save options (`format`, Pillow's `save` options, and
+`orientation` for an EXIF orientation tag), JPEG or WebP files, which the pipeline reads through
+`load_image` like any user's photo.
 """
 
 import json
@@ -51,7 +53,31 @@ CASES = (
         "steps": 3,
         "refs": [(64, 80, "RGBA"), (112, 64, "RGB"), (72, 72, "L")],
     },
+    # Camera-like files: a baseline 4:2:0 JPEG; a lossy WebP and a JPEG with EXIF orientation 6.
+    {
+        "name": "edit_jpeg_ref",
+        "prompt": "the same street at night",
+        "seed": 5,
+        "width": None,
+        "height": None,
+        "steps": 4,
+        "refs": [(150, 90, "RGB", {"format": "JPEG", "quality": 88, "subsampling": 2})],
+    },
+    {
+        "name": "edit_webp_and_rotated_jpeg",
+        "prompt": "put the cat in the garden",
+        "seed": 9,
+        "width": None,
+        "height": None,
+        "steps": 3,
+        "refs": [
+            (96, 80, "RGB", {"format": "WEBP", "quality": 80}),
+            (100, 72, "RGB", {"format": "JPEG", "quality": 90, "orientation": 6}),
+        ],
+    },
 )
+
+EXTENSIONS = {"PNG": "png", "JPEG": "jpg", "WEBP": "webp"}
 
 
 def synthetic_image(width: int, height: int, mode: str, seed: int) -> Image.Image:
@@ -101,9 +127,14 @@ def run_case(pipe, case: dict, out_dir: Path) -> dict:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     ref_files = []
-    for i, (w, h, mode) in enumerate(case["refs"]):
-        name = f"ref{i}.png"
-        synthetic_image(w, h, mode, seed=case["seed"] * 10 + i).save(out_dir / name)
+    for i, (w, h, mode, *save) in enumerate(case["refs"]):
+        options = dict(save[0]) if save else {"format": "PNG"}
+        name = f"ref{i}.{EXTENSIONS[options['format']]}"
+        if orientation := options.pop("orientation", None):
+            exif = Image.Exif()
+            exif[0x0112] = orientation
+            options["exif"] = exif.tobytes()
+        synthetic_image(w, h, mode, seed=case["seed"] * 10 + i).save(out_dir / name, **options)
         ref_files.append(name)
     images = [load_image(str(out_dir / name)) for name in ref_files]
 
