@@ -496,12 +496,16 @@ unsafe fn to_request(
         // SAFETY: `reference_count` readable pointers (the caller's guarantee).
         (false, count) => unsafe { slice::from_raw_parts(reference_paths, count) },
     };
+    let mut files = Vec::with_capacity(paths.len());
     for (i, &path) in paths.iter().enumerate() {
         // SAFETY: the caller's guarantee.
         let path = unsafe { required_str(path, &format!("request.reference_paths[{i}]")) }?;
-        result
-            .references
-            .push(pipeline.load_reference(Path::new(path))?);
+        files.push(Path::new(path));
+    }
+    // From their headers, before any is decoded.
+    pipeline.check_reference_files(&files, result.width, result.height)?;
+    for path in files {
+        result.references.push(pipeline.load_reference(path)?);
     }
     Ok(result)
 }

@@ -40,7 +40,9 @@ use crate::runtime::{self, Device, Graph, SessionConfig, TensorInput};
 use crate::stages::latents::{pack_latents, prepare_image_ids, unpack_latents};
 use crate::stages::noise::randn;
 use crate::stages::output::{to_rgb_images, RgbImage};
-use crate::stages::reference::{load_reference, preprocess_reference, ReferenceImage};
+use crate::stages::reference::{
+    load_reference, preprocess_reference, processed_size, read_header, ReferenceImage,
+};
 use crate::stages::schedule::{compute_empirical_mu, schedule, Schedule};
 use crate::stages::tokenize::PromptTokenizer;
 
@@ -245,6 +247,40 @@ impl Pipeline {
             &self.manifest.references.limits,
             self.manifest.latents.pixel_multiple,
         )
+    }
+
+    /// Checks reference files from their headers alone, before any is decoded: each readable and
+    /// of a size the pipeline takes, at most [`crate::limits::MAX_REFERENCES`] of them, and the
+    /// output (`width` x `height`, else the first reference's size, else the bundle's default)
+    /// plus all of them within the token budget.
+    pub fn check_reference_files(
+        &self,
+        paths: &[&Path],
+        width: Option<u32>,
+        height: Option<u32>,
+    ) -> Result<()> {
+        request::check_reference_count(paths.len())?;
+        let m = self.manifest.latents.pixel_multiple;
+        let mut sizes = Vec::with_capacity(paths.len());
+        for path in paths {
+            let header = read_header(path)?;
+            sizes.push(processed_size(
+                header.width,
+                header.height,
+                &self.manifest.references.limits,
+                m,
+                path,
+            )?);
+        }
+        let first = sizes.first().copied();
+        let width = width
+            .or(first.map(|s| s.0))
+            .unwrap_or(self.manifest.model.default_width);
+        let height = height
+            .or(first.map(|s| s.1))
+            .unwrap_or(self.manifest.model.default_height);
+        let tokens: usize = sizes.iter().map(|&(w, h)| (w / m * (h / m)) as usize).sum();
+        request::check_token_budget((width / m * (height / m)) as usize, tokens, sizes.len())
     }
 
     /// Preprocesses an already decoded reference image; `label` names it in errors.

@@ -837,6 +837,21 @@ fn more_references_than_the_token_budget_are_refused_before_encoding() {
     );
 }
 
+/// The token budget is checked on the references' headers, before any is decoded: five
+/// 1024x1024 headers without pixel data are refused for the budget, not for their missing pixels.
+#[test]
+fn the_token_budget_is_checked_before_any_reference_is_decoded() {
+    let dir = temp_dir("cli-ref-headers");
+    let header = dir.join("header-only.png");
+    std::fs::write(&header, png_header_only(1024, 1024)).unwrap();
+    let mut args = vec!["--width", "1024", "--height", "1024"];
+    for _ in 0..5 {
+        args.extend(["--ref", path_str(&header)]);
+    }
+    let run = assert_refused(&args, &["24576 image tokens", "5 reference(s)", "at most 20480"]);
+    assert!(!run.stderr.contains("decode"), "{}", run.describe());
+}
+
 // ---- bad options ----
 
 #[test]

@@ -459,13 +459,17 @@ impl BatchJob<'_> {
     ) -> anyhow::Result<(Request, (u32, u32))> {
         let line = self.line;
         let mut request = Request::new(line.prompt.clone()).with_seed(self.seed);
-        for path in &line.refs {
-            request = request.with_reference(pipeline.load_reference(path)?);
-        }
         request.width = line.width.or(args.width);
         request.height = line.height.or(args.height);
         request.steps = line.steps.or(args.steps);
         request.guidance = line.guidance.or(args.guidance);
+        // Every number, then the references from their headers, before any is decoded.
+        request.check_bounds()?;
+        let refs: Vec<&Path> = line.refs.iter().map(PathBuf::as_path).collect();
+        pipeline.check_reference_files(&refs, request.width, request.height)?;
+        for path in refs {
+            request.references.push(pipeline.load_reference(path)?);
+        }
         let size = pipeline.output_size(&request)?;
         Ok((request, size))
     }

@@ -97,6 +97,8 @@ fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
 
     // Every error of `Pipeline::load` names the bundle or the file in it.
     let mut pipeline = Pipeline::load(&model, pipeline_options(args))?;
+    let refs: Vec<&Path> = args.refs.iter().map(PathBuf::as_path).collect();
+    pipeline.check_reference_files(&refs, args.width, args.height)?;
     for path in &args.refs {
         request.references.push(pipeline.load_reference(path)?);
     }

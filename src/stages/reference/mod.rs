@@ -165,6 +165,38 @@ pub fn preprocess_reference(
     preprocess_rgb(&rgb, limits, pixel_multiple, label)
 }
 
+/// The size a `width` x `height` image (after EXIF orientation, as [`read_header`] gives it) has
+/// once preprocessed (steps 2-4 of the module doc), without its pixels: what the token budget is
+/// checked on before any reference is decoded.
+pub fn processed_size(
+    width: u32,
+    height: u32,
+    limits: &ReferenceLimits,
+    pixel_multiple: u32,
+    label: &Path,
+) -> Result<(u32, u32)> {
+    let fail = image_error(label);
+    if pixel_multiple == 0 {
+        return Err(fail("the pixel multiple must be at least 1".to_string()));
+    }
+    check_image_input(width, height, limits).map_err(&fail)?;
+    let (w, h) = if u64::from(width) * u64::from(height) > limits.max_area {
+        target_area_size(width, height, limits.max_area)
+    } else {
+        (width, height)
+    };
+    let (crop_w, crop_h) = (
+        w / pixel_multiple * pixel_multiple,
+        h / pixel_multiple * pixel_multiple,
+    );
+    if crop_w == 0 || crop_h == 0 {
+        return Err(fail(format!(
+            "{width}x{height} preprocessed is {w}x{h}, smaller than {pixel_multiple} px on a side"
+        )));
+    }
+    Ok((crop_w, crop_h))
+}
+
 /// Steps 2-5 of the module doc on an RGB8 image.
 fn preprocess_rgb(
     rgb: &RgbImage,
@@ -434,6 +466,25 @@ mod tests {
                 "{name}"
             );
             assert_same_bytes(name, view.data(), got.as_raw());
+        }
+    }
+
+    /// The size computed from the header is the size preprocessing gives.
+    #[test]
+    fn processed_size_is_the_preprocessed_size() {
+        let limits = ReferenceLimits {
+            max_area: 96 * 96,
+            ..ReferenceLimits::default()
+        };
+        for (w, h) in [(150, 110), (64, 64), (100, 70), (200, 90)] {
+            let rgb = RgbImage::new(w, h);
+            let label = Path::new("x");
+            let image = preprocess_rgb(&rgb, &limits, 16, label).unwrap();
+            assert_eq!(
+                processed_size(w, h, &limits, 16, label).unwrap(),
+                (image.width, image.height),
+                "{w}x{h}"
+            );
         }
     }
 
