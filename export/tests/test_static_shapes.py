@@ -4,8 +4,8 @@
 The bucket graphs are the dynamic graphs with fixed input shapes: on the same inputs ONNX Runtime
 must give the same outputs (measured: bit-equal; asserted within 1e-6 relative, room for a
 different kernel choice at a fixed shape). klein's images from the static bundle must equal the
-dynamic bundle's within the project's fp32 image tolerance (at most 1 level, in at most 1% of
-pixels; measured: byte-equal).
+dynamic bundle's byte for byte on this tiny fp32 bundle, as the docs claim (at fp16 and real 4B
+widths they differ by 1 level in about 1% of pixels: measured, see onnx/README.md).
 """
 
 import json
@@ -156,7 +156,7 @@ def test_klein_runs_each_bucket_as_the_dynamic_bundle(static_bundle, tiny_bundle
     for i in (1, 2):
         got, want = _image(tmp_path / f"static-{i}.png"), _image(tmp_path / f"dynamic-{i}.png")
         assert got.shape == (height, width, 3)
-        assert np.abs(got - want).max() <= 1 and (got != want).any(axis=-1).mean() <= 0.01, f"image {i}"
+        assert np.array_equal(got, want), f"image {i}: {np.abs(got - want).max()} levels apart"
 
 
 def test_klein_refuses_a_size_or_reference_count_outside_the_buckets(static_bundle, tmp_path):
