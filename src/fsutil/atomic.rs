@@ -85,6 +85,13 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 /// place; if a write or a rename fails, the files already renamed are taken back (the ones they
 /// replaced are restored) and the error is returned.
 pub fn write_all_atomic(files: &[(&Path, &[u8])]) -> Result<()> {
+    if let Some(&(dir, _)) = files.iter().find(|(path, _)| path.is_dir()) {
+        return Err(KleinError::Io {
+            path: dir.to_path_buf(),
+            action: "write (it is a directory)",
+            source: std::io::Error::from(std::io::ErrorKind::IsADirectory),
+        });
+    }
     let mut staged = Vec::with_capacity(files.len());
     for &(path, bytes) in files {
         let temp = Temp::next_to(path);
@@ -204,8 +211,8 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
-    /// The second file cannot be renamed into place (its path is a directory): the first keeps
-    /// its old content, and no temporary file is left.
+    /// The second file cannot be written (its path is a directory): the first keeps its old
+    /// content, and no temporary file is left.
     #[test]
     fn a_set_is_written_whole_or_not_at_all() {
         let dir = std::env::temp_dir().join(format!("klein-set-{}", std::process::id()));
