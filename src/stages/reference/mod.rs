@@ -303,15 +303,20 @@ mod tests {
         Path::new(DIR).join(name)
     }
 
-    /// Fails with the count of differing bytes and the first few, expected vs got.
-    fn assert_same_bytes(what: &str, expected: &[u8], got: &[u8]) {
+    /// Fails with the count of differing values and the first few, expected vs got.
+    fn assert_same<T: Copy + std::fmt::Debug>(
+        what: &str,
+        expected: &[T],
+        got: &[T],
+        same: impl Fn(T, T) -> bool,
+    ) {
         assert_eq!(expected.len(), got.len(), "{what}: length");
-        let diffs: Vec<(usize, &u8, &u8)> = expected
+        let diffs: Vec<(usize, T, T)> = expected
             .iter()
             .zip(got)
             .enumerate()
-            .filter(|(_, (e, g))| e != g)
-            .map(|(i, (e, g))| (i, e, g))
+            .filter(|(_, (e, g))| !same(**e, **g))
+            .map(|(i, (e, g))| (i, *e, *g))
             .collect();
         assert!(
             diffs.is_empty(),
@@ -322,9 +327,10 @@ mod tests {
         );
     }
 
-    /// diffusers' tensor for a fixture (tests/fixtures/make_reference_fixtures.py) and ours, made
-    /// with the max_area recorded for it; checks that the shapes agree.
-    fn load_fixture(name: &str) -> (Vec<f32>, Vec<f32>) {
+    /// Against diffusers' own preprocessing of the fixture (made by
+    /// tests/fixtures/make_reference_fixtures.py with the max_area recorded for it), tolerance 0:
+    /// same shape and bit-identical float32 values.
+    fn check_fixture(name: &str) {
         let bytes = std::fs::read(fixture("expected.safetensors")).unwrap();
         let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
         let max_area: u64 = header.metadata().as_ref().unwrap()[name].parse().unwrap();
@@ -348,27 +354,8 @@ mod tests {
             view.shape()[2..],
             "{name}: size"
         );
-        (expected, got.pixels.iter().copied().collect())
-    }
-
-    /// Against diffusers' own preprocessing of the fixture, tolerance 0: same shape and
-    /// bit-identical float32 values.
-    fn check_fixture(name: &str) {
-        let (expected, got) = load_fixture(name);
-        let diffs: Vec<(usize, f32, f32)> = expected
-            .iter()
-            .zip(&got)
-            .enumerate()
-            .filter(|(_, (e, g))| e.to_bits() != g.to_bits())
-            .map(|(i, (e, g))| (i, *e, *g))
-            .collect();
-        assert!(
-            diffs.is_empty(),
-            "{name}: {} of {} values differ; first (index, expected, got): {:?}",
-            diffs.len(),
-            expected.len(),
-            &diffs[..diffs.len().min(8)]
-        );
+        let got: Vec<f32> = got.pixels.iter().copied().collect();
+        assert_same(name, &expected, &got, |e, g| e.to_bits() == g.to_bits());
     }
 
     #[test]
@@ -433,7 +420,7 @@ mod tests {
                 view.shape(),
                 "{name}"
             );
-            assert_same_bytes(name, view.data(), got.as_raw());
+            assert_same(name, view.data(), got.as_raw(), |e, g| e == g);
         }
     }
 
