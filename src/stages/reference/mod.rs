@@ -18,6 +18,7 @@
 //!
 //! [`read_header`] gives a file's oriented size without decoding it, for checks before decoding.
 use std::borrow::Cow;
+use std::io::Read;
 use std::path::Path;
 
 use image::{DynamicImage, RgbImage};
@@ -90,7 +91,9 @@ fn read_file(path: &Path) -> Result<Vec<u8>> {
             source,
         }
     };
-    let size = std::fs::metadata(path)
+    let mut file = std::fs::File::open(path).map_err(io_error("open reference image"))?;
+    let size = file
+        .metadata()
         .map_err(io_error("read reference image metadata"))?
         .len();
     if size > MAX_DECODE_FILE_BYTES {
@@ -100,7 +103,10 @@ fn read_file(path: &Path) -> Result<Vec<u8>> {
             MAX_DECODE_FILE_BYTES / (1024 * 1024)
         )));
     }
-    std::fs::read(path).map_err(io_error("read reference image"))
+    let mut bytes = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
+    file.read_to_end(&mut bytes)
+        .map_err(io_error("read reference image"))?;
+    Ok(bytes)
 }
 
 /// A reference file's format and size after EXIF orientation (the size `load_image` gives), read
