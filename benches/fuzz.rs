@@ -4,7 +4,8 @@
 //!
 //! - `manifest`: `Manifest::from_json_bytes` (seeds: the tiny bundle's manifest.json and
 //!   tests/fixtures/bundle_manifest.json);
-//! - `reference`: `reference::decode_reference_bytes` (seeds: tests/fixtures/reference/ images);
+//! - `reference`: `reference::decode_reference_bytes` (seeds: the images of tests/fixtures/reference/
+//!   and of the decoding corpus, tests/fixtures/decode/);
 //! - `tokenizer`: `PromptTokenizer::encode` on the input as lossy UTF-8 (seeds: the prompts of
 //!   tests/fixtures/tokens.json).
 //!

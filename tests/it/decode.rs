@@ -74,7 +74,8 @@ fn compare(shape: &[usize], want: &[u8], got: &image::RgbImage) -> Option<String
         .max()
         .unwrap_or(0);
     Some(format!(
-        "{} of {} pixels differ (max {max} levels); first at (x {x}, y {y}): Pillow {:?}, klein {:?}",
+        "{} of {} pixels differ (max {max} levels); first at (x {x}, y {y}): \
+         Pillow {:?}, klein {:?}",
         differing.len(),
         want.len() / 3,
         &want[first * 3..first * 3 + 3],
@@ -218,6 +219,12 @@ fn broken_jpegs_are_refused_with_libjpegs_message() {
     two[sof + 9] = 2;
     let err = reason(decode_image_bytes(&two, label));
     assert!(err.contains("2 colour components"), "{err}");
+
+    // lossless (SOF3): Pillow's libjpeg-turbo 3 decodes it, the 2.1 decoder here cannot
+    let mut lossless = good.clone();
+    lossless[sof + 1] = 0xC3;
+    let err = reason(decode_image_bytes(&lossless, label));
+    assert!(err.contains("unsupported image (lossless JPEG)"), "{err}");
 
     // only the signature, cut inside the header, and random bytes after SOI
     for bytes in [

@@ -61,6 +61,7 @@ pub fn seed_files(target: &str) -> Vec<PathBuf> {
         ],
         "reference" => files_in(&fixtures.join("reference"))
             .into_iter()
+            .chain(files_in(&fixtures.join("decode")))
             .filter(|p| {
                 p.extension()
                     .is_some_and(|e| ["png", "jpg", "jpeg", "webp"].iter().any(|x| e == *x))

@@ -93,6 +93,7 @@ fn jpeg(bytes: &[u8]) -> Result<Container, String> {
     const XMP: &[u8] = b"http://ns.adobe.com/xap/1.0/\0";
     let mut metadata = Metadata::default();
     let mut frame: Option<(u32, u32, u8)> = None;
+    let mut lossless = false;
     // After the FF D8 FF signature, Pillow's loop starts from the last FF.
     let mut at = 2;
     loop {
@@ -129,6 +130,7 @@ fn jpeg(bytes: &[u8]) -> Result<Container, String> {
                     0xDB => dqt(segment)?,
                     0xC0..=0xC3 | 0xC5..=0xC7 | 0xC9..=0xCB | 0xCD..=0xCF | 0xDE => {
                         frame = Some(sof(segment)?);
+                        lossless = matches!(code, 0xC3 | 0xC7 | 0xCB | 0xCF);
                     }
                     0xDA => break,
                     _ => {}
@@ -142,6 +144,14 @@ fn jpeg(bytes: &[u8]) -> Result<Container, String> {
         frame.ok_or("cannot decode (a JPEG scan before any frame header)")?;
     if width == 0 || height == 0 {
         return Err(format!("cannot decode (a {width}x{height} JPEG frame)"));
+    }
+    if lossless {
+        // libjpeg-turbo 3 decodes lossless JPEG (Pillow's does); the 2.1 decoder here does not.
+        return Err(
+            "unsupported image (lossless JPEG), which klein cannot decode as Pillow does: convert \
+             it to PNG"
+                .to_string(),
+        );
     }
     Ok(Container {
         format: ImageFormat::Jpeg,
@@ -392,15 +402,19 @@ fn png_text(kind: &[u8], data: &[u8], metadata: &mut Metadata) -> Result<(), Str
 
 /// `WebPImagePlugin._open`: the canvas size and the EXIF and XMP chunks of libwebp's demuxer.
 fn webp(bytes: &[u8]) -> Result<Container, String> {
-    let mut decoder = image_webp::WebPDecoder::new(Cursor::new(bytes))
+    let riff = webp_riff(bytes)?;
+    let mut decoder = image_webp::WebPDecoder::new(Cursor::new(riff))
         .map_err(|e| format!("cannot decode ({e}); the file may be corrupt or truncated"))?;
     let (width, height) = decoder.dimensions();
+    // Pillow keeps a chunk only if it is not empty.
     let exif = decoder
         .exif_metadata()
-        .map_err(|e| format!("cannot decode ({e})"))?;
+        .map_err(|e| format!("cannot decode ({e})"))?
+        .filter(|c| !c.is_empty());
     let xmp = decoder
         .xmp_metadata()
-        .map_err(|e| format!("cannot decode ({e})"))?;
+        .map_err(|e| format!("cannot decode ({e})"))?
+        .filter(|c| !c.is_empty());
     Ok(Container {
         format: ImageFormat::WebP,
         width,
@@ -411,5 +425,30 @@ fn webp(bytes: &[u8]) -> Result<Container, String> {
             xmp,
             ..Metadata::default()
         },
+    })
+}
+
+/// The RIFF chunk of a WebP file, as libwebp's demuxer (`ReadHeader` of `demux.c`, under Pillow's
+/// `WebPAnimDecoder`) takes it: a size of at least 8 and at most `MAX_CHUNK_PAYLOAD`, the whole
+/// chunk in the file (a partial file is refused), bytes after it ignored.
+pub(super) fn webp_riff(bytes: &[u8]) -> Result<&[u8], String> {
+    const MAX_CHUNK_PAYLOAD: u32 = !0 - 8 - 1;
+    let size = bytes
+        .get(4..8)
+        .filter(|_| bytes.len() >= 20)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .ok_or(TRUNCATED)?;
+    if !(8..=MAX_CHUNK_PAYLOAD).contains(&size) {
+        return Err(format!(
+            "cannot decode (a RIFF size of {size}, which libwebp refuses)"
+        ));
+    }
+    let end = size as usize + 8;
+    bytes.get(..end).ok_or_else(|| {
+        format!(
+            "cannot decode (the RIFF header says {end} bytes, the file has {}; libwebp refuses a \
+             partial file); the file may be truncated",
+            bytes.len()
+        )
     })
 }

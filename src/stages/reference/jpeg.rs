@@ -1,6 +1,7 @@
-//! JPEG to RGB as `load_image` gives it: libjpeg-turbo's samples ([`super::libjpeg`]), then Pillow's
-//! `convert("RGB")` of the mode `JpegImagePlugin` opens (L for one component, RGB for three, CMYK
-//! for four, read through the inverted raw mode "CMYK;I" that Pillow assumes for every CMYK JPEG).
+//! JPEG to RGB as `load_image` gives it: libjpeg-turbo's samples ([`super::libjpeg`]), then
+//! Pillow's `convert("RGB")` of the mode `JpegImagePlugin` opens (L for one component, RGB for
+//! three, CMYK for four, read through the inverted raw mode "CMYK;I" that Pillow assumes for every
+//! CMYK JPEG).
 use image::RgbImage;
 
 use super::header::too_large;

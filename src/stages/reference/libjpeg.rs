@@ -99,9 +99,9 @@ struct Decoder {
 impl Drop for Decoder {
     fn drop(&mut self) {
         if self.created {
-            // SAFETY: `cinfo` was initialised by `jpeg_create_decompress`; `jpeg_destroy_decompress`
-            // is what libjpeg documents after an error exit too (its state may be mid-decode). It
-            // only frees libjpeg's pools and cannot fail.
+            // SAFETY: `cinfo` was initialised by `jpeg_create_decompress`;
+            // `jpeg_destroy_decompress` is what libjpeg documents after an error exit too (its
+            // state may be mid-decode). It only frees libjpeg's pools and cannot fail.
             unsafe { ffi::jpeg_destroy_decompress(&mut self.cinfo) };
         }
     }

@@ -18,6 +18,7 @@
 //!
 //! [`read_header`] gives a file's oriented size without decoding it, for checks before decoding.
 use std::borrow::Cow;
+use std::io::Read;
 use std::path::Path;
 
 use image::{DynamicImage, RgbImage};
@@ -90,7 +91,9 @@ fn read_file(path: &Path) -> Result<Vec<u8>> {
             source,
         }
     };
-    let size = std::fs::metadata(path)
+    let mut file = std::fs::File::open(path).map_err(io_error("open reference image"))?;
+    let size = file
+        .metadata()
         .map_err(io_error("read reference image metadata"))?
         .len();
     if size > MAX_DECODE_FILE_BYTES {
@@ -100,7 +103,10 @@ fn read_file(path: &Path) -> Result<Vec<u8>> {
             MAX_DECODE_FILE_BYTES / (1024 * 1024)
         )));
     }
-    std::fs::read(path).map_err(io_error("read reference image"))
+    let mut bytes = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
+    file.read_to_end(&mut bytes)
+        .map_err(io_error("read reference image"))?;
+    Ok(bytes)
 }
 
 /// A reference file's format and size after EXIF orientation (the size `load_image` gives), read
@@ -335,15 +341,20 @@ mod tests {
         Path::new(DIR).join(name)
     }
 
-    /// Fails with the count of differing bytes and the first few, expected vs got.
-    fn assert_same_bytes(what: &str, expected: &[u8], got: &[u8]) {
+    /// Fails with the count of differing values and the first few, expected vs got.
+    fn assert_same<T: Copy + std::fmt::Debug>(
+        what: &str,
+        expected: &[T],
+        got: &[T],
+        same: impl Fn(T, T) -> bool,
+    ) {
         assert_eq!(expected.len(), got.len(), "{what}: length");
-        let diffs: Vec<(usize, &u8, &u8)> = expected
+        let diffs: Vec<(usize, T, T)> = expected
             .iter()
             .zip(got)
             .enumerate()
-            .filter(|(_, (e, g))| e != g)
-            .map(|(i, (e, g))| (i, e, g))
+            .filter(|(_, (e, g))| !same(**e, **g))
+            .map(|(i, (e, g))| (i, *e, *g))
             .collect();
         assert!(
             diffs.is_empty(),
@@ -354,9 +365,10 @@ mod tests {
         );
     }
 
-    /// diffusers' tensor for a fixture (tests/fixtures/make_reference_fixtures.py) and ours, made
-    /// with the max_area recorded for it; checks that the shapes agree.
-    fn load_fixture(name: &str) -> (Vec<f32>, Vec<f32>) {
+    /// Against diffusers' own preprocessing of the fixture (made by
+    /// tests/fixtures/make_reference_fixtures.py with the max_area recorded for it), tolerance 0:
+    /// same shape and bit-identical float32 values.
+    fn check_fixture(name: &str) {
         let bytes = std::fs::read(fixture("expected.safetensors")).unwrap();
         let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
         let max_area: u64 = header.metadata().as_ref().unwrap()[name].parse().unwrap();
@@ -380,27 +392,8 @@ mod tests {
             view.shape()[2..],
             "{name}: size"
         );
-        (expected, got.pixels.iter().copied().collect())
-    }
-
-    /// Against diffusers' own preprocessing of the fixture, tolerance 0: same shape and
-    /// bit-identical float32 values.
-    fn check_fixture(name: &str) {
-        let (expected, got) = load_fixture(name);
-        let diffs: Vec<(usize, f32, f32)> = expected
-            .iter()
-            .zip(&got)
-            .enumerate()
-            .filter(|(_, (e, g))| e.to_bits() != g.to_bits())
-            .map(|(i, (e, g))| (i, *e, *g))
-            .collect();
-        assert!(
-            diffs.is_empty(),
-            "{name}: {} of {} values differ; first (index, expected, got): {:?}",
-            diffs.len(),
-            expected.len(),
-            &diffs[..diffs.len().min(8)]
-        );
+        let got: Vec<f32> = got.pixels.iter().copied().collect();
+        assert_same(name, &expected, &got, |e, g| e.to_bits() == g.to_bits());
     }
 
     #[test]
@@ -465,7 +458,7 @@ mod tests {
                 view.shape(),
                 "{name}"
             );
-            assert_same_bytes(name, view.data(), got.as_raw());
+            assert_same(name, view.data(), got.as_raw(), |e, g| e == g);
         }
     }
 

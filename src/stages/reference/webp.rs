@@ -7,6 +7,7 @@ use std::io::Cursor;
 
 use image::RgbImage;
 
+use super::container;
 use crate::limits::MAX_DECODE_BYTES;
 
 /// Decodes a WebP file's bytes to RGB8.
@@ -14,7 +15,8 @@ pub(super) fn decode(bytes: &[u8]) -> Result<RgbImage, String> {
     let fail = |e: image_webp::DecodingError| {
         format!("cannot decode ({e}); the file may be corrupt or truncated")
     };
-    let mut decoder = image_webp::WebPDecoder::new(Cursor::new(bytes)).map_err(fail)?;
+    let riff = container::webp_riff(bytes)?;
+    let mut decoder = image_webp::WebPDecoder::new(Cursor::new(riff)).map_err(fail)?;
     decoder.set_memory_limit(usize::try_from(MAX_DECODE_BYTES).unwrap_or(usize::MAX));
     let (width, height) = decoder.dimensions();
     let size = decoder
