@@ -112,7 +112,7 @@ fn c_example_generates_cancels_and_repeats() {
     assert_mentions(
         &stdout,
         &[
-            "short buffer: KLEIN_ERROR_BUFFER_TOO_SMALL: rgba_out holds 16 bytes; the 64x64 image needs 16384",
+            "short buffer: KLEIN_ERROR_BUFFER_TOO_SMALL: rgba_out holds 16 bytes; 1 64x64 image(s) need 16384",
             "short buffer reports the size needed: yes",
             "width 8: KLEIN_ERROR_USER: invalid request: width 8 is out of range",
             "first: step 1/2\nfirst: step 2/2\nfirst generation: KLEIN_OK\n",

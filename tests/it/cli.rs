@@ -848,7 +848,10 @@ fn the_token_budget_is_checked_before_any_reference_is_decoded() {
     for _ in 0..5 {
         args.extend(["--ref", path_str(&header)]);
     }
-    let run = assert_refused(&args, &["24576 image tokens", "5 reference(s)", "at most 20480"]);
+    let run = assert_refused(
+        &args,
+        &["24576 image tokens", "5 reference(s)", "at most 20480"],
+    );
     assert!(!run.stderr.contains("decode"), "{}", run.describe());
 }
 
