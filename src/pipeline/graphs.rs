@@ -17,8 +17,6 @@ pub(crate) struct LoadedGraphs {
     slots: [Option<Graph>; 4],
     /// Static-shape bundles: the bucket whose graphs the per-bucket slots hold.
     bucket: Option<usize>,
-    /// The device of the graph loaded last.
-    device_used: Option<Device>,
     /// Where each graph loaded so far runs, and the devices auto skipped for it.
     placements: Vec<Placement>,
 }
@@ -71,7 +69,6 @@ impl LoadedGraphs {
                 check_graph(component, spec, &graph)?;
                 Ok(graph)
             })?;
-            self.device_used = Some(graph.device());
             self.placements.retain(|p| p.component != component);
             self.placements.push(Placement {
                 component,
@@ -91,7 +88,7 @@ impl LoadedGraphs {
 
     /// The device of the graph loaded last.
     pub fn device_used(&self) -> Option<Device> {
-        self.device_used
+        self.placements.last().map(|p| p.device)
     }
 
     /// Where each graph loaded so far runs, in the order they were loaded.

@@ -152,7 +152,7 @@ fn c_example_generates_cancels_and_repeats() {
 }
 
 /// Calls `f` with an error-message slot; returns the status and the message (freed).
-fn call(f: impl FnOnce(*mut *mut c_char) -> KleinStatus) -> (KleinStatus, String) {
+pub(crate) fn call(f: impl FnOnce(*mut *mut c_char) -> KleinStatus) -> (KleinStatus, String) {
     let mut message: *mut c_char = ptr::null_mut();
     let status = f(&mut message);
     let text = if message.is_null() {
@@ -168,6 +168,51 @@ fn call(f: impl FnOnce(*mut *mut c_char) -> KleinStatus) -> (KleinStatus, String
     (status, text)
 }
 
+/// The tiny bundle's path and the tests' ONNX Runtime library, as C strings.
+pub(crate) fn c_paths() -> (CString, CString) {
+    let bundle = CString::new(repo().join("onnx/klein-tiny").to_str().unwrap()).unwrap();
+    let library = CString::new(ort_library().to_str().unwrap()).unwrap();
+    (bundle, library)
+}
+
+/// Options for the CPU with `threads` threads and `library`; the rest default.
+pub(crate) fn cpu_options(library: &CStr, threads: u32) -> KleinOptions {
+    KleinOptions {
+        device: c"cpu".as_ptr(),
+        threads,
+        ort_library: library.as_ptr(),
+        coreml_units: ptr::null(),
+        coreml_cache_dir: ptr::null(),
+        cuda_memory_limit: 0,
+    }
+}
+
+/// `klein_generate` into `buffer`, without progress or size outputs.
+///
+/// # Safety
+/// `pipeline` is live and `request`'s strings and arrays are valid.
+pub(crate) unsafe fn generate_into(
+    pipeline: *mut KleinPipeline,
+    request: &KleinRequest,
+    buffer: &mut [u8],
+    message: *mut *mut c_char,
+) -> KleinStatus {
+    // SAFETY: the caller's guarantee; `buffer` is writable for its length.
+    unsafe {
+        klein_generate(
+            pipeline,
+            request,
+            buffer.as_mut_ptr(),
+            buffer.len(),
+            ptr::null_mut(),
+            ptr::null_mut(),
+            None,
+            ptr::null_mut(),
+            message,
+        )
+    }
+}
+
 /// Checks the entry points' own argument handling, status by status, with the message of each:
 /// NULL pointers and non-UTF-8 strings are KLEIN_ERROR_INVALID_ARGUMENT, an unknown device and a
 /// missing bundle are KLEIN_ERROR_USER, a NULL reference array with a count is refused, a short
@@ -175,17 +220,8 @@ fn call(f: impl FnOnce(*mut *mut c_char) -> KleinStatus) -> (KleinStatus, String
 #[test]
 fn entry_points_check_their_arguments() {
     use KleinStatus::*;
-    let bundle = CString::new(repo().join("onnx/klein-tiny").to_str().unwrap()).unwrap();
-    let library = CString::new(ort_library().to_str().unwrap()).unwrap();
-    let cpu = c"cpu";
-    let options = KleinOptions {
-        device: cpu.as_ptr(),
-        threads: 1,
-        ort_library: library.as_ptr(),
-        coreml_units: ptr::null(),
-        coreml_cache_dir: ptr::null(),
-        cuda_memory_limit: 0,
-    };
+    let (bundle, library) = c_paths();
+    let options = cpu_options(&library, 1);
     let mut pipeline: *mut KleinPipeline = ptr::null_mut();
 
     // SAFETY (every call below): valid or NULL pointers, NUL-terminated strings, a live pipeline.
@@ -354,16 +390,8 @@ fn entry_points_check_their_arguments() {
 #[test]
 fn c_requests_carry_num_images_and_guidance() {
     use KleinStatus::*;
-    let bundle = CString::new(repo().join("onnx/klein-tiny").to_str().unwrap()).unwrap();
-    let library = CString::new(ort_library().to_str().unwrap()).unwrap();
-    let options = KleinOptions {
-        device: c"cpu".as_ptr(),
-        threads: 1,
-        ort_library: library.as_ptr(),
-        coreml_units: ptr::null(),
-        coreml_cache_dir: ptr::null(),
-        cuda_memory_limit: 0,
-    };
+    let (bundle, library) = c_paths();
+    let options = cpu_options(&library, 1);
     let mut pipeline: *mut KleinPipeline = ptr::null_mut();
     // SAFETY (every call): valid pointers, NUL-terminated strings, a live pipeline.
     let (status, message) =
@@ -381,17 +409,7 @@ fn c_requests_carry_num_images_and_guidance() {
         reference_count: 0,
     };
     let generate = |request: &KleinRequest, buffer: &mut [u8], m| unsafe {
-        klein_generate(
-            pipeline,
-            request,
-            buffer.as_mut_ptr(),
-            buffer.len(),
-            ptr::null_mut(),
-            ptr::null_mut(),
-            None,
-            ptr::null_mut(),
-            m,
-        )
+        generate_into(pipeline, request, buffer, m)
     };
     let mut one = vec![0u8; 64 * 48 * 4];
     let (status, message) = call(|m| generate(&request, &mut one, m));

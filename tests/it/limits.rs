@@ -2,20 +2,20 @@
 //! refused with a message that names the bound: through the CLI (exit 2, no output), batch lines
 //! (the line fails, the others run), and the C API (`KLEIN_ERROR_USER`, the process lives).
 
-use std::ffi::{c_char, CString};
 use std::ptr;
 
 use klein::capi::{
-    klein_generate, klein_pipeline_free, klein_pipeline_load, KleinOptions, KleinPipeline,
-    KleinRequest, KleinStatus,
+    klein_pipeline_free, klein_pipeline_load, KleinOptions, KleinPipeline, KleinRequest,
+    KleinStatus,
 };
 use klein::limits::{
     MAX_BATCH_LINES, MAX_GUIDANCE, MAX_IMAGE_TOKENS, MAX_PROMPT_BYTES, MAX_REFERENCES, MAX_SIDE,
     MAX_STEPS, MAX_THREADS,
 };
 
+use crate::capi::{c_paths, call, cpu_options, generate_into};
 use crate::cli::{assert_refused, generate, klein, path_str, FAST};
-use crate::util::{assert_mentions, ort_library, repo, temp_dir};
+use crate::util::{assert_mentions, temp_dir};
 
 /// Each number past its bound, with `-m` naming a bundle that does not exist: the bound is named,
 /// so it was checked before the bundle was opened.
@@ -148,35 +148,11 @@ fn help_states_the_real_limits() {
     }
 }
 
-fn call(f: impl FnOnce(*mut *mut c_char) -> KleinStatus) -> (KleinStatus, String) {
-    let mut message: *mut c_char = ptr::null_mut();
-    let status = f(&mut message);
-    let text = if message.is_null() {
-        String::new()
-    } else {
-        // SAFETY: a message from the library, NUL-terminated, freed once below.
-        let text = unsafe { std::ffi::CStr::from_ptr(message) }
-            .to_string_lossy()
-            .into_owned();
-        unsafe { klein::capi::klein_string_free(message) };
-        text
-    };
-    (status, text)
-}
-
 /// Through the C API: `steps = UINT32_MAX` and 100000 threads are user errors, the host lives.
 #[test]
 fn the_c_api_refuses_numbers_past_their_bounds() {
-    let bundle = CString::new(repo().join("onnx/klein-tiny").to_str().unwrap()).unwrap();
-    let library = CString::new(ort_library().to_str().unwrap()).unwrap();
-    let options = KleinOptions {
-        device: c"cpu".as_ptr(),
-        threads: 100_000,
-        ort_library: library.as_ptr(),
-        coreml_units: ptr::null(),
-        coreml_cache_dir: ptr::null(),
-        cuda_memory_limit: 0,
-    };
+    let (bundle, library) = c_paths();
+    let options = cpu_options(&library, 100_000);
     let mut pipeline: *mut KleinPipeline = ptr::null_mut();
     // SAFETY (every call): valid or NULL pointers, NUL-terminated strings, a live pipeline.
     let (status, message) =
@@ -204,19 +180,7 @@ fn the_c_api_refuses_numbers_past_their_bounds() {
         reference_count: 0,
     };
     let mut buffer = vec![0u8; 64 * 64 * 4];
-    let (status, message) = call(|m| unsafe {
-        klein_generate(
-            pipeline,
-            &request,
-            buffer.as_mut_ptr(),
-            buffer.len(),
-            ptr::null_mut(),
-            ptr::null_mut(),
-            None,
-            ptr::null_mut(),
-            m,
-        )
-    });
+    let (status, message) = call(|m| unsafe { generate_into(pipeline, &request, &mut buffer, m) });
     assert_eq!(status, KleinStatus::KLEIN_ERROR_USER, "{message}");
     assert_mentions(
         &message,
