@@ -20,6 +20,9 @@ pub enum KleinError {
     /// An image file could not be used as a reference.
     #[error("image {path}: {reason}")]
     Image { path: PathBuf, reason: String },
+    /// A LoRA file that cannot be read, or does not fit the bundle.
+    #[error("LoRA {path}: {reason}")]
+    Lora { path: PathBuf, reason: String },
     /// A generation request that cannot be satisfied (size, steps, references...).
     #[error("invalid request: {0}")]
     Request(String),

@@ -32,6 +32,13 @@ pub const MAX_THREADS: usize = 1024;
 /// Largest `--prompts` file, in bytes, and most lines in it.
 pub const MAX_BATCH_FILE_BYTES: u64 = 64 * 1024 * 1024;
 pub const MAX_BATCH_LINES: usize = 100_000;
+/// Most LoRAs applied at once, and the largest scale of one (either sign). Merged LoRAs add up;
+/// past this the weights are no longer the model's.
+pub const MAX_LORAS: usize = 16;
+pub const MAX_LORA_SCALE: f32 = 100.0;
+/// Largest LoRA file read into memory: a rank-128 LoRA on every linear layer of the 9B is about
+/// 1 GB in fp32; a full fine-tune's difference is not a LoRA.
+pub const MAX_LORA_FILE_BYTES: u64 = 4 * 1024 * 1024 * 1024;
 
 /// Largest width or height of a reference file this runtime decodes, to refuse decompression
 /// bombs before allocating.

@@ -1,9 +1,10 @@
-"""Command line: `klein-export convert | quantize | tiny | verify | ranges | fixtures`."""
+"""Command line: `klein-export convert | quantize | lora-map | tiny | verify | ranges | fixtures`."""
 
 import argparse
 import sys
 
 from .errors import CheckpointError, KleinExportError, QuantizationError
+from .lora_merge import parse_lora
 from .precision import PRECISIONS
 from .quantize import BITS, DEFAULT_BLOCK_SIZE, DEFAULT_COMPONENTS, QuantizationConfig, parse_components
 
@@ -45,8 +46,17 @@ def _convert(args):
         quantization=_quantization(args),
         static_shapes=args.static_shapes,
         refs=args.refs,
+        loras=[parse_lora(text) for text in args.lora],
     )
     print(out)
+    return 0
+
+
+def _lora_map(args):
+    from .lora_map import add_lora_map
+
+    targets = add_lora_map(args.checkpoint, args.bundle)
+    print(f"{args.bundle}: LoRA map of {len(targets)} linear layers written to manifest.json")
     return 0
 
 
@@ -175,8 +185,24 @@ def parser() -> argparse.ArgumentParser:
         default=0,
         help="with --static-shapes: reference images per generation, each of the output's size (default 0)",
     )
+    c.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="FILE[:SCALE]",
+        help="merge this LoRA into the transformer before export (repeatable; scale default 1, may be negative); "
+        "for bundles the runtime cannot merge into at load time (static shapes, --quantize)",
+    )
     _add_quantization_args(c)
     c.set_defaults(func=_convert)
+
+    m = sub.add_parser(
+        "lora-map",
+        help="write the LoRA map (where each linear layer's weight lives) into a bundle exported without one",
+    )
+    m.add_argument("--checkpoint", required=True, help="the checkpoint the bundle was exported from")
+    m.add_argument("--bundle", required=True, help="an fp32 or fp16 bundle with dynamic shapes (updated in place)")
+    m.set_defaults(func=_lora_map)
 
     q = sub.add_parser("quantize", help="bundle -> a copy with weight-only quantized graphs (no re-export)")
     q.add_argument("--bundle", required=True, help="bundle to quantize (left unchanged)")

@@ -42,6 +42,7 @@ class GraphEntry:
     io: GraphIO
     precision: str  # "fp32" | "fp16"
     precision_scheme: dict | None = None  # PrecisionScheme.to_json() of an fp16 graph
+    lora_targets: dict | None = None  # lora_map.lora_targets() of the transformer graph
 
     def to_json(self) -> dict:
         entry = {
@@ -53,6 +54,8 @@ class GraphEntry:
         }
         if self.precision_scheme is not None:
             entry["precision_scheme"] = self.precision_scheme
+        if self.lora_targets is not None:
+            entry["lora_targets"] = self.lora_targets
         return entry
 
 

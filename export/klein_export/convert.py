@@ -20,6 +20,8 @@ from .cache_key import stamp_bundle
 from .checkpoint import Checkpoint
 from .contract import GraphEntry
 from .errors import BundleExistsError, StaticShapesError
+from .lora_map import lora_targets
+from .lora_merge import merge_loras
 from .manifest import HIDDEN_LAYERS, build_manifest, bundle_files, write_manifest
 from .onnx_export import export_graph
 from .precision import check_precision, to_float16
@@ -29,18 +31,18 @@ from .tokenizer_facts import tokenizer_facts
 from .wrappers import TextEncoder, Transformer, VaeDecoder, VaeEncoder
 
 
-def _export_component(label, checkpoint_root, out, precision):
+def _export_component(label, checkpoint_root, out, precision, loras):
     """Runs in a child process: exports one component, returns its GraphEntry list and the child's peak RSS."""
-    return EXPORTS[label](Checkpoint(checkpoint_root), Path(out), precision), _peak_rss_mb()
+    return EXPORTS[label](Checkpoint(checkpoint_root), Path(out), precision, loras), _peak_rss_mb()
 
 
-def _export_isolated(label, checkpoint_root, out, precision):
+def _export_isolated(label, checkpoint_root, out, precision, loras):
     """Exports one component in a fresh process, so that its memory is really given back before the
     next one loads (in one process the 4B's text encoder and transformer peaks added up past 22 GB,
     glibc and torch keeping freed weights; each alone peaks at 19-20 GB)."""
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(_export_component, label, str(checkpoint_root), str(out), precision).result()
+        return pool.submit(_export_component, label, str(checkpoint_root), str(out), precision, loras).result()
 
 
 def _peak_rss_mb() -> float:
@@ -59,7 +61,7 @@ def _scheme_json(scheme, prefixes=("",)):
     return None if scheme is None else scheme.subset(prefixes).to_json()
 
 
-def _export_text_encoder(ckpt, out, precision):
+def _export_text_encoder(ckpt, out, precision, loras):
     lm = ckpt.load_text_encoder(num_layers=max(HIDDEN_LAYERS))
     module = TextEncoder(lm, HIDDEN_LAYERS).eval()
     scheme = _scheme_json(_to_precision(module, "text_encoder", precision))
@@ -75,8 +77,8 @@ def _export_text_encoder(ckpt, out, precision):
     return [GraphEntry(io, precision, scheme)]
 
 
-def _export_transformer(ckpt, out, precision):
-    model = ckpt.load_transformer()
+def _export_transformer(ckpt, out, precision, loras):
+    model = merge_loras(ckpt.load_transformer(), loras)
     cfg = model.config
     module = Transformer(model).eval()
     scheme = _scheme_json(_to_precision(module, "transformer", precision))
@@ -98,11 +100,11 @@ def _export_transformer(ckpt, out, precision):
         "img_ids": {0: t},
         "txt_ids": {0: s},
     }
-    export_graph(module, args, shapes, io, out, precision)
-    return [GraphEntry(io, precision, scheme)]
+    path = export_graph(module, args, shapes, io, out, precision)
+    return [GraphEntry(io, precision, scheme, lora_targets(model, path))]
 
 
-def _export_vae(ckpt, out, precision):
+def _export_vae(ckpt, out, precision, loras):
     vae = ckpt.load_vae()
     scheme = _to_precision(vae, "vae", precision)  # one module behind both graphs
     enc_scheme = _scheme_json(scheme, ("encoder.", "quant_conv"))
@@ -142,13 +144,15 @@ def convert(
     quantization=None,
     static_shapes=None,
     refs=0,
+    loras=(),
 ):
     """Export every component of `checkpoint` into the bundle directory `out`.
 
     `precision` is "fp32" or "fp16" (precision.py); `quantization` a QuantizationConfig or None
     (quantize.py): its components are quantized once every graph is exported, one graph at a time.
     `static_shapes` ("1024x1024,768x1024", static_shapes.py) makes fixed-shape graphs for CoreML,
-    per size bucket, each taking `refs` references of the output's size.
+    per size bucket, each taking `refs` references of the output's size. `loras` (lora_merge.LoraSpec
+    list) are merged into the transformer before export, and listed in the manifest's `model.loras`.
     """
     check_precision(precision)
     if quantization is not None and not isinstance(quantization, QuantizationConfig):
@@ -175,11 +179,13 @@ def convert(
         graphs = {}
         for label in EXPORTS:
             start = time.perf_counter()
-            entries, child_peak_mb = _export_isolated(label, ckpt.root, tmp, precision)
+            entries, child_peak_mb = _export_isolated(label, ckpt.root, tmp, precision, tuple(loras))
             graphs.update((entry.io.component, entry) for entry in entries)
             seconds = time.perf_counter() - start
             log(f"exported {label} ({precision}) in {seconds:.1f} s (peak RSS {child_peak_mb:.0f} MB)")
         manifest = build_manifest(ckpt, facts, graphs, name or out.name, variant)
+        if loras:
+            manifest["model"]["loras"] = [lora.to_json() for lora in loras]
         if buckets is not None:
             seq = facts["max_sequence_length"]
             manifest["static_shapes"] = make_static(

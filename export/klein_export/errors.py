@@ -31,3 +31,7 @@ class QuantizationError(KleinExportError, ValueError):
 
 class StaticShapesError(KleinExportError, ValueError):
     """A --static-shapes or --refs value that cannot be exported."""
+
+
+class LoraError(KleinExportError, ValueError):
+    """A LoRA file that cannot be read or does not fit the checkpoint."""

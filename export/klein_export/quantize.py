@@ -185,6 +185,8 @@ def quantize_bundle(bundle_dir, config: QuantizationConfig, log=print):
                 f"{bundle_dir / spec['file']}: already quantized ({spec['quantization']['bits']} bits)"
             )
         spec["quantization"] = quantize_graph(bundle_dir / spec["file"], config)
+        # The runtime cannot merge LoRAs into MatMulNBits weights: merge at export (convert --lora).
+        spec.pop("lora_targets", None)
         changed |= {spec["file"], spec["file"] + ".data"}
         log(f"quantized {component} to {config.bits} bits: {spec['quantization']['quantized_nodes']} MatMulNBits nodes")
     stamp_bundle(bundle_dir, [manifest["graphs"][c]["file"] for c in config.components])

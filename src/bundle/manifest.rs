@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use super::buckets::StaticShapes;
 use super::component::Component;
+use super::lora_targets::{self, LoraTarget};
 use crate::error::{KleinError, Result};
 use crate::limits::{MAX_SIDE, MAX_TIME_OFFSET_SCALE};
 use crate::runtime::Dtype;
@@ -234,6 +235,10 @@ pub struct GraphSpec {
     pub inputs: Vec<TensorSpec>,
     /// Outputs the runtime reads, by name.
     pub outputs: Vec<TensorSpec>,
+    /// The transformer's linear layers by diffusers module name, for LoRAs merged at load time
+    /// (absent in bundles exported before klein had LoRAs, and in quantized ones).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora_targets: Option<BTreeMap<String, LoraTarget>>,
 }
 
 /// `graphs.*.precision`.
@@ -524,6 +529,10 @@ impl Manifest {
                 "references.time_offset_scale {scale} is out of range: at most {MAX_TIME_OFFSET_SCALE} \
                  in size (diffusers uses 10)"
             ));
+        }
+        if let Some(targets) = &self.graphs.transformer.lora_targets {
+            let size = |file: &str| self.files.get(file).map(|entry| entry.bytes);
+            problems.extend(lora_targets::problems(targets, size));
         }
         if let Some(shapes) = &self.static_shapes {
             problems.extend(shapes.problems(

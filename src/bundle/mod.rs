@@ -4,6 +4,7 @@
 pub mod buckets;
 pub mod component;
 pub mod contract;
+pub mod lora_targets;
 pub mod manifest;
 pub mod stamp;
 pub mod support;

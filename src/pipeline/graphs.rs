@@ -3,6 +3,7 @@
 //! of one bucket at a time.
 use std::path::Path;
 
+use super::lora::LoraSet;
 use super::progress::{timed, ProgressFn, Stage};
 use crate::bundle::contract::check_graph;
 use crate::bundle::support::auto_skip;
@@ -36,6 +37,8 @@ pub(crate) struct GraphSource<'a> {
     pub dir: &'a Path,
     pub manifest: &'a Manifest,
     pub session: &'a SessionConfig,
+    /// Merged into the transformer's weights when it loads.
+    pub loras: &'a LoraSet,
 }
 
 impl LoadedGraphs {
@@ -65,7 +68,13 @@ impl LoadedGraphs {
                 .clone()
                 .with_auto_skip(auto_skip(spec.precision, spec.quantization.as_ref()));
             let graph = timed(progress, load_stage(component), |_| {
-                let graph = load_graph(component.as_str(), &path, &session)?;
+                let initializers = match component {
+                    Component::Transformer => {
+                        source.loras.initializers(source.manifest, source.dir)?
+                    }
+                    _ => Vec::new(),
+                };
+                let graph = load_graph(component.as_str(), &path, &session, &initializers)?;
                 check_graph(component, spec, &graph)?;
                 Ok(graph)
             })?;

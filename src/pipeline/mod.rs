@@ -17,6 +17,7 @@ use ndarray::{concatenate, s, Array2, Array3, Array4, ArrayView3, Axis, Ix3, Ix4
 
 mod denoise;
 mod graphs;
+pub mod lora;
 pub mod options;
 pub mod progress;
 pub mod prompts;
@@ -30,6 +31,8 @@ pub use request::Request;
 
 pub use graphs::Placement;
 use graphs::{GraphSource, LoadedGraphs};
+use lora::LoraSet;
+pub use lora::{LoraSpec, LoraSummary, ModuleSummary};
 use progress::timed;
 use request::Plan;
 
@@ -69,6 +72,8 @@ pub struct Pipeline {
     prompt_cache: Option<PromptCache>,
     verification: Option<Verification>,
     graphs: LoadedGraphs,
+    /// LoRAs merged into the transformer when it loads.
+    loras: LoraSet,
     /// Problems that did not stop a stage ([`Pipeline::take_warnings`]).
     warnings: Vec<String>,
 }
@@ -86,8 +91,10 @@ impl Pipeline {
             verify_hashes,
             cache_dir,
             prompt_cache_dir,
+            loras,
         } = options;
         request::check_session(&session)?;
+        lora::check_specs(&loras)?;
         let manifest = Manifest::load(dir)?;
         // Before hashing or loading anything: can this device run the bundle at all?
         support::check_bundle(session.device, &manifest.graphs, dir)?;
@@ -108,6 +115,7 @@ impl Pipeline {
             PromptTokenizer::load(&dir.join(&manifest.tokenizer.file), &manifest.tokenizer)?;
         runtime::init(runtime_options)?;
         let prompt_cache = prompt_cache_dir.map(|cache_dir| PromptCache::new(cache_dir, &manifest));
+        let loras = LoraSet::load(&loras, &manifest, dir)?;
         Ok(Pipeline {
             dir: dir.to_path_buf(),
             manifest,
@@ -117,8 +125,28 @@ impl Pipeline {
             prompt_cache,
             verification,
             graphs: LoadedGraphs::default(),
+            loras,
             warnings: Vec::new(),
         })
+    }
+
+    /// Applies `loras` (in place of those applied so far; empty: none) from the next transformer
+    /// load on. Each file is read and checked against the bundle now: a LoRA for another model or
+    /// size, keys that match no layer, a quantized or static-shape bundle are errors, and the
+    /// pipeline keeps its LoRAs. When they change, only the transformer's session is released;
+    /// the text encoder and the VAE stay loaded.
+    pub fn set_loras(&mut self, loras: &[LoraSpec]) -> Result<()> {
+        if self.loras.specs() == loras {
+            return Ok(());
+        }
+        self.loras = LoraSet::load(loras, &self.manifest, &self.dir)?;
+        self.graphs.release(Component::Transformer);
+        Ok(())
+    }
+
+    /// What each applied LoRA changes: its format and the layers it touches.
+    pub fn loras(&self) -> Vec<LoraSummary> {
+        self.loras.summaries()
     }
 
     pub fn manifest(&self) -> &Manifest {
@@ -171,6 +199,7 @@ impl Pipeline {
             dir: &self.dir,
             manifest: &self.manifest,
             session: &self.session,
+            loras: &self.loras,
         };
         self.graphs.get(component, bucket, &source, progress)
     }

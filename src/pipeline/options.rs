@@ -1,6 +1,7 @@
 //! How to load a bundle: [`PipelineOptions`], built with its `with_*` methods from `default()`.
 use std::path::PathBuf;
 
+use super::lora::LoraSpec;
 use crate::runtime::{CoreMlOptions, CudaOptions, Device, RuntimeOptions, SessionConfig};
 
 /// How to load a bundle. Every setting has a `with_*` method; the graphs' session settings
@@ -19,6 +20,8 @@ pub struct PipelineOptions {
     pub(crate) cache_dir: Option<PathBuf>,
     /// Directory of the on-disk prompt-embedding cache (`None`: no cache).
     pub(crate) prompt_cache_dir: Option<PathBuf>,
+    /// LoRAs merged into the transformer ([`crate::pipeline::Pipeline::set_loras`]).
+    pub(crate) loras: Vec<LoraSpec>,
 }
 
 impl Default for PipelineOptions {
@@ -30,11 +33,18 @@ impl Default for PipelineOptions {
             verify_hashes: true,
             cache_dir: None,
             prompt_cache_dir: None,
+            loras: Vec::new(),
         }
     }
 }
 
 impl PipelineOptions {
+    /// LoRAs to merge into the transformer when it loads (default: none); see
+    /// [`crate::pipeline::Pipeline::set_loras`].
+    pub fn with_loras(mut self, loras: Vec<LoraSpec>) -> Self {
+        self.loras = loras;
+        self
+    }
     /// Runs the graphs on `device` (default: [`Device::Auto`]).
     pub fn with_device(mut self, device: Device) -> Self {
         self.session = self.session.with_device(device);

@@ -12,8 +12,8 @@ use ort::session::{IoBinding, Session, SessionInputValue};
 use super::device::{register_device, Device, LoadFailure, SessionConfig};
 use super::library::{error_chain, runtime};
 use super::tensor::{
-    extract_outputs, run_error, tensor_names, Dtype, Outputs, PreparedInput, TensorInfo,
-    TensorInput,
+    extract_outputs, run_error, tensor_names, Dtype, Initializer, Outputs, PreparedInput,
+    TensorInfo, TensorInput,
 };
 use crate::error::{KleinError, Result};
 
@@ -49,8 +49,14 @@ impl fmt::Debug for Graph {
 /// Builds the session of one graph file: the one place sessions are made.
 ///
 /// `name` is the component (`text_encoder`, `transformer`, ...): errors name it as their stage.
+/// `initializers` replace the graph's initializers of the same names (merged LoRA weights).
 /// Initialises the runtime with default options when [`init`] has not been called.
-pub fn load_graph(name: &'static str, path: &Path, config: &SessionConfig) -> Result<Graph> {
+pub fn load_graph(
+    name: &'static str,
+    path: &Path,
+    config: &SessionConfig,
+    initializers: &[Initializer],
+) -> Result<Graph> {
     let SessionConfig {
         device,
         intra_threads,
@@ -77,6 +83,12 @@ pub fn load_graph(name: &'static str, path: &Path, config: &SessionConfig) -> Re
                 .map_err(|e| LoadFailure::Session(error_chain(&e)))?,
             None => builder,
         };
+        let mut builder = builder;
+        for initializer in initializers {
+            builder = builder
+                .with_initializer(initializer.name(), initializer.value())
+                .map_err(|e| LoadFailure::Session(error_chain(&e)))?;
+        }
         let strict = config.device != Device::Auto;
         let mut builder = register_device(builder, device, strict, &cuda, &coreml)?;
         builder.commit_from_file(path).map_err(|e| match e.code() {

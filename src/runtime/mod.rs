@@ -44,4 +44,6 @@ pub use library::{
     init, locate_library, runtime_info, LibrarySource, LogLevel, LogSink, RuntimeInfo,
     RuntimeOptions, ORT_DYLIB_ENV,
 };
-pub use tensor::{tensor_names, Dtype, Outputs, TensorInfo, TensorInput};
+pub use tensor::{
+    tensor_names, Dtype, Initializer, InitializerData, Outputs, TensorInfo, TensorInput,
+};

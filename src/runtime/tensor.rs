@@ -2,6 +2,7 @@
 //! graph takes) and the outputs it reads back as `f32`.
 use std::fmt;
 use std::path::Path;
+use std::sync::Arc;
 
 use half::{bf16, f16};
 use ndarray::{ArrayD, ArrayView, ArrayViewD, CowArray, Dimension, IxDyn};
@@ -270,4 +271,56 @@ pub fn tensor_names(tensors: &[TensorInfo]) -> String {
         .map(|t| t.name.as_str())
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// A weight given to ONNX Runtime in place of the graph initializer of the same name when a
+/// session is created (ONNX Runtime's `AddInitializer`): how LoRAs are merged without rewriting
+/// the graph. The session keeps the data; the file's copy of that initializer is not loaded.
+#[derive(Clone)]
+pub struct Initializer {
+    name: String,
+    value: Arc<DynValue>,
+}
+
+impl fmt::Debug for Initializer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Initializer")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The element data of an [`Initializer`].
+pub enum InitializerData {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    Bf16(Vec<bf16>),
+}
+
+impl Initializer {
+    /// `data` of `shape` (row-major) under `name`.
+    pub fn new(name: &str, shape: &[usize], data: InitializerData) -> Result<Initializer> {
+        let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+        let value = match data {
+            InitializerData::F32(v) => Tensor::from_array((shape, v)).map(|t| t.into_dyn()),
+            InitializerData::F16(v) => Tensor::from_array((shape, v)).map(|t| t.into_dyn()),
+            InitializerData::Bf16(v) => Tensor::from_array((shape, v)).map(|t| t.into_dyn()),
+        }
+        .map_err(|e| KleinError::Inference {
+            stage: "lora",
+            message: format!("initializer {name}: {}", error_chain(&e)),
+        })?;
+        Ok(Initializer {
+            name: name.to_string(),
+            value: Arc::new(value),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub(super) fn value(&self) -> Arc<DynValue> {
+        Arc::clone(&self.value)
+    }
 }

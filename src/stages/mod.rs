@@ -1,7 +1,8 @@
 //! The pure stages of the pipeline, each as diffusers computes it, with no ONNX Runtime: prompt
 //! tokens, seeded noise, latent packing and position ids, the flow-matching schedule, reference
-//! preprocessing, and the output's pixels.
+//! preprocessing, LoRA files, and the output's pixels.
 pub mod latents;
+pub mod lora;
 pub mod noise;
 pub mod output;
 pub mod reference;

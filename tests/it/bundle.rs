@@ -32,7 +32,7 @@ fn tiny_bundle_satisfies_its_manifest() {
         .with_intra_threads(1);
     for (component, spec) in manifest.graphs.iter() {
         let graph =
-            runtime::load_graph(component.as_str(), &dir.join(&spec.file), &config).unwrap();
+            runtime::load_graph(component.as_str(), &dir.join(&spec.file), &config, &[]).unwrap();
         check_graph(component, spec, &graph).unwrap();
     }
 
@@ -54,7 +54,7 @@ fn every_tiny_graph_runs_with_contract_shapes() {
         .with_device(Device::Cpu)
         .with_intra_threads(1);
     let load = |name: &'static str, file: &str| {
-        runtime::load_graph(name, &dir.join(file), &config).unwrap()
+        runtime::load_graph(name, &dir.join(file), &config, &[]).unwrap()
     };
     let seq = m.tokenizer.max_sequence_length;
     let channels = m.latents.channels;

@@ -11,7 +11,7 @@ use crate::util::{assert_mentions, fixture, init_runtime};
 
 fn load(name: &'static str, config: &SessionConfig) -> klein::Result<runtime::Graph> {
     init_runtime();
-    runtime::load_graph(name, &fixture(&format!("graphs/{name}.onnx")), config)
+    runtime::load_graph(name, &fixture(&format!("graphs/{name}.onnx")), config, &[])
 }
 
 fn cpu() -> SessionConfig {
@@ -343,7 +343,7 @@ fn a_named_device_that_is_unavailable_is_an_error_not_a_cpu_fallback() {
 fn a_missing_graph_file_is_a_bundle_error() {
     init_runtime();
     let path = fixture("graphs/does_not_exist.onnx");
-    match runtime::load_graph("transformer", &path, &cpu()) {
+    match runtime::load_graph("transformer", &path, &cpu(), &[]) {
         Err(KleinError::Bundle { path: p, reason }) => {
             assert_eq!(p, path);
             assert_mentions(&reason, &["transformer graph file is missing"]);

@@ -3,7 +3,7 @@ use std::path::PathBuf;
 
 use clap::{ArgGroup, Args, Parser, Subcommand};
 use klein::limits::MAX_BATCH;
-use klein::pipeline::PipelineOptions;
+use klein::pipeline::{LoraSpec, PipelineOptions};
 use klein::runtime::{
     ComputeUnits, ConvSearch, CoreMlOptions, CudaOptions, Device, RuntimeOptions,
 };
@@ -72,6 +72,9 @@ pub(crate) struct GenerateArgs {
     /// Reference image (repeatable, at most 10): one to edit, several to compose
     #[arg(long = "ref", value_name = "IMAGE")]
     pub(crate) refs: Vec<PathBuf>,
+    /// LoRA to merge into the transformer, FILE or FILE:SCALE (repeatable, at most 16; scale -100 to 100, default 1; may be negative): diffusers/PEFT, BFL/ai-toolkit, kohya and LoKr (BFL, LyCORIS) .safetensors files
+    #[arg(long = "lora", value_name = "FILE[:SCALE]", value_parser = parse_lora)]
+    pub(crate) loras: Vec<LoraSpec>,
     /// Images to generate for the prompt (one batch)
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=MAX_BATCH as i64))]
     pub(crate) num_images: u16,
@@ -148,6 +151,14 @@ pub(crate) struct InfoArgs {
     /// Also check the sha256 of every file
     #[arg(long)]
     pub(crate) verify: bool,
+    /// List what this LoRA would change (layers, rank, scale), FILE or FILE:SCALE (repeatable)
+    #[arg(long = "lora", value_name = "FILE[:SCALE]", value_parser = parse_lora)]
+    pub(crate) loras: Vec<LoraSpec>,
+}
+
+/// `FILE` or `FILE:SCALE`.
+fn parse_lora(text: &str) -> Result<LoraSpec, String> {
+    Ok(LoraSpec::parse(text))
 }
 
 /// The bundle to use: `--model`, else `$KLEIN_MODEL`, else the bundled tiny model.
@@ -166,7 +177,8 @@ pub(crate) fn pipeline_options(args: &GenerateArgs) -> PipelineOptions {
     let mut options = PipelineOptions::default()
         .with_device(args.device)
         .with_runtime(runtime)
-        .with_verify_hashes(!args.no_verify_hashes);
+        .with_verify_hashes(!args.no_verify_hashes)
+        .with_loras(args.loras.clone());
     if let Some(threads) = args.threads {
         options = options.with_threads(threads);
     }

@@ -226,5 +226,11 @@ fn info(args: InfoArgs) -> anyhow::Result<()> {
             manifest.files.len()
         );
     }
+    if let Some(targets) = &manifest.graphs.transformer.lora_targets {
+        println!("LoRA map:     {} linear layers", targets.len());
+    }
+    for lora in klein::pipeline::lora::inspect(&args.loras, &manifest, &model)? {
+        report::print_lora(&lora);
+    }
     Ok(())
 }

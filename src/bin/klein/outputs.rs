@@ -102,6 +102,11 @@ pub(crate) fn png_text(
 ) -> anyhow::Result<Vec<(String, String)>> {
     let manifest = pipeline.manifest();
     let refs: Vec<String> = refs.iter().map(|r| r.display().to_string()).collect();
+    let loras: Vec<String> = pipeline
+        .loras()
+        .iter()
+        .map(|l| format!("{}:{}", l.path.display(), l.scale))
+        .collect();
     Ok(vec![
         ("prompt".into(), prompt.into()),
         ("seed".into(), g.seed.to_string()),
@@ -116,6 +121,7 @@ pub(crate) fn png_text(
         ("bundle_sha256".into(), bundle_hash.to_string()),
         ("device".into(), device.into()),
         ("references".into(), serde_json::to_string(&refs)?),
+        ("loras".into(), serde_json::to_string(&loras)?),
         (
             "Software".into(),
             format!("klein {}", env!("CARGO_PKG_VERSION")),

@@ -3,7 +3,7 @@ use std::io::IsTerminal;
 use std::ops::ControlFlow;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use klein::pipeline::{Generation, Pipeline, Progress};
+use klein::pipeline::{Generation, LoraSummary, Pipeline, Progress};
 
 /// Progress on stderr: a bar when stderr is a terminal and --quiet is not given.
 pub(crate) struct Reporter {
@@ -124,4 +124,22 @@ pub(crate) fn device_name(pipeline: &Pipeline) -> String {
         .map(|p| format!("{} {}", p.component, p.device))
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// `klein info --lora`: a LoRA's format, scale and every layer it changes (stdout).
+pub(crate) fn print_lora(lora: &LoraSummary) {
+    println!(
+        "LoRA:         {} ({}, scale {}): {} layers",
+        lora.path.display(),
+        lora.format,
+        lora.scale,
+        lora.modules.len()
+    );
+    for m in &lora.modules {
+        let kind = m.rank.map_or("LoKr".to_string(), |r| format!("rank {r}"));
+        println!(
+            "  {:48} [{}, {}]  {kind:>8}  x{}  <- {}",
+            m.module, m.shape.0, m.shape.1, m.file_scale, m.source
+        );
+    }
 }

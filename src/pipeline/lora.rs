@@ -1,0 +1,336 @@
+//! LoRAs on a bundle: the files a pipeline applies ([`LoraSpec`]), read and checked against the
+//! bundle's `lora_targets` ([`LoraSet::load`]: every module must be a linear layer of this
+//! transformer, of the same shape), and merged into the transformer's weights when its session is
+//! created ([`LoraSet::initializers`]): `W + sum(scale * delta)` per touched layer, handed to ONNX
+//! Runtime in place of the graph's initializer. Untouched layers are read from the bundle as usual,
+//! and no other graph is reloaded when the LoRAs change.
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+use ndarray::Array2;
+use rayon::prelude::*;
+
+use crate::bundle::lora_targets::{LoraTarget, WeightDtype, WeightLayout};
+use crate::bundle::Manifest;
+use crate::error::{KleinError, Result};
+use crate::limits::{MAX_LORAS, MAX_LORA_SCALE};
+use crate::runtime::{Initializer, InitializerData};
+use crate::stages::lora::{first_names, read_lora, LoraFile, LoraFormat, Update};
+
+/// A LoRA file and the scale it is applied with (`delta * scale`; negative or above 1 allowed).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraSpec {
+    path: PathBuf,
+    scale: f32,
+}
+
+impl LoraSpec {
+    pub fn new(path: impl Into<PathBuf>, scale: f32) -> LoraSpec {
+        LoraSpec {
+            path: path.into(),
+            scale,
+        }
+    }
+
+    /// `FILE` (scale 1) or `FILE:SCALE`, as the CLI's `--lora` takes it. A path that itself ends
+    /// in `:<number>` can be given as `FILE:<number>:1`.
+    pub fn parse(text: &str) -> LoraSpec {
+        if let Some((path, scale)) = text.rsplit_once(':') {
+            if let Ok(scale) = scale.parse::<f32>() {
+                if !path.is_empty() {
+                    return LoraSpec::new(path, scale);
+                }
+            }
+        }
+        LoraSpec::new(text, 1.0)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn scale(&self) -> f32 {
+        self.scale
+    }
+
+    /// The scale is finite and within [`MAX_LORA_SCALE`] (checked before the file is read).
+    pub fn check(&self) -> Result<()> {
+        if !self.scale.is_finite() || self.scale.abs() > MAX_LORA_SCALE {
+            return Err(KleinError::Request(format!(
+                "LoRA {}: scale {} must be between -{MAX_LORA_SCALE} and {MAX_LORA_SCALE}",
+                self.path.display(),
+                self.scale
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Checks a list of LoRAs without reading them: how many, and their scales.
+pub fn check_specs(specs: &[LoraSpec]) -> Result<()> {
+    if specs.len() > MAX_LORAS {
+        return Err(KleinError::Request(format!(
+            "{} LoRAs; at most {MAX_LORAS} can be applied at once",
+            specs.len()
+        )));
+    }
+    specs.iter().try_for_each(LoraSpec::check)
+}
+
+/// What `specs` would change in the bundle at `dir` (read and checked as
+/// [`crate::pipeline::Pipeline::set_loras`] does), without loading any graph.
+pub fn inspect(specs: &[LoraSpec], manifest: &Manifest, dir: &Path) -> Result<Vec<LoraSummary>> {
+    Ok(LoraSet::load(specs, manifest, dir)?.summaries())
+}
+
+/// What one LoRA changes, as `klein info --lora` lists it.
+#[derive(Debug, Clone)]
+pub struct LoraSummary {
+    pub path: PathBuf,
+    pub format: LoraFormat,
+    pub scale: f32,
+    pub modules: Vec<ModuleSummary>,
+}
+
+/// One layer a LoRA changes.
+#[derive(Debug, Clone)]
+pub struct ModuleSummary {
+    /// diffusers' module name (`transformer_blocks.0.attn.to_q`).
+    pub module: String,
+    /// The key prefix in the file it comes from.
+    pub source: String,
+    /// LoRA rank (`None`: LoKr).
+    pub rank: Option<usize>,
+    /// The file's own scaling (alpha / rank, metadata); the LoRA's scale multiplies it.
+    pub file_scale: f32,
+    /// `[out, in]`.
+    pub shape: (usize, usize),
+}
+
+/// LoRAs read and checked against one bundle.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct LoraSet {
+    adapters: Vec<(LoraSpec, LoraFile)>,
+}
+
+impl LoraSet {
+    /// Reads `specs` and checks each against the bundle: a transformer it can merge into (not
+    /// quantized, not static-shape, with a LoRA map), every module one of its linear layers,
+    /// every delta of that layer's shape.
+    pub fn load(specs: &[LoraSpec], manifest: &Manifest, dir: &Path) -> Result<LoraSet> {
+        check_specs(specs)?;
+        let mut adapters = Vec::with_capacity(specs.len());
+        for spec in specs {
+            let targets = targets(manifest, dir, spec.path())?;
+            let file = read_lora(spec.path())?;
+            check_fit(&file, targets)?;
+            adapters.push((spec.clone(), file));
+        }
+        Ok(LoraSet { adapters })
+    }
+
+    pub fn specs(&self) -> Vec<LoraSpec> {
+        self.adapters.iter().map(|(spec, _)| spec.clone()).collect()
+    }
+
+    pub fn summaries(&self) -> Vec<LoraSummary> {
+        self.adapters
+            .iter()
+            .map(|(spec, file)| LoraSummary {
+                path: spec.path.clone(),
+                format: file.format,
+                scale: spec.scale,
+                modules: file
+                    .updates
+                    .iter()
+                    .map(|u| ModuleSummary {
+                        module: u.module.clone(),
+                        source: u.source.clone(),
+                        rank: u.factors.rank(),
+                        file_scale: u.scale,
+                        shape: u.shape(),
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    /// The merged weight of every layer a LoRA with a non-zero scale touches, under its
+    /// initializer's name.
+    pub fn initializers(&self, manifest: &Manifest, dir: &Path) -> Result<Vec<Initializer>> {
+        let mut by_module: BTreeMap<&str, Vec<(&Update, f32)>> = BTreeMap::new();
+        for (spec, file) in &self.adapters {
+            if spec.scale == 0.0 {
+                continue;
+            }
+            for update in &file.updates {
+                by_module
+                    .entry(update.module.as_str())
+                    .or_default()
+                    .push((update, spec.scale));
+            }
+        }
+        let Some(targets) = &manifest.graphs.transformer.lora_targets else {
+            return Ok(Vec::new());
+        };
+        by_module
+            .into_par_iter()
+            .map(|(module, updates)| {
+                let target = targets.get(module).ok_or_else(|| KleinError::Inference {
+                    stage: "lora",
+                    message: format!("{module} is not in the bundle's LoRA map"),
+                })?;
+                merged(dir, target, &updates)
+            })
+            .collect()
+    }
+}
+
+/// The bundle's LoRA map, or why LoRAs cannot be merged into it at load time.
+fn targets<'m>(
+    manifest: &'m Manifest,
+    dir: &Path,
+    lora: &Path,
+) -> Result<&'m BTreeMap<String, LoraTarget>> {
+    let refuse = |why: String| {
+        KleinError::Lora {
+        path: lora.to_path_buf(),
+        reason: format!(
+            "bundle {}: {why}; merge the LoRA when exporting instead: klein-export convert --checkpoint CKPT \
+             --lora {}:SCALE ...",
+            dir.display(),
+            lora.display()
+        ),
+    }
+    };
+    let spec = &manifest.graphs.transformer;
+    if let Some(q) = &spec.quantization {
+        return Err(refuse(format!(
+            "its transformer is quantized ({} bits): klein merges LoRAs into float weights only",
+            q.bits
+        )));
+    }
+    if manifest.static_shapes.is_some() {
+        return Err(refuse(
+            "a static-shape bundle (for CoreML) takes no LoRA at load time".into(),
+        ));
+    }
+    spec.lora_targets.as_ref().ok_or_else(|| {
+        refuse(
+            "it has no LoRA map (exported before klein read LoRAs); `klein-export lora-map --checkpoint CKPT \
+             --bundle DIR` adds one without exporting again, or"
+                .into(),
+        )
+    })
+}
+
+/// Every update of `file` names a layer of `targets`, with its shape.
+fn check_fit(file: &LoraFile, targets: &BTreeMap<String, LoraTarget>) -> Result<()> {
+    let fail = |reason: String| KleinError::Lora {
+        path: file.path.clone(),
+        reason,
+    };
+    let unknown: Vec<String> = file
+        .updates
+        .iter()
+        .filter(|u| !targets.contains_key(&u.module))
+        .map(|u| format!("{} (from `{}`)", u.module, u.source))
+        .collect();
+    if !unknown.is_empty() {
+        let names: Vec<&str> = unknown.iter().map(String::as_str).collect();
+        let example = targets
+            .iter()
+            .next()
+            .map(|(m, t)| format!("{m} [{}, {}]", t.shape[0], t.shape[1]))
+            .unwrap_or_default();
+        return Err(fail(format!(
+            "{} modules of this {} are not linear layers of the bundle's transformer: {}; the bundle has {} \
+             (e.g. {example}): a LoRA for another model",
+            unknown.len(),
+            file.format,
+            first_names(&names),
+            targets.len()
+        )));
+    }
+    let mismatched: Vec<String> = file
+        .updates
+        .iter()
+        .filter_map(|u| {
+            let [out, inp] = targets[&u.module].shape;
+            (u.shape() != (out, inp)).then(|| {
+                let (o, i) = u.shape();
+                format!(
+                    "{} is [{out}, {inp}], `{}` gives [{o}, {i}]",
+                    u.module, u.source
+                )
+            })
+        })
+        .collect();
+    if !mismatched.is_empty() {
+        let names: Vec<&str> = mismatched.iter().map(String::as_str).collect();
+        return Err(fail(format!(
+            "{} layers do not have the shape this {} was trained for: {}: a LoRA for another size of the \
+             model (klein 4B has hidden size 3072, 9B 4096)",
+            mismatched.len(),
+            file.format,
+            first_names(&names)
+        )));
+    }
+    Ok(())
+}
+
+/// `target`'s weight from the bundle plus every update's delta, in the target's layout and dtype.
+fn merged(dir: &Path, target: &LoraTarget, updates: &[(&Update, f32)]) -> Result<Initializer> {
+    let path = dir.join(&target.file);
+    let io = |source| KleinError::Io {
+        path: path.clone(),
+        action: "reading a weight to merge a LoRA into",
+        source,
+    };
+    let mut bytes = vec![0u8; target.bytes as usize];
+    let mut file = File::open(&path).map_err(io)?;
+    file.seek(SeekFrom::Start(target.offset)).map_err(io)?;
+    file.read_exact(&mut bytes).map_err(io)?;
+    let [out, inp] = target.shape;
+    let stored = match target.layout {
+        WeightLayout::OutIn => (out, inp),
+        WeightLayout::InOut => (inp, out),
+    };
+    let values: Vec<f32> = match target.dtype {
+        WeightDtype::Float32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        WeightDtype::Float16 => bytes
+            .chunks_exact(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        WeightDtype::Bfloat16 => bytes
+            .chunks_exact(2)
+            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+    };
+    let mut weight = Array2::from_shape_vec(stored, values).map_err(|e| KleinError::Inference {
+        stage: "lora",
+        message: format!("{}: {e}", target.initializer),
+    })?;
+    for (update, scale) in updates {
+        let delta = update.delta(*scale); // [out, in]
+        match target.layout {
+            WeightLayout::OutIn => weight += &delta,
+            WeightLayout::InOut => weight += &delta.t(), // [in, out]
+        }
+    }
+    let data: Vec<f32> = weight.into_raw_vec_and_offset().0;
+    let data = match target.dtype {
+        WeightDtype::Float32 => InitializerData::F32(data),
+        WeightDtype::Float16 => InitializerData::F16(data.into_iter().map(f16::from_f32).collect()),
+        WeightDtype::Bfloat16 => {
+            InitializerData::Bf16(data.into_iter().map(bf16::from_f32).collect())
+        }
+    };
+    Initializer::new(&target.initializer, &[stored.0, stored.1], data)
+}

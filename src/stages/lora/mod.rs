@@ -1,0 +1,275 @@
+//! LoRA files, read as diffusers 0.42.1's `Flux2LoraLoaderMixin.lora_state_dict` reads them, for
+//! the transformer (diffusers' Flux2 loader has no text-encoder LoRA):
+//! - PEFT / diffusers: `transformer.<module>.lora_A.weight` and `lora_B`, optional adapter metadata
+//!   (`lora_adapter_metadata`: rank, alpha, rank and alpha patterns, rsLoRA); PEFT's own
+//!   `base_model.model.` prefix;
+//! - BFL / ai-toolkit: `diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight` (fused QKV split
+//!   into Q, K and V), or `diffusion_model.` + diffusers module names;
+//! - kohya: `lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight`, `lora_up`, `.alpha`;
+//! - LoKr (`lokr_w1`, `lokr_w1_a/b`, `lokr_w2`, `lokr_w2_a/b`, `.alpha`) in the BFL, LyCORIS
+//!   (`lycoris_transformer_blocks_0_attn_to_q.lokr_w1`), bare (`<module>.lokr_w1`) and diffusers
+//!   (`transformer.<module>.lokr_w1`) layouts.
+//!
+//! A file becomes [`Update`]s in diffusers' module names; [`Update::delta_rows`] gives the weight
+//! delta `scale * B A` (LoRA) or `scale * kron(w1, w2)` (LoKr). What diffusers ignores with a warning
+//! (keys it cannot place, text-encoder keys, DoRA magnitudes) is refused here: a LoRA that loads
+//! "successfully" and changes nothing, or changes less than it should, is worse than an error.
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use ndarray::{s, Array2};
+use safetensors::{Dtype, SafeTensors};
+
+use crate::error::{KleinError, Result};
+use crate::limits::MAX_LORA_FILE_BYTES;
+
+mod config;
+mod keys;
+
+pub(crate) use keys::first_names;
+pub use keys::LoraFormat;
+
+/// A LoRA file, converted to diffusers' module names.
+#[derive(Debug, Clone)]
+pub struct LoraFile {
+    pub path: PathBuf,
+    pub format: LoraFormat,
+    pub updates: Vec<Update>,
+}
+
+/// The change of one linear layer.
+#[derive(Debug, Clone)]
+pub struct Update {
+    /// The target module (diffusers' name under the transformer, `transformer_blocks.0.attn.to_q`).
+    pub module: String,
+    /// The key prefix in the file, for messages.
+    pub source: String,
+    pub factors: Factors,
+    /// The rows of the factors' delta that are this module's: all of them, or one block of a fused
+    /// projection (LoKr on a fused QKV, which cannot be split into factors per block).
+    pub rows: Range<usize>,
+    /// The file's own scaling (alpha / rank, adapter metadata); the user's scale multiplies it.
+    pub scale: f32,
+}
+
+/// The low-rank factors of an update.
+#[derive(Debug, Clone)]
+pub enum Factors {
+    /// `delta = up . down`: up `[out, r]`, down `[r, in]`.
+    Lora { up: Array2<f32>, down: Array2<f32> },
+    /// `delta = kron(w1, w2)`: w1 `[a, b]`, w2 `[c, d]`, delta `[a*c, b*d]` (factors stored as
+    /// products `w_a . w_b` are multiplied out when read).
+    Lokr { w1: Array2<f32>, w2: Array2<f32> },
+}
+
+impl Factors {
+    /// `[out, in]` of the delta.
+    pub fn shape(&self) -> (usize, usize) {
+        match self {
+            Factors::Lora { up, down } => (up.nrows(), down.ncols()),
+            Factors::Lokr { w1, w2 } => (w1.nrows() * w2.nrows(), w1.ncols() * w2.ncols()),
+        }
+    }
+
+    /// The LoRA rank (`None` for LoKr).
+    pub fn rank(&self) -> Option<usize> {
+        match self {
+            Factors::Lora { down, .. } => Some(down.nrows()),
+            Factors::Lokr { .. } => None,
+        }
+    }
+}
+
+impl Update {
+    /// `[out, in]` of this module's delta.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.rows.len(), self.factors.shape().1)
+    }
+
+    /// `scale * delta` of this module: `[out, in]`.
+    pub fn delta(&self, scale: f32) -> Array2<f32> {
+        let scale = scale * self.scale;
+        match &self.factors {
+            // [rows, r] . [r, in] -> [rows, in]
+            Factors::Lora { up, down } => up.slice(s![self.rows.clone(), ..]).dot(down) * scale,
+            Factors::Lokr { w1, w2 } => {
+                let (c, d) = w2.dim();
+                let mut out = Array2::<f32>::zeros((self.rows.len(), w1.ncols() * d));
+                // kron row i = w1[i / c, :] (x) w2[i % c, :], at column j1 * d + j2
+                for (r, i) in self.rows.clone().enumerate() {
+                    let (a_row, b_row) = (w1.row(i / c), w2.row(i % c));
+                    let mut row = out.row_mut(r);
+                    for (j1, &a) in a_row.iter().enumerate() {
+                        for (j2, &b) in b_row.iter().enumerate() {
+                            row[j1 * d + j2] = a * b * scale;
+                        }
+                    }
+                }
+                out
+            }
+        }
+    }
+}
+
+/// Reads and converts the LoRA file at `path`.
+pub fn read_lora(path: &Path) -> Result<LoraFile> {
+    let fail = |reason: String| KleinError::Lora {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let size = std::fs::metadata(path)
+        .map_err(|source| KleinError::Io {
+            path: path.to_path_buf(),
+            action: "reading the LoRA file",
+            source,
+        })?
+        .len();
+    if size > MAX_LORA_FILE_BYTES {
+        return Err(fail(format!(
+            "{size} bytes; a LoRA file may have at most {MAX_LORA_FILE_BYTES} bytes"
+        )));
+    }
+    let bytes = std::fs::read(path).map_err(|source| KleinError::Io {
+        path: path.to_path_buf(),
+        action: "reading the LoRA file",
+        source,
+    })?;
+    let tensors = SafeTensors::deserialize(&bytes).map_err(|e| {
+        fail(format!(
+            "not a safetensors file ({e}); klein reads LoRAs saved as .safetensors"
+        ))
+    })?;
+    let (_, header) = SafeTensors::read_metadata(&bytes)
+        .map_err(|e| fail(format!("unreadable safetensors header ({e})")))?;
+    let adapter_config = match header.metadata() {
+        Some(map) => config::AdapterConfig::from_metadata(map).map_err(fail)?,
+        None => None,
+    };
+    let store = Store { tensors };
+    let (format, updates) = keys::convert(&store, adapter_config.as_ref()).map_err(fail)?;
+    if updates.is_empty() {
+        return Err(fail("the file holds no LoRA weights".into()));
+    }
+    Ok(LoraFile {
+        path: path.to_path_buf(),
+        format,
+        updates,
+    })
+}
+
+/// The tensors of a file, by name.
+pub(crate) struct Store<'a> {
+    tensors: SafeTensors<'a>,
+}
+
+impl Store<'_> {
+    pub fn names(&self) -> Vec<&str> {
+        let mut names = self.tensors.names();
+        names.sort_unstable();
+        names
+    }
+
+    /// A 2-D tensor as f32 (`[N, M, 1, 1]` convolution-shaped weights taken as `[N, M]`).
+    pub fn matrix(&self, name: &str) -> std::result::Result<Array2<f32>, String> {
+        let view = self
+            .tensors
+            .tensor(name)
+            .map_err(|_| format!("`{name}` is missing"))?;
+        let shape = view.shape();
+        let (rows, cols) = match shape {
+            [r, c] => (*r, *c),
+            [r, c, 1, 1] => (*r, *c),
+            _ => {
+                return Err(format!(
+                    "`{name}` has shape {shape:?}; a linear layer's factor is 2-D"
+                ))
+            }
+        };
+        let values = to_f32(view.dtype(), view.data()).map_err(|e| format!("`{name}`: {e}"))?;
+        if values.iter().any(|v| !v.is_finite()) {
+            return Err(format!("`{name}` holds non-finite values"));
+        }
+        Array2::from_shape_vec((rows, cols), values).map_err(|e| format!("`{name}`: {e}"))
+    }
+
+    /// A one-element tensor (`.alpha`) as f32.
+    pub fn scalar(&self, name: &str) -> std::result::Result<f32, String> {
+        let view = self
+            .tensors
+            .tensor(name)
+            .map_err(|_| format!("`{name}` is missing"))?;
+        let values = to_f32(view.dtype(), view.data()).map_err(|e| format!("`{name}`: {e}"))?;
+        match values.as_slice() {
+            [v] if v.is_finite() => Ok(*v),
+            _ => Err(format!(
+                "`{name}` should hold one finite number, has {} values",
+                values.len()
+            )),
+        }
+    }
+}
+
+/// Little-endian float data as f32.
+fn to_f32(dtype: Dtype, data: &[u8]) -> std::result::Result<Vec<f32>, String> {
+    Ok(match dtype {
+        Dtype::F32 => data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::F16 => data
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => data
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        other => {
+            return Err(format!(
+                "dtype {other:?}; LoRA weights are F32, F16 or BF16"
+            ))
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::array;
+
+    #[test]
+    fn lokr_rows_are_the_kronecker_product() {
+        let update = Update {
+            module: "b".into(),
+            source: "x".into(),
+            factors: Factors::Lokr {
+                w1: array![[1.0, 2.0], [3.0, 4.0]],
+                w2: array![[0.0, 5.0], [6.0, 7.0]],
+            },
+            rows: 2..4,
+            scale: 0.5,
+        };
+        // rows 2..4 of kron([[1,2],[3,4]], [[0,5],[6,7]]), times 0.5 * 2
+        let want = array![[0.0, 15.0, 0.0, 20.0], [18.0, 21.0, 24.0, 28.0]];
+        assert_eq!(update.shape(), (2, 4));
+        assert_eq!(update.delta(2.0), want);
+    }
+
+    #[test]
+    fn lora_delta_is_up_times_down() {
+        let update = Update {
+            module: "q".into(),
+            source: "x".into(),
+            factors: Factors::Lora {
+                up: array![[1.0], [2.0], [3.0]],
+                down: array![[1.0, -1.0]],
+            },
+            rows: 0..3,
+            scale: 1.0,
+        };
+        assert_eq!(
+            update.delta(-1.0),
+            array![[-1.0, 1.0], [-2.0, 2.0], [-3.0, 3.0]]
+        );
+    }
+}
