@@ -195,35 +195,32 @@ fn targets<'m>(
     dir: &Path,
     lora: &Path,
 ) -> Result<&'m BTreeMap<String, LoraTarget>> {
-    let refuse = |why: String| {
-        KleinError::Lora {
+    let export = format!(
+        "merge the LoRA when exporting: klein-export convert --checkpoint CKPT --lora {}:SCALE ...",
+        lora.display()
+    );
+    let refuse = |why: String| KleinError::Lora {
         path: lora.to_path_buf(),
-        reason: format!(
-            "bundle {}: {why}; merge the LoRA when exporting instead: klein-export convert --checkpoint CKPT \
-             --lora {}:SCALE ...",
-            dir.display(),
-            lora.display()
-        ),
-    }
+        reason: format!("bundle {}: {why}", dir.display()),
     };
     let spec = &manifest.graphs.transformer;
     if let Some(q) = &spec.quantization {
         return Err(refuse(format!(
-            "its transformer is quantized ({} bits): klein merges LoRAs into float weights only",
+            "its transformer is quantized ({} bits) and klein merges LoRAs into float weights only; {export}",
             q.bits
         )));
     }
     if manifest.static_shapes.is_some() {
-        return Err(refuse(
-            "a static-shape bundle (for CoreML) takes no LoRA at load time".into(),
-        ));
+        return Err(refuse(format!(
+            "a static-shape bundle (for CoreML) takes no LoRA at load time; {export}"
+        )));
     }
     spec.lora_targets.as_ref().ok_or_else(|| {
-        refuse(
-            "it has no LoRA map (exported before klein read LoRAs); `klein-export lora-map --checkpoint CKPT \
-             --bundle DIR` adds one without exporting again, or"
-                .into(),
-        )
+        refuse(format!(
+            "it has no LoRA map (exported before klein read LoRAs): add one with `klein-export lora-map \
+             --checkpoint CKPT --bundle {}` (no re-export), or {export}",
+            dir.display()
+        ))
     })
 }
 

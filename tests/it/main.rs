@@ -15,6 +15,7 @@ mod fuzz_regressions;
 mod fuzz_targets;
 mod layers;
 mod limits;
+mod lora;
 mod manifest;
 mod outputs;
 mod prompt_cache;

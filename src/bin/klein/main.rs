@@ -148,6 +148,7 @@ fn info(args: InfoArgs) -> anyhow::Result<()> {
     if args.verify {
         manifest.verify_hashes(&model)?;
     }
+    let loras = klein::pipeline::lora::inspect(&args.loras, &manifest, &model)?;
     let m = &manifest.model;
     println!("bundle:       {}", model.display());
     println!(
@@ -229,8 +230,8 @@ fn info(args: InfoArgs) -> anyhow::Result<()> {
     if let Some(targets) = &manifest.graphs.transformer.lora_targets {
         println!("LoRA map:     {} linear layers", targets.len());
     }
-    for lora in klein::pipeline::lora::inspect(&args.loras, &manifest, &model)? {
-        report::print_lora(&lora);
+    for lora in &loras {
+        report::print_lora(lora);
     }
     Ok(())
 }

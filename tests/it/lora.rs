@@ -1,0 +1,476 @@
+//! LoRAs on the bundled tiny model: applied (the image moves, scale 0 is byte-equal to none,
+//! removing them gives the plain image back), changed without reloading the text encoder, and
+//! every mismatch refused with exit 2, the offending keys named and no output written. Parity with
+//! diffusers for each format is in export/tests/test_lora.py.
+
+use std::collections::BTreeMap;
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+
+use klein::bundle::Manifest;
+use klein::pipeline::{LoraSpec, Progress, Request, Stage};
+use klein::KleinError;
+use safetensors::tensor::{Dtype, TensorView};
+
+use crate::cli::{generate, klein};
+use crate::util::{repo, temp_dir, tiny_pipeline};
+
+/// `[out, in]` of every linear layer of the bundled model, from its LoRA map.
+fn layers() -> BTreeMap<String, [usize; 2]> {
+    let manifest = Manifest::load(&repo().join("onnx/klein-tiny")).unwrap();
+    let targets = manifest.graphs.transformer.lora_targets.unwrap();
+    targets.into_iter().map(|(m, t)| (m, t.shape)).collect()
+}
+
+/// Deterministic values in [-amplitude, amplitude).
+fn values(n: usize, seed: u64, amplitude: f32) -> Vec<f32> {
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amplitude
+        })
+        .collect()
+}
+
+/// A safetensors file of f32 tensors, with `metadata`.
+fn write_file(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+    metadata: Option<BTreeMap<String, String>>,
+) {
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views: Vec<(&str, TensorView<'_>)> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((name, shape, _), data)| {
+            (
+                name.as_str(),
+                TensorView::new(Dtype::F32, shape.clone(), data).unwrap(),
+            )
+        })
+        .collect();
+    let metadata = metadata.map(|m| m.into_iter().collect());
+    safetensors::serialize_to_file(views, metadata, path).unwrap();
+}
+
+/// A diffusers-layout LoRA of rank 2 on every layer `keep` accepts, `[out, in]` scaled by `widen`.
+fn diffusers_lora(path: &Path, keep: impl Fn(&str) -> bool, widen: usize) -> PathBuf {
+    let mut tensors = Vec::new();
+    for (i, (module, [out, inp])) in layers().into_iter().enumerate() {
+        if !keep(&module) {
+            continue;
+        }
+        let (out, inp) = (out * widen, inp * widen);
+        tensors.push((
+            format!("transformer.{module}.lora_A.weight"),
+            vec![2, inp],
+            values(2 * inp, i as u64, 0.3),
+        ));
+        tensors.push((
+            format!("transformer.{module}.lora_B.weight"),
+            vec![out, 2],
+            values(2 * out, 100 + i as u64, 0.3),
+        ));
+    }
+    write_file(path, &tensors, None);
+    path.to_path_buf()
+}
+
+fn request() -> Request {
+    Request::new("a lighthouse at dusk")
+        .with_seed(11)
+        .with_size(64, 64)
+        .with_steps(2)
+}
+
+/// Applying a LoRA moves the image; scale 0 gives the plain image byte for byte; setting no LoRA
+/// again restores it. Changing LoRAs reloads the transformer and nothing else.
+#[test]
+fn lora_applies_and_changes_only_the_transformer() {
+    let dir = temp_dir("lora-apply");
+    let lora = diffusers_lora(&dir.join("all.safetensors"), |_| true, 1);
+    let mut pipeline = tiny_pipeline();
+    let plain = pipeline.generate(&request(), None).unwrap().images;
+
+    pipeline.set_loras(&[LoraSpec::new(&lora, 0.0)]).unwrap();
+    let zero = pipeline.generate(&request(), None).unwrap().images;
+    assert_eq!(
+        zero[0].pixels, plain[0].pixels,
+        "scale 0 must be byte-equal to no LoRA"
+    );
+
+    let mut loads = Vec::new();
+    let mut record = |event: Progress| {
+        if let Progress::StageStarted(stage) = event {
+            loads.push(stage);
+        }
+        ControlFlow::Continue(())
+    };
+    pipeline.set_loras(&[LoraSpec::new(&lora, 1.0)]).unwrap();
+    let with = pipeline
+        .generate(&request(), Some(&mut record))
+        .unwrap()
+        .images;
+    let differing = with[0]
+        .pixels
+        .iter()
+        .zip(&plain[0].pixels)
+        .filter(|(a, b)| a != b)
+        .count();
+    assert!(
+        differing > with[0].pixels.len() / 2,
+        "the LoRA changed only {differing} of {} values",
+        with[0].pixels.len()
+    );
+    assert!(loads.contains(&Stage::LoadTransformer), "{loads:?}");
+    assert_eq!(pipeline.loras().len(), 1);
+    assert_eq!(pipeline.loras()[0].modules.len(), layers().len());
+
+    pipeline.set_loras(&[]).unwrap();
+    let again = pipeline.generate(&request(), None).unwrap().images;
+    assert_eq!(again[0].pixels, plain[0].pixels);
+}
+
+/// With the text encoder kept loaded, a LoRA change reloads the transformer only.
+#[test]
+fn set_loras_keeps_the_text_encoder() {
+    let dir = temp_dir("lora-keep");
+    let lora = diffusers_lora(&dir.join("all.safetensors"), |_| true, 1);
+    let options = klein::pipeline::PipelineOptions::default()
+        .with_device(klein::runtime::Device::Cpu)
+        .with_threads(1)
+        .with_keep_text_encoder(true)
+        .with_runtime(
+            klein::runtime::RuntimeOptions::default().with_library(crate::util::ort_library()),
+        )
+        .with_cache_dir(crate::util::test_cache_dir());
+    let mut pipeline =
+        klein::pipeline::Pipeline::load(&repo().join("onnx/klein-tiny"), options).unwrap();
+    pipeline.generate(&request(), None).unwrap();
+    let mut stages = Vec::new();
+    let mut record = |event: Progress| {
+        if let Progress::StageStarted(stage) = event {
+            stages.push(stage);
+        }
+        ControlFlow::Continue(())
+    };
+    pipeline.set_loras(&[LoraSpec::new(&lora, 0.5)]).unwrap();
+    pipeline
+        .generate(&request().with_seed(12), Some(&mut record))
+        .unwrap();
+    assert!(stages.contains(&Stage::LoadTransformer), "{stages:?}");
+    assert!(!stages.contains(&Stage::LoadTextEncoder), "{stages:?}");
+    assert!(!stages.contains(&Stage::LoadVaeDecoder), "{stages:?}");
+}
+
+/// A refused LoRA leaves the pipeline's LoRAs as they were.
+#[test]
+fn a_refused_lora_keeps_the_previous_ones() {
+    let dir = temp_dir("lora-keep-previous");
+    let good = diffusers_lora(&dir.join("good.safetensors"), |_| true, 1);
+    let wide = diffusers_lora(&dir.join("wide.safetensors"), |_| true, 2);
+    let mut pipeline = tiny_pipeline();
+    pipeline.set_loras(&[LoraSpec::new(&good, 1.0)]).unwrap();
+    let error = pipeline
+        .set_loras(&[LoraSpec::new(&wide, 1.0)])
+        .unwrap_err();
+    assert!(matches!(error, KleinError::Lora { .. }), "{error:?}");
+    assert_eq!(pipeline.loras()[0].path, good);
+}
+
+/// Each mismatch: exit 2, the reason and the first offending keys named, no output file.
+#[test]
+fn mismatched_loras_are_refused() {
+    let dir = temp_dir("lora-refused");
+    let some = |m: &str| m.starts_with("transformer_blocks.0.");
+    let wide = diffusers_lora(&dir.join("9b.safetensors"), some, 2);
+    // FLUX.1's diffusers names (norm1.linear, proj_mlp) are no klein layers.
+    let flux1 = dir.join("flux1.safetensors");
+    write_file(
+        &flux1,
+        &[
+            (
+                "transformer.single_transformer_blocks.0.proj_mlp.lora_A.weight".into(),
+                vec![2, 64],
+                values(128, 1, 0.1),
+            ),
+            (
+                "transformer.single_transformer_blocks.0.proj_mlp.lora_B.weight".into(),
+                vec![256, 2],
+                values(512, 2, 0.1),
+            ),
+        ],
+        None,
+    );
+    let text = dir.join("text_encoder.safetensors");
+    write_file(
+        &text,
+        &[
+            (
+                "transformer.x_embedder.lora_A.weight".into(),
+                vec![2, 128],
+                values(256, 1, 0.1),
+            ),
+            (
+                "transformer.x_embedder.lora_B.weight".into(),
+                vec![64, 2],
+                values(128, 2, 0.1),
+            ),
+            (
+                "text_encoder.layers.0.q_proj.lora_A.weight".into(),
+                vec![2, 16],
+                values(32, 3, 0.1),
+            ),
+            (
+                "text_encoder.layers.0.q_proj.lora_B.weight".into(),
+                vec![16, 2],
+                values(32, 4, 0.1),
+            ),
+        ],
+        None,
+    );
+    let kohya = dir.join("kohya.safetensors");
+    write_file(
+        &kohya,
+        &[
+            (
+                "lora_unet_img_in.lora_down.weight".into(),
+                vec![2, 128],
+                values(256, 1, 0.1),
+            ),
+            (
+                "lora_unet_img_in.lora_up.weight".into(),
+                vec![64, 2],
+                values(128, 2, 0.1),
+            ),
+            (
+                "lora_unet_double_blocks_0_img_mod_lin.lora_down.weight".into(),
+                vec![2, 64],
+                values(128, 3, 0.1),
+            ),
+            (
+                "lora_unet_double_blocks_0_img_mod_lin.lora_up.weight".into(),
+                vec![384, 2],
+                values(768, 4, 0.1),
+            ),
+        ],
+        None,
+    );
+    let rank = dir.join("rank.safetensors");
+    write_file(
+        &rank,
+        &[
+            (
+                "transformer.x_embedder.lora_A.weight".into(),
+                vec![2, 128],
+                values(256, 1, 0.1),
+            ),
+            (
+                "transformer.x_embedder.lora_B.weight".into(),
+                vec![64, 3],
+                values(192, 2, 0.1),
+            ),
+        ],
+        None,
+    );
+    let half = dir.join("half.safetensors");
+    write_file(
+        &half,
+        &[(
+            "transformer.x_embedder.lora_A.weight".into(),
+            vec![2, 128],
+            values(256, 1, 0.1),
+        )],
+        None,
+    );
+    let dora = dir.join("dora.safetensors");
+    write_file(
+        &dora,
+        &[
+            (
+                "transformer.x_embedder.lora_A.weight".into(),
+                vec![2, 128],
+                values(256, 1, 0.1),
+            ),
+            (
+                "transformer.x_embedder.lora_B.weight".into(),
+                vec![64, 2],
+                values(128, 2, 0.1),
+            ),
+            (
+                "transformer.x_embedder.lora_magnitude_vector".into(),
+                vec![64, 1],
+                values(64, 3, 0.1),
+            ),
+        ],
+        None,
+    );
+    let metadata_rank = dir.join("metadata.safetensors");
+    write_file(
+        &metadata_rank,
+        &[
+            (
+                "transformer.x_embedder.lora_A.weight".into(),
+                vec![2, 128],
+                values(256, 1, 0.1),
+            ),
+            (
+                "transformer.x_embedder.lora_B.weight".into(),
+                vec![64, 2],
+                values(128, 2, 0.1),
+            ),
+        ],
+        Some(BTreeMap::from([(
+            "lora_adapter_metadata".to_string(),
+            r#"{"transformer.r": 8, "transformer.lora_alpha": 8}"#.to_string(),
+        )])),
+    );
+    let not_safetensors = dir.join("model.ckpt");
+    std::fs::write(&not_safetensors, b"PK\x03\x04 a pickle").unwrap();
+
+    let cases: Vec<(PathBuf, Vec<&str>)> = vec![
+        (
+            wide,
+            vec![
+                "shape",
+                "transformer_blocks.0.attn.add_k_proj is [64, 64]",
+                "[128, 128]",
+                "another size",
+            ],
+        ),
+        (
+            flux1,
+            vec![
+                "single_transformer_blocks.0.proj_mlp",
+                "not linear layers",
+                "another model",
+            ],
+        ),
+        (
+            text,
+            vec![
+                "text-encoder keys",
+                "text_encoder.layers.0.q_proj.lora_A.weight",
+                "transformer only",
+            ],
+        ),
+        (
+            kohya,
+            vec![
+                "lora_unet_double_blocks_0_img_mod_lin.lora_down.weight",
+                "kohya",
+                "match no layer",
+            ],
+        ),
+        (rank, vec!["rank", "x_embedder"]),
+        (half, vec!["only one of lora_A and lora_B"]),
+        (dora, vec!["DoRA", "lora_magnitude_vector"]),
+        (metadata_rank, vec!["rank 2", "metadata says 8"]),
+        (not_safetensors, vec!["not a safetensors file"]),
+        (dir.join("missing.safetensors"), vec!["missing.safetensors"]),
+    ];
+    for (lora, needles) in cases {
+        let out = dir.join("out.png");
+        let arg = format!("{}:0.5", lora.display());
+        let run = generate(
+            "a fox",
+            &out,
+            &[
+                "--lora", &arg, "--width", "64", "--height", "64", "--steps", "1", "--seed", "1",
+            ],
+        );
+        run.assert_user_error(&needles);
+        assert!(!out.exists(), "{} left an output", lora.display());
+    }
+}
+
+/// Bounds on the scale and the count are checked before any file is read.
+#[test]
+fn scale_and_count_bounds() {
+    let dir = temp_dir("lora-bounds");
+    let out = dir.join("out.png");
+    generate("a fox", &out, &["--lora", "/no/such.safetensors:1e9"])
+        .assert_user_error(&["scale", "between -100 and 100"]);
+    let many: Vec<String> = (0..17)
+        .flat_map(|i| ["--lora".to_string(), format!("/no/{i}.safetensors")])
+        .collect();
+    let many: Vec<&str> = many.iter().map(String::as_str).collect();
+    generate("a fox", &out, &many).assert_user_error(&["17 LoRAs", "at most 16"]);
+}
+
+/// A bundle without a LoRA map (exported before), or quantized, is refused with the way that works.
+#[test]
+fn bundles_that_cannot_take_a_lora_say_what_can() {
+    let dir = temp_dir("lora-bundles");
+    let lora = diffusers_lora(&dir.join("all.safetensors"), |_| true, 1);
+    for (name, edit) in [
+        ("old", "remove the map"),
+        ("quantized", "mark the transformer quantized"),
+    ] {
+        let bundle = dir.join(name);
+        std::fs::create_dir_all(&bundle).unwrap();
+        for entry in std::fs::read_dir(repo().join("onnx/klein-tiny")).unwrap() {
+            let entry = entry.unwrap();
+            std::fs::copy(entry.path(), bundle.join(entry.file_name())).unwrap();
+        }
+        let path = bundle.join("manifest.json");
+        let mut manifest: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let transformer = &mut manifest["graphs"]["transformer"];
+        match edit {
+            "remove the map" => {
+                transformer.as_object_mut().unwrap().remove("lora_targets");
+            }
+            _ => {
+                transformer["quantization"] = serde_json::json!({
+                    "method": "MatMulNBits", "bits": 8, "block_size": 32, "symmetric": true,
+                    "accuracy_level": 0
+                });
+            }
+        }
+        std::fs::write(&path, serde_json::to_vec_pretty(&manifest).unwrap()).unwrap();
+        let run = klein([
+            "info".as_ref(),
+            bundle.as_os_str(),
+            "--lora".as_ref(),
+            lora.as_os_str(),
+        ]);
+        let needles: &[&str] = match edit {
+            "remove the map" => &["no LoRA map", "klein-export lora-map"],
+            _ => &["quantized (8 bits)", "klein-export convert", "--lora"],
+        };
+        run.assert_user_error(needles);
+    }
+}
+
+/// `klein info --lora` lists what would be applied, without generating.
+#[test]
+fn info_lists_the_layers_a_lora_changes() {
+    let dir = temp_dir("lora-info");
+    let lora = diffusers_lora(
+        &dir.join("blocks.safetensors"),
+        |m| m.starts_with("transformer_blocks.1."),
+        1,
+    );
+    let arg = format!("{}:0.8", lora.display());
+    let run = klein(["info", "--lora", &arg]);
+    assert_eq!(run.code, Some(0), "{}", run.describe());
+    crate::util::assert_mentions(
+        &run.stdout,
+        &[
+            "LoRA map:     37 linear layers",
+            "diffusers/PEFT LoRA, scale 0.8): 12 layers",
+            "transformer_blocks.1.attn.to_q",
+            "[64, 64]",
+            "rank 2",
+        ],
+    );
+}
