@@ -474,3 +474,58 @@ fn info_lists_the_layers_a_lora_changes() {
         ],
     );
 }
+
+/// Batch lines choose their LoRAs (relative to the file); a line without `loras` takes `--lora`;
+/// a line whose LoRA cannot be used fails alone, with exit 2 at the end.
+#[test]
+fn batch_lines_choose_their_loras() {
+    let dir = temp_dir("lora-batch");
+    diffusers_lora(&dir.join("style.safetensors"), |_| true, 1);
+    let prompts = dir.join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        concat!(
+            r#"{"prompt": "a fox", "seed": 3, "loras": ["style.safetensors:0"], "name": "zero"}"#,
+            "\n",
+            r#"{"prompt": "a fox", "seed": 3, "name": "flag"}"#,
+            "\n",
+            r#"{"prompt": "a fox", "seed": 3, "loras": [], "name": "none"}"#,
+            "\n",
+            r#"{"prompt": "a fox", "seed": 3, "loras": ["missing.safetensors"], "name": "bad"}"#,
+            "\n",
+        ),
+    )
+    .unwrap();
+    let out = dir.join("out");
+    let flag = format!("{}:1", dir.join("style.safetensors").display());
+    let run = klein([
+        "generate",
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--out-dir",
+        out.to_str().unwrap(),
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--steps",
+        "2",
+        "--lora",
+        &flag,
+    ]);
+    assert_eq!(run.code, Some(2), "{}", run.describe());
+    crate::util::assert_mentions(&run.stderr, &["line 4 (bad)", "missing.safetensors"]);
+    let pixels = |name: &str| {
+        image::open(out.join(format!("{name}.png")))
+            .unwrap()
+            .to_rgb8()
+            .into_raw()
+    };
+    assert_eq!(pixels("zero"), pixels("none"), "scale 0 equals no LoRA");
+    assert_ne!(
+        pixels("flag"),
+        pixels("none"),
+        "the --lora LoRA applies to lines without loras"
+    );
+    assert!(!out.join("bad.png").exists());
+}

@@ -34,7 +34,7 @@ pub(crate) enum Command {
 pub(crate) struct GenerateArgs {
     /// The prompt (may be empty); or --prompts for many
     pub(crate) prompt: Option<String>,
-    /// JSON Lines file, one image per line: {"prompt": "...", "seed": 7, "width": 512, "height": 512, "steps": 4, "guidance": 1.0, "refs": ["a.png"], "name": "fox"} (only "prompt" is required; refs are relative to the file). Other options apply to every line that does not set them
+    /// JSON Lines file, one image per line: {"prompt": "...", "seed": 7, "width": 512, "height": 512, "steps": 4, "guidance": 1.0, "refs": ["a.png"], "loras": ["style.safetensors:0.8"], "name": "fox"} (only "prompt" is required; refs and loras are relative to the file; a line without "loras" takes --lora). Other options apply to every line that does not set them
     #[arg(
         long,
         value_name = "FILE",

@@ -410,7 +410,12 @@ impl BatchJob<'_> {
         reporter: &Reporter,
     ) -> anyhow::Result<()> {
         let line = self.line;
-        let (request, (width, height)) = match self.request(pipeline, args) {
+        let checked = self.request(pipeline, args).and_then(|checked| {
+            // Only the transformer reloads when a line's LoRAs differ from the previous line's.
+            pipeline.set_loras(line.loras.as_deref().unwrap_or(&args.loras))?;
+            Ok(checked)
+        });
+        let (request, (width, height)) = match checked {
             Ok(checked) => checked,
             Err(error) => {
                 memo.forget(&line.prompt);

@@ -4,16 +4,18 @@
 //!
 //! ```json
 //! {"prompt": "a red fox", "seed": 7, "width": 768, "height": 512, "steps": 4, "guidance": 1.0,
-//!  "refs": ["refs/fox.png"], "name": "fox"}
+//!  "refs": ["refs/fox.png"], "loras": ["style.safetensors:0.8"], "name": "fox"}
 //! ```
 //!
 //! Only `prompt` is required; unknown keys are refused (a typo such as `"sead"` would otherwise be
-//! silently ignored). `refs` are relative to the directory of the file. `name` is the output file
+//! silently ignored). `refs` and `loras` are relative to the directory of the file; a line without
+//! `loras` takes the command line's `--lora`s, `"loras": []` none. `name` is the output file
 //! stem; by default the line number, zero-padded to four digits (`0007`). A line that cannot be
 //! used is reported as a [`LineError`], and the others still run.
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use klein::pipeline::LoraSpec;
 use serde::Deserialize;
 
 /// Digits of the default output name (the line number): `0001` ... `9999`, then `10000`.
@@ -34,6 +36,8 @@ pub(crate) struct BatchLine {
     pub guidance: Option<f64>,
     /// Reference images, resolved against the file's directory.
     pub refs: Vec<PathBuf>,
+    /// LoRAs of this line, resolved against the file's directory (`None`: the command line's).
+    pub loras: Option<Vec<LoraSpec>>,
 }
 
 /// A line that cannot be used, with what is known of it.
@@ -61,6 +65,8 @@ struct LineJson {
     guidance: Option<f64>,
     #[serde(default)]
     refs: Vec<PathBuf>,
+    /// `FILE` or `FILE:SCALE` each.
+    loras: Option<Vec<String>>,
     name: Option<String>,
 }
 
@@ -139,6 +145,15 @@ pub(crate) fn parse_batch(
             steps: json.steps,
             guidance: json.guidance,
             refs: json.refs.iter().map(|r| base_dir.join(r)).collect(),
+            loras: json.loras.map(|loras| {
+                loras
+                    .iter()
+                    .map(|text| {
+                        let spec = LoraSpec::parse(text);
+                        LoraSpec::new(base_dir.join(spec.path()), spec.scale())
+                    })
+                    .collect()
+            }),
         }));
     }
     parsed
