@@ -34,8 +34,9 @@ use std::ptr;
 use std::slice;
 
 use crate::error::KleinError;
+use crate::limits::MAX_LORAS;
 use crate::pipeline::request::check_reference_count;
-use crate::pipeline::{Pipeline, PipelineOptions, Progress, Request};
+use crate::pipeline::{LoraSpec, Pipeline, PipelineOptions, Progress, Request};
 use crate::runtime::{CoreMlOptions, CudaOptions, RuntimeOptions};
 
 /// The result of every call.
@@ -282,6 +283,57 @@ pub unsafe extern "C" fn klein_generate(
             dst[..3].copy_from_slice(src);
             dst[3] = u8::MAX;
         }
+        Ok(())
+    };
+    // SAFETY: `error_message` is NULL or writable.
+    unsafe { guard(error_message, body) }
+}
+
+/// Applies `count` LoRAs (`paths[i]` with `scales[i]`; `count` 0: none) to the pipeline's
+/// transformer from the next generation on, in place of those applied before. Each file is read
+/// and checked now: a LoRA for another model or size, keys that match no layer, or a quantized or
+/// static-shape bundle give `KLEIN_ERROR_USER` with the reason, and the pipeline keeps its LoRAs.
+/// Only the transformer is reloaded when the LoRAs change.
+///
+/// Thread-safety: as `klein_generate`.
+///
+/// # Safety
+/// `pipeline` is NULL or from `klein_pipeline_load` and not freed, and not used by another thread
+/// during the call; `paths` and `scales` hold `count` elements (may be NULL when `count` is 0),
+/// each path NUL-terminated; `error_message` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn klein_set_loras(
+    pipeline: *mut KleinPipeline,
+    paths: *const *const c_char,
+    scales: *const f32,
+    count: usize,
+    error_message: *mut *mut c_char,
+) -> KleinStatus {
+    let body = || {
+        // SAFETY (each block): the pointer guarantees in `# Safety` above.
+        let pipeline = &mut unsafe { pipeline.as_mut() }
+            .ok_or_else(|| Failure::invalid("pipeline is NULL"))?
+            .pipeline;
+        if count > MAX_LORAS {
+            return Err(Failure::from(KleinError::Request(format!(
+                "{count} LoRAs; at most {MAX_LORAS} can be applied at once"
+            ))));
+        }
+        let mut loras = Vec::with_capacity(count);
+        if count > 0 {
+            if paths.is_null() || scales.is_null() {
+                return Err(Failure::invalid(
+                    "paths or scales is NULL with a non-zero count",
+                ));
+            }
+            let paths = unsafe { slice::from_raw_parts(paths, count) };
+            let scales = unsafe { slice::from_raw_parts(scales, count) };
+            for (i, (&path, &scale)) in paths.iter().zip(scales).enumerate() {
+                let path = unsafe { required_str(path, &format!("paths[{i}]")) }?;
+                loras.push(LoraSpec::new(path, scale));
+            }
+        }
+        pipeline.set_loras(&loras)?;
         Ok(())
     };
     // SAFETY: `error_message` is NULL or writable.

@@ -529,3 +529,76 @@ fn batch_lines_choose_their_loras() {
     );
     assert!(!out.join("bad.png").exists());
 }
+
+/// `klein_set_loras`: the C API's image with a LoRA equals the Rust API's; a refused LoRA is
+/// KLEIN_ERROR_USER with the reason; NULL arrays with a count are invalid arguments; count 0
+/// removes the LoRAs.
+#[test]
+fn c_api_sets_loras() {
+    use crate::capi::{c_paths, call, cpu_options, generate_into};
+    use klein::capi::{
+        klein_pipeline_free, klein_pipeline_load, klein_set_loras, KleinPipeline, KleinRequest,
+        KleinStatus::*,
+    };
+    use std::ffi::CString;
+    use std::ptr;
+
+    let dir = temp_dir("lora-capi");
+    let lora = diffusers_lora(&dir.join("all.safetensors"), |_| true, 1);
+    let wide = diffusers_lora(&dir.join("wide.safetensors"), |_| true, 2);
+    let (bundle, library) = c_paths();
+    let options = cpu_options(&library, 1);
+    let mut pipeline: *mut KleinPipeline = ptr::null_mut();
+    // SAFETY (every call): valid pointers, NUL-terminated strings, a live pipeline.
+    let (status, message) =
+        call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &options, &mut pipeline, m) });
+    assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
+    let request = KleinRequest {
+        prompt: c"a lighthouse at dusk".as_ptr(),
+        seed: 11,
+        width: 64,
+        height: 64,
+        steps: 2,
+        guidance: 0.0,
+        num_images: 1,
+        reference_paths: ptr::null(),
+        reference_count: 0,
+    };
+    let path = CString::new(lora.to_str().unwrap()).unwrap();
+    let paths = [path.as_ptr()];
+    let scales = [0.7f32];
+    let (status, message) =
+        call(|m| unsafe { klein_set_loras(pipeline, paths.as_ptr(), scales.as_ptr(), 1, m) });
+    assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
+    let mut rgba = vec![0u8; 64 * 64 * 4];
+    let (status, message) = call(|m| unsafe { generate_into(pipeline, &request, &mut rgba, m) });
+    assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
+    let mut rust = tiny_pipeline();
+    rust.set_loras(&[LoraSpec::new(&lora, 0.7)]).unwrap();
+    let want = rust.generate(&request(), None).unwrap().images[0]
+        .pixels
+        .clone();
+    let rgb: Vec<u8> = rgba.chunks_exact(4).flat_map(|p| p[..3].to_vec()).collect();
+    assert_eq!(rgb, want);
+
+    let wide_path = CString::new(wide.to_str().unwrap()).unwrap();
+    let wide_paths = [wide_path.as_ptr()];
+    let (status, message) =
+        call(|m| unsafe { klein_set_loras(pipeline, wide_paths.as_ptr(), scales.as_ptr(), 1, m) });
+    assert_eq!(status, KLEIN_ERROR_USER, "{message}");
+    crate::util::assert_mentions(&message, &["wide.safetensors", "another size"]);
+    let (status, message) =
+        call(|m| unsafe { klein_set_loras(pipeline, ptr::null(), scales.as_ptr(), 1, m) });
+    assert_eq!(status, KLEIN_ERROR_INVALID_ARGUMENT, "{message}");
+    let (status, message) =
+        call(|m| unsafe { klein_set_loras(pipeline, ptr::null(), ptr::null(), 0, m) });
+    assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
+    let (status, _) = call(|m| unsafe { generate_into(pipeline, &request, &mut rgba, m) });
+    assert_eq!(status, KLEIN_OK);
+    let plain = tiny_pipeline().generate(&request(), None).unwrap().images[0]
+        .pixels
+        .clone();
+    let rgb: Vec<u8> = rgba.chunks_exact(4).flat_map(|p| p[..3].to_vec()).collect();
+    assert_eq!(rgb, plain, "count 0 removes the LoRAs");
+    unsafe { klein_pipeline_free(pipeline) };
+}
