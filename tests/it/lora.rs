@@ -553,7 +553,7 @@ fn c_api_sets_loras() {
     let (status, message) =
         call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &options, &mut pipeline, m) });
     assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
-    let request = KleinRequest {
+    let c_request = KleinRequest {
         prompt: c"a lighthouse at dusk".as_ptr(),
         seed: 11,
         width: 64,
@@ -571,7 +571,7 @@ fn c_api_sets_loras() {
         call(|m| unsafe { klein_set_loras(pipeline, paths.as_ptr(), scales.as_ptr(), 1, m) });
     assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
     let mut rgba = vec![0u8; 64 * 64 * 4];
-    let (status, message) = call(|m| unsafe { generate_into(pipeline, &request, &mut rgba, m) });
+    let (status, message) = call(|m| unsafe { generate_into(pipeline, &c_request, &mut rgba, m) });
     assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
     let mut rust = tiny_pipeline();
     rust.set_loras(&[LoraSpec::new(&lora, 0.7)]).unwrap();
@@ -593,7 +593,7 @@ fn c_api_sets_loras() {
     let (status, message) =
         call(|m| unsafe { klein_set_loras(pipeline, ptr::null(), ptr::null(), 0, m) });
     assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
-    let (status, _) = call(|m| unsafe { generate_into(pipeline, &request, &mut rgba, m) });
+    let (status, _) = call(|m| unsafe { generate_into(pipeline, &c_request, &mut rgba, m) });
     assert_eq!(status, KLEIN_OK);
     let plain = tiny_pipeline().generate(&request(), None).unwrap().images[0]
         .pixels
