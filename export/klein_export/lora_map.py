@@ -109,11 +109,18 @@ def lora_targets(model, graph_path: Path, log=print) -> dict:
     import torch
     from torch import nn
 
+    from .precision import Float16Island
+
     index = _initializer_index(graph_path)
+    modules = dict(model.named_modules())
     targets, claimed, missing = {}, {}, []
-    for name, sub in model.named_modules():
+    for name, sub in modules.items():
         if not isinstance(sub, nn.Linear):
             continue
+        # fp16 bundles wrap layers in a Float16Island: the layer keeps its diffusers name.
+        parent = name.removesuffix(".module")
+        if parent != name and isinstance(modules.get(parent), Float16Island):
+            name = parent
         w = sub.weight.detach()
         found = None
         for layout, tensor in (("out_in", w), ("in_out", w.t())):
@@ -138,7 +145,7 @@ def lora_targets(model, graph_path: Path, log=print) -> dict:
         claimed.setdefault(found["initializer"], []).append(name)
         targets[name] = found
     # Two modules with identical weights folded into one initializer: a LoRA on one would change both.
-    for init, names in claimed.items():
+    for names in claimed.values():
         if len(names) > 1:
             for name in names:
                 del targets[name]

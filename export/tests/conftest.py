@@ -1,6 +1,7 @@
 import pytest
 
 from klein_export.convert import convert
+from klein_export.quantize import QuantizationConfig, quantize_copy
 from klein_export.tiny import build_tiny
 
 
@@ -13,4 +14,24 @@ def tiny_checkpoint(tmp_path_factory):
 def tiny_bundle(tiny_checkpoint, tmp_path_factory):
     return convert(
         tiny_checkpoint, tmp_path_factory.mktemp("bundle") / "klein-tiny", variant="tiny", log=lambda _: None
+    )
+
+
+@pytest.fixture(scope="session")
+def fp16_bundle(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp16") / "klein-tiny-fp16"
+    return convert(tiny_checkpoint, out, variant="tiny", precision="fp16", log=lambda _: None)
+
+
+@pytest.fixture(scope="session")
+def int8_bundle(tiny_bundle, tmp_path_factory):
+    return quantize_copy(
+        tiny_bundle, tmp_path_factory.mktemp("int8") / "klein-tiny-int8", QuantizationConfig(bits=8), log=lambda _: None
+    )
+
+
+@pytest.fixture(scope="session")
+def int4_bundle(tiny_bundle, tmp_path_factory):
+    return quantize_copy(
+        tiny_bundle, tmp_path_factory.mktemp("int4") / "klein-tiny-int4", QuantizationConfig(bits=4), log=lambda _: None
     )

@@ -102,7 +102,10 @@ def write_peft(transformer, path, rank=4, alpha=8, std=0.1, seed=0):
     metadata = transformer.peft_config["made"].to_dict()
     transformer.delete_adapters("made")
     Flux2KleinPipeline.save_lora_weights(
-        str(path.parent), transformer_lora_layers=state, weight_name=path.name, transformer_lora_adapter_metadata=metadata
+        str(path.parent),
+        transformer_lora_layers=state,
+        weight_name=path.name,
+        transformer_lora_adapter_metadata=metadata,
     )
     return path
 

@@ -9,6 +9,8 @@ most 1 level anywhere and in at most 1% of pixels. Each LoRA is strong enough th
 Needs the release binary (`cargo test --release` builds it; scripts/test.sh runs that first).
 """
 
+import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -16,10 +18,6 @@ import numpy as np
 import pytest
 import torch
 from diffusers import Flux2KleinPipeline
-from PIL import Image
-
-from klein_export.convert import convert
-from klein_export.lora_merge import LoraSpec
 from lora_files import (
     linear_shapes,
     write_bfl,
@@ -28,6 +26,11 @@ from lora_files import (
     write_lokr_lycoris,
     write_peft,
 )
+from PIL import Image
+
+from klein_export.cli import main
+from klein_export.convert import convert
+from klein_export.lora_merge import LoraSpec
 
 REPO = Path(__file__).resolve().parents[2]
 KLEIN = REPO / "target" / "release" / "klein"
@@ -111,7 +114,9 @@ def test_lora_equals_diffusers(case, loras, tiny_checkpoint, tiny_bundle, base_i
     moved = psnr(want, base_image)
     diff = np.abs(got.astype(int) - want.astype(int))
     pixels = float((diff > 0).any(axis=-1).mean())
-    print(f"{case}: vs diffusers max {diff.max()}, {100 * pixels:.2f}% of pixels; LoRA moved the image to {moved:.1f} dB")
+    print(
+        f"{case}: vs diffusers max {diff.max()}, {100 * pixels:.2f}% of pixels; LoRA moved the image to {moved:.1f} dB"
+    )
     assert moved < 30, f"the LoRA barely changes the image ({moved:.1f} dB): parity would prove nothing"
     assert diff.max() <= 1 and pixels <= 0.01, (diff.max(), pixels)
 
@@ -141,10 +146,67 @@ def test_export_time_merge_equals_diffusers(loras, tiny_checkpoint, tmp_path):
 
 
 def test_lora_map_covers_every_linear_layer(tiny_checkpoint, tiny_bundle):
-    import json
-
     pipe = Flux2KleinPipeline.from_pretrained(str(tiny_checkpoint), dtype=torch.float32)
     targets = json.loads((tiny_bundle / "manifest.json").read_text())["graphs"]["transformer"]["lora_targets"]
     assert sorted(targets) == sorted(linear_shapes(pipe.transformer))
     for module, target in targets.items():
         assert target["shape"] == list(linear_shapes(pipe.transformer)[module])
+
+
+def test_fp16_bundles_merge_and_quantized_ones_refuse(loras, tiny_bundle, fp16_bundle, int8_bundle, tmp_path):
+    """fp16: the merged weight is rounded to float16 like the rest; its error against the fp32 bundle
+    with the same LoRA is of the order of fp16's own. int8: refused, naming the export-time merge."""
+    adapters = [(loras["bfl"], 0.7)]
+    fp32 = klein_image(tiny_bundle, adapters, tmp_path / "fp32.png")
+    fp16 = klein_image(fp16_bundle, adapters, tmp_path / "fp16.png")
+    plain = psnr(klein_image(fp16_bundle, [], tmp_path / "a.png"), klein_image(tiny_bundle, [], tmp_path / "b.png"))
+    with_lora = psnr(fp16, fp32)
+    print(f"fp16 vs fp32: {plain:.1f} dB without the LoRA, {with_lora:.1f} dB with it")
+    assert with_lora >= plain - 3, (with_lora, plain)
+
+    manifest = json.loads((int8_bundle / "manifest.json").read_text())
+    assert "lora_targets" not in manifest["graphs"]["transformer"]
+    cmd = [str(KLEIN), "generate", PROMPT, "--model", str(int8_bundle), "--lora", str(loras["bfl"])]
+    run = subprocess.run(cmd + ["-o", str(tmp_path / "int8.png")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr
+    assert "quantized (8 bits)" in run.stderr and "klein-export convert" in run.stderr, run.stderr
+    assert not (tmp_path / "int8.png").exists()
+
+
+def test_lora_map_command_restores_the_map(tiny_checkpoint, tiny_bundle, tmp_path):
+    copy = tmp_path / "old"
+    shutil.copytree(tiny_bundle, copy)
+    path = copy / "manifest.json"
+    manifest = json.loads(path.read_text())
+    want = manifest["graphs"]["transformer"].pop("lora_targets")
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
+    assert main(["lora-map", "--checkpoint", str(tiny_checkpoint), "--bundle", str(copy)]) == 0
+    assert json.loads(path.read_text())["graphs"]["transformer"]["lora_targets"] == want
+    assert main(["lora-map", "--checkpoint", str(tiny_checkpoint), "--bundle", str(tmp_path / "none")]) == 2
+
+
+def test_external_data_bundles_merge_like_inline_ones(loras, tiny_checkpoint, tiny_bundle, fp16_bundle, tmp_path):
+    """Graphs over 2 GB keep their weights in `.onnx.data`: there klein replaces the initializers
+    through ONNX Runtime's external-initializer API instead of patching the graph's bytes. The
+    images must be byte-equal to the inline bundle's, in fp32 and fp16."""
+    import onnx
+
+    from klein_export.lora_map import add_lora_map
+    from klein_export.manifest import bundle_files, read_manifest, write_manifest
+
+    adapters = [(loras["kohya"], 1.0), (loras["lokr-bfl"], 0.5)]
+    for name, bundle in (("fp32", tiny_bundle), ("fp16", fp16_bundle)):
+        external = tmp_path / name
+        shutil.copytree(bundle, external)
+        graph = external / "transformer.onnx"
+        model = onnx.load(str(graph))
+        onnx.save_model(model, str(graph), save_as_external_data=True, location="transformer.onnx.data")
+        manifest = read_manifest(external)
+        manifest["files"] = bundle_files(external)
+        write_manifest(manifest, external)
+        add_lora_map(tiny_checkpoint, external)
+        targets = read_manifest(external)["graphs"]["transformer"]["lora_targets"]
+        assert {t["file"] for t in targets.values()} == {"transformer.onnx.data"}
+        inline = klein_image(bundle, adapters, tmp_path / f"{name}-inline.png")
+        got = klein_image(external, adapters, tmp_path / f"{name}-external.png")
+        assert np.array_equal(inline, got), name

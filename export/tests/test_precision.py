@@ -42,26 +42,6 @@ MATMUL_WEIGHTS = {"text_encoder": 27 * 7, "transformer": 2 * 12 + 2 * 2 + 3}
 FLOAT16_OPS = {"Cast", "MatMul", "Gemm", "Conv", "Gather", "Add"}
 
 
-@pytest.fixture(scope="module")
-def fp16_bundle(tiny_checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("fp16") / "klein-tiny-fp16"
-    return convert(tiny_checkpoint, out, variant="tiny", precision="fp16", log=lambda _: None)
-
-
-@pytest.fixture(scope="module")
-def int8_bundle(tiny_bundle, tmp_path_factory):
-    return quantize_copy(
-        tiny_bundle, tmp_path_factory.mktemp("int8") / "klein-tiny-int8", QuantizationConfig(bits=8), log=lambda _: None
-    )
-
-
-@pytest.fixture(scope="module")
-def int4_bundle(tiny_bundle, tmp_path_factory):
-    return quantize_copy(
-        tiny_bundle, tmp_path_factory.mktemp("int4") / "klein-tiny-int4", QuantizationConfig(bits=4), log=lambda _: None
-    )
-
-
 @pytest.fixture
 def bundles(fp16_bundle, int8_bundle, int4_bundle):
     return {"fp16": fp16_bundle, "int8": int8_bundle, "int4": int4_bundle}

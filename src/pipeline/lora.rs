@@ -183,7 +183,7 @@ impl LoraSet {
                     stage: "lora",
                     message: format!("{module} is not in the bundle's LoRA map"),
                 })?;
-                merged(dir, target, &updates)
+                merged(dir, &manifest.graphs.transformer.file, target, &updates)
             })
             .collect()
     }
@@ -279,8 +279,14 @@ fn check_fit(file: &LoraFile, targets: &BTreeMap<String, LoraTarget>) -> Result<
     Ok(())
 }
 
-/// `target`'s weight from the bundle plus every update's delta, in the target's layout and dtype.
-fn merged(dir: &Path, target: &LoraTarget, updates: &[(&Update, f32)]) -> Result<Initializer> {
+/// `target`'s weight from the bundle plus every update's delta, in the target's layout and dtype,
+/// replacing the initializer in the graph file `graph_file` or in its external data.
+fn merged(
+    dir: &Path,
+    graph_file: &str,
+    target: &LoraTarget,
+    updates: &[(&Update, f32)],
+) -> Result<Initializer> {
     let path = dir.join(&target.file);
     let io = |source| KleinError::Io {
         path: path.clone(),
@@ -329,5 +335,9 @@ fn merged(dir: &Path, target: &LoraTarget, updates: &[(&Update, f32)]) -> Result
             InitializerData::Bf16(data.into_iter().map(bf16::from_f32).collect())
         }
     };
-    Initializer::new(&target.initializer, &[stored.0, stored.1], data)
+    if target.file == graph_file {
+        Ok(Initializer::in_file(&target.initializer, target.offset, &data))
+    } else {
+        Initializer::external(&target.initializer, &[stored.0, stored.1], data)
+    }
 }

@@ -72,11 +72,42 @@ pub fn load_graph(
         });
     }
     let runtime = runtime()?;
+    // Initializers stored in the graph file: patched into its bytes, which ONNX Runtime then reads
+    // from memory (external data, if any, is still found next to the file).
+    let patched = if initializers.iter().any(Initializer::is_in_file) {
+        let mut bytes = std::fs::read(path).map_err(|source| KleinError::Io {
+            path: path.to_path_buf(),
+            action: "reading the graph to merge weights into",
+            source,
+        })?;
+        for initializer in initializers {
+            initializer
+                .patch(&mut bytes)
+                .map_err(|reason| KleinError::Bundle {
+                    path: path.to_path_buf(),
+                    reason,
+                })?;
+        }
+        Some(bytes)
+    } else {
+        None
+    };
+    let model_dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
     let build = |device: Device| -> std::result::Result<Session, LoadFailure> {
         let builder = Session::builder(&runtime.environment)
             .map_err(|e| LoadFailure::Session(error_chain(&e)))?
             .with_optimization_level(optimization.to_ort())
             .map_err(|e| LoadFailure::Session(error_chain(&e)))?;
+        let builder = match patched {
+            // Where a graph read from memory finds its external data.
+            Some(_) => builder
+                .with_config_entry(
+                    "session.model_external_initializers_file_folder_path",
+                    model_dir.to_string_lossy(),
+                )
+                .map_err(|e| LoadFailure::Session(error_chain(&e)))?,
+            None => builder,
+        };
         let builder = match intra_threads {
             Some(n) => builder
                 .with_intra_threads(n)
@@ -85,13 +116,19 @@ pub fn load_graph(
         };
         let mut builder = builder;
         for initializer in initializers {
-            builder = builder
-                .with_initializer(initializer.name(), initializer.value())
-                .map_err(|e| LoadFailure::Session(error_chain(&e)))?;
+            if let Some(value) = initializer.external_value() {
+                builder = builder
+                    .with_external_initializer(initializer.name(), value)
+                    .map_err(|e| LoadFailure::Session(error_chain(&e)))?;
+            }
         }
         let strict = config.device != Device::Auto;
         let mut builder = register_device(builder, device, strict, &cuda, &coreml)?;
-        builder.commit_from_file(path).map_err(|e| match e.code() {
+        let committed = match &patched {
+            Some(bytes) => builder.commit_from_memory(bytes),
+            None => builder.commit_from_file(path),
+        };
+        committed.map_err(|e| match e.code() {
             // The file itself is not a graph ONNX Runtime can read: a bad bundle, not a bad run.
             ErrorCode::InvalidProtobuf | ErrorCode::InvalidGraph | ErrorCode::NoModel => {
                 LoadFailure::File(error_chain(&e))

@@ -273,13 +273,20 @@ pub fn tensor_names(tensors: &[TensorInfo]) -> String {
         .join(", ")
 }
 
-/// A weight given to ONNX Runtime in place of the graph initializer of the same name when a
-/// session is created (ONNX Runtime's `AddInitializer`): how LoRAs are merged without rewriting
-/// the graph. The session keeps the data; the file's copy of that initializer is not loaded.
-#[derive(Clone)]
+/// A graph initializer replaced before ONNX Runtime optimises the graph (how LoRAs are merged
+/// without rewriting the bundle). The replacement is made in the graph itself, not at session
+/// state (ONNX Runtime's `AddInitializer`): its constant folding of the fp16 graphs' weight casts
+/// reads the graph and would ignore a later replacement.
 pub struct Initializer {
     name: String,
-    value: Arc<DynValue>,
+    kind: Replacement,
+}
+
+enum Replacement {
+    /// New raw bytes at `offset` of the graph file: an initializer stored in the file itself.
+    InFile { offset: u64, bytes: Vec<u8> },
+    /// An initializer stored as external data (ONNX Runtime's `AddExternalInitializers`).
+    External(Arc<DynValue>),
 }
 
 impl fmt::Debug for Initializer {
@@ -297,9 +304,32 @@ pub enum InitializerData {
     Bf16(Vec<bf16>),
 }
 
+impl InitializerData {
+    /// Little-endian bytes, as ONNX stores raw tensor data.
+    fn to_le_bytes(&self) -> Vec<u8> {
+        match self {
+            InitializerData::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            InitializerData::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            InitializerData::Bf16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+}
+
 impl Initializer {
-    /// `data` of `shape` (row-major) under `name`.
-    pub fn new(name: &str, shape: &[usize], data: InitializerData) -> Result<Initializer> {
+    /// The initializer `name` whose raw data is stored at `offset` of the graph file itself: `data`
+    /// must have exactly as many bytes as it.
+    pub fn in_file(name: &str, offset: u64, data: &InitializerData) -> Initializer {
+        Initializer {
+            name: name.to_string(),
+            kind: Replacement::InFile {
+                offset,
+                bytes: data.to_le_bytes(),
+            },
+        }
+    }
+
+    /// The initializer `name`, stored as external data, replaced by `data` of `shape` (row-major).
+    pub fn external(name: &str, shape: &[usize], data: InitializerData) -> Result<Initializer> {
         let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
         let value = match data {
             InitializerData::F32(v) => Tensor::from_array((shape, v)).map(|t| t.into_dyn()),
@@ -312,7 +342,7 @@ impl Initializer {
         })?;
         Ok(Initializer {
             name: name.to_string(),
-            value: Arc::new(value),
+            kind: Replacement::External(Arc::new(value)),
         })
     }
 
@@ -320,7 +350,36 @@ impl Initializer {
         &self.name
     }
 
-    pub(super) fn value(&self) -> Arc<DynValue> {
-        Arc::clone(&self.value)
+    /// The external-data value, for `AddExternalInitializers`.
+    pub(super) fn external_value(&self) -> Option<Arc<DynValue>> {
+        match &self.kind {
+            Replacement::External(value) => Some(Arc::clone(value)),
+            Replacement::InFile { .. } => None,
+        }
+    }
+
+    /// Writes in-file replacements into `graph` (the graph file's bytes).
+    pub(super) fn patch(&self, graph: &mut [u8]) -> std::result::Result<(), String> {
+        let Replacement::InFile { offset, bytes } = &self.kind else {
+            return Ok(());
+        };
+        let start = usize::try_from(*offset).map_err(|e| e.to_string())?;
+        let end = start.checked_add(bytes.len()).filter(|&e| e <= graph.len());
+        match end {
+            Some(end) => {
+                graph[start..end].copy_from_slice(bytes);
+                Ok(())
+            }
+            None => Err(format!(
+                "initializer {}: bytes {start}+{} are past the end of the graph ({} bytes)",
+                self.name,
+                bytes.len(),
+                graph.len()
+            )),
+        }
+    }
+
+    pub(super) fn is_in_file(&self) -> bool {
+        matches!(self.kind, Replacement::InFile { .. })
     }
 }
