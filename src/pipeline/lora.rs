@@ -321,10 +321,9 @@ fn merged(
         message: format!("{}: {e}", target.initializer),
     })?;
     for (update, scale) in updates {
-        let delta = update.delta(*scale); // [out, in]
         match target.layout {
-            WeightLayout::OutIn => weight += &delta,
-            WeightLayout::InOut => weight += &delta.t(), // [in, out]
+            WeightLayout::OutIn => weight += &update.delta(*scale), // [out, in]
+            WeightLayout::InOut => weight += &update.delta_transposed(*scale), // [in, out]
         }
     }
     let data: Vec<f32> = weight.into_raw_vec_and_offset().0;
@@ -336,7 +335,11 @@ fn merged(
         }
     };
     if target.file == graph_file {
-        Ok(Initializer::in_file(&target.initializer, target.offset, &data))
+        Ok(Initializer::in_file(
+            &target.initializer,
+            target.offset,
+            &data,
+        ))
     } else {
         Initializer::external(&target.initializer, &[stored.0, stored.1], data)
     }

@@ -590,3 +590,147 @@ fn lokr(
     keys.finish(format)?;
     Ok(updates)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::{Dtype, TensorView};
+    use safetensors::SafeTensors;
+
+    /// `tensors` (name, shape, value of every element) as a safetensors file's bytes.
+    fn file(tensors: &[(&str, &[usize], f32)]) -> Vec<u8> {
+        let data: Vec<Vec<u8>> = tensors
+            .iter()
+            .map(|(_, shape, v)| {
+                let n: usize = shape.iter().product();
+                (0..n).flat_map(|_| v.to_le_bytes()).collect()
+            })
+            .collect();
+        let views: Vec<(&str, TensorView<'_>)> = tensors
+            .iter()
+            .zip(&data)
+            .map(|((name, shape, _), d)| {
+                (
+                    *name,
+                    TensorView::new(Dtype::F32, shape.to_vec(), d).unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize(views, None).unwrap()
+    }
+
+    fn convert_bytes(bytes: &[u8]) -> Result<(LoraFormat, Vec<Update>), Fail> {
+        let store = Store {
+            tensors: SafeTensors::deserialize(bytes).unwrap(),
+        };
+        convert(&store, None)
+    }
+
+    #[test]
+    fn kohya_qkv_splits_into_three_layers_with_alpha_over_rank() {
+        let bytes = file(&[
+            (
+                "lora_unet_double_blocks_1_img_attn_qkv.lora_down.weight",
+                &[4, 8],
+                1.0,
+            ),
+            (
+                "lora_unet_double_blocks_1_img_attn_qkv.lora_up.weight",
+                &[24, 4],
+                1.0,
+            ),
+            ("lora_unet_double_blocks_1_img_attn_qkv.alpha", &[], 2.0),
+        ]);
+        let (format, updates) = convert_bytes(&bytes).unwrap();
+        assert_eq!(format, LoraFormat::Kohya);
+        let modules: Vec<&str> = updates.iter().map(|u| u.module.as_str()).collect();
+        assert_eq!(
+            modules,
+            [
+                "transformer_blocks.1.attn.to_q",
+                "transformer_blocks.1.attn.to_k",
+                "transformer_blocks.1.attn.to_v"
+            ]
+        );
+        for update in &updates {
+            assert_eq!(update.shape(), (8, 8));
+            assert_eq!(update.scale, 0.5);
+        }
+    }
+
+    #[test]
+    fn lycoris_and_bfl_lokr_names() {
+        let bytes = file(&[
+            (
+                "lycoris_single_transformer_blocks_3_attn_to_qkv_mlp_proj.lokr_w1",
+                &[2, 2],
+                1.0,
+            ),
+            (
+                "lycoris_single_transformer_blocks_3_attn_to_qkv_mlp_proj.lokr_w2",
+                &[6, 4],
+                1.0,
+            ),
+        ]);
+        let (format, updates) = convert_bytes(&bytes).unwrap();
+        assert_eq!(format, LoraFormat::LokrLycoris);
+        assert_eq!(
+            updates[0].module,
+            "single_transformer_blocks.3.attn.to_qkv_mlp_proj"
+        );
+        assert_eq!(updates[0].shape(), (12, 8));
+
+        let bytes = file(&[
+            (
+                "diffusion_model.double_blocks.0.txt_attn.qkv.lokr_w1",
+                &[3, 1],
+                1.0,
+            ),
+            (
+                "diffusion_model.double_blocks.0.txt_attn.qkv.lokr_w2_a",
+                &[4, 2],
+                1.0,
+            ),
+            (
+                "diffusion_model.double_blocks.0.txt_attn.qkv.lokr_w2_b",
+                &[2, 8],
+                1.0,
+            ),
+            (
+                "diffusion_model.double_blocks.0.txt_attn.qkv.alpha",
+                &[],
+                1.0,
+            ),
+        ]);
+        let (format, updates) = convert_bytes(&bytes).unwrap();
+        assert_eq!(format, LoraFormat::LokrBfl);
+        // fused [12, 8] split by rows into add_q/k/v, alpha 1 over rank 2
+        let rows: Vec<_> = updates
+            .iter()
+            .map(|u| (u.module.as_str(), u.rows.clone(), u.scale))
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                ("transformer_blocks.0.attn.add_q_proj", 0..4, 0.5),
+                ("transformer_blocks.0.attn.add_k_proj", 4..8, 0.5),
+                ("transformer_blocks.0.attn.add_v_proj", 8..12, 0.5)
+            ]
+        );
+    }
+
+    #[test]
+    fn keys_of_no_layout_are_refused_by_name() {
+        let bytes = file(&[
+            ("transformer.x_embedder.lora_A.weight", &[2, 4], 1.0),
+            ("transformer.x_embedder.lora_B.weight", &[4, 2], 1.0),
+            ("unet.down_blocks.0.lora_A.weight", &[2, 4], 1.0),
+        ]);
+        let error = convert_bytes(&bytes).unwrap_err();
+        assert!(
+            error.contains("unet.down_blocks.0.lora_A.weight"),
+            "{error}"
+        );
+        assert!(error.contains("diffusers/PEFT LoRA layout"), "{error}");
+    }
+}

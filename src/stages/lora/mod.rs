@@ -86,12 +86,29 @@ impl Update {
         (self.rows.len(), self.factors.shape().1)
     }
 
+    /// `scale * delta` of this module transposed, `[in, out]`: the layout of a MatMul weight,
+    /// computed as such (`down^T . up^T`) rather than transposed afterwards.
+    pub fn delta_transposed(&self, scale: f32) -> Array2<f32> {
+        let scale = scale * self.scale;
+        match &self.factors {
+            // [in, r] . [r, rows] -> [in, rows]
+            Factors::Lora { up, down } => {
+                let up = up.slice(s![self.rows.clone(), ..]).mapv(|v| v * scale);
+                down.t().dot(&up.t())
+            }
+            Factors::Lokr { .. } => self.delta(scale / self.scale).reversed_axes(),
+        }
+    }
+
     /// `scale * delta` of this module: `[out, in]`.
     pub fn delta(&self, scale: f32) -> Array2<f32> {
         let scale = scale * self.scale;
         match &self.factors {
             // [rows, r] . [r, in] -> [rows, in]
-            Factors::Lora { up, down } => up.slice(s![self.rows.clone(), ..]).dot(down) * scale,
+            Factors::Lora { up, down } => {
+                let up = up.slice(s![self.rows.clone(), ..]).mapv(|v| v * scale);
+                up.dot(down)
+            }
             Factors::Lokr { w1, w2 } => {
                 let (c, d) = w2.dim();
                 let mut out = Array2::<f32>::zeros((self.rows.len(), w1.ncols() * d));
@@ -253,6 +270,7 @@ mod tests {
         let want = array![[0.0, 15.0, 0.0, 20.0], [18.0, 21.0, 24.0, 28.0]];
         assert_eq!(update.shape(), (2, 4));
         assert_eq!(update.delta(2.0), want);
+        assert_eq!(update.delta_transposed(2.0), want.t());
     }
 
     #[test]
