@@ -61,6 +61,34 @@ fn write_file(
     safetensors::serialize_to_file(views, metadata, path).unwrap();
 }
 
+/// `dir/NAME.safetensors` holding `tensors` (name, shape; values seeded by the name), with
+/// `metadata` as its `lora_adapter_metadata`.
+fn lora_file(
+    dir: &Path,
+    name: &str,
+    tensors: &[(&str, &[usize])],
+    metadata: Option<&str>,
+) -> PathBuf {
+    let path = dir.join(format!("{name}.safetensors"));
+    let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = tensors
+        .iter()
+        .map(|(key, shape)| {
+            let seed = key
+                .bytes()
+                .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
+            (
+                key.to_string(),
+                shape.to_vec(),
+                values(shape.iter().product(), seed, 0.1),
+            )
+        })
+        .collect();
+    let metadata =
+        metadata.map(|m| BTreeMap::from([("lora_adapter_metadata".to_string(), m.to_string())]));
+    write_file(&path, &tensors, metadata);
+    path
+}
+
 /// A diffusers-layout LoRA of rank 2 on every layer `keep` accepts, `[out, in]` scaled by `widen`.
 fn diffusers_lora(path: &Path, keep: impl Fn(&str) -> bool, widen: usize) -> PathBuf {
     let mut tensors = Vec::new();
@@ -193,146 +221,75 @@ fn mismatched_loras_are_refused() {
     let some = |m: &str| m.starts_with("transformer_blocks.0.");
     let wide = diffusers_lora(&dir.join("9b.safetensors"), some, 2);
     // FLUX.1's diffusers names (norm1.linear, proj_mlp) are no klein layers.
-    let flux1 = dir.join("flux1.safetensors");
-    write_file(
-        &flux1,
+    let flux1 = lora_file(
+        &dir,
+        "flux1",
         &[
             (
-                "transformer.single_transformer_blocks.0.proj_mlp.lora_A.weight".into(),
-                vec![2, 64],
-                values(128, 1, 0.1),
+                "transformer.single_transformer_blocks.0.proj_mlp.lora_A.weight",
+                &[2, 64],
             ),
             (
-                "transformer.single_transformer_blocks.0.proj_mlp.lora_B.weight".into(),
-                vec![256, 2],
-                values(512, 2, 0.1),
+                "transformer.single_transformer_blocks.0.proj_mlp.lora_B.weight",
+                &[256, 2],
             ),
         ],
         None,
     );
-    let text = dir.join("text_encoder.safetensors");
-    write_file(
-        &text,
+    let x_embedder = [
+        ("transformer.x_embedder.lora_A.weight", &[2, 128][..]),
+        ("transformer.x_embedder.lora_B.weight", &[64, 2][..]),
+    ];
+    let text = lora_file(
+        &dir,
+        "text_encoder",
         &[
+            x_embedder[0],
+            x_embedder[1],
+            ("text_encoder.layers.0.q_proj.lora_A.weight", &[2, 16]),
+            ("text_encoder.layers.0.q_proj.lora_B.weight", &[16, 2]),
+        ],
+        None,
+    );
+    let kohya = lora_file(
+        &dir,
+        "kohya",
+        &[
+            ("lora_unet_img_in.lora_down.weight", &[2, 128]),
+            ("lora_unet_img_in.lora_up.weight", &[64, 2]),
             (
-                "transformer.x_embedder.lora_A.weight".into(),
-                vec![2, 128],
-                values(256, 1, 0.1),
+                "lora_unet_double_blocks_0_img_mod_lin.lora_down.weight",
+                &[2, 64],
             ),
             (
-                "transformer.x_embedder.lora_B.weight".into(),
-                vec![64, 2],
-                values(128, 2, 0.1),
-            ),
-            (
-                "text_encoder.layers.0.q_proj.lora_A.weight".into(),
-                vec![2, 16],
-                values(32, 3, 0.1),
-            ),
-            (
-                "text_encoder.layers.0.q_proj.lora_B.weight".into(),
-                vec![16, 2],
-                values(32, 4, 0.1),
+                "lora_unet_double_blocks_0_img_mod_lin.lora_up.weight",
+                &[384, 2],
             ),
         ],
         None,
     );
-    let kohya = dir.join("kohya.safetensors");
-    write_file(
-        &kohya,
+    let rank = lora_file(
+        &dir,
+        "rank",
         &[
-            (
-                "lora_unet_img_in.lora_down.weight".into(),
-                vec![2, 128],
-                values(256, 1, 0.1),
-            ),
-            (
-                "lora_unet_img_in.lora_up.weight".into(),
-                vec![64, 2],
-                values(128, 2, 0.1),
-            ),
-            (
-                "lora_unet_double_blocks_0_img_mod_lin.lora_down.weight".into(),
-                vec![2, 64],
-                values(128, 3, 0.1),
-            ),
-            (
-                "lora_unet_double_blocks_0_img_mod_lin.lora_up.weight".into(),
-                vec![384, 2],
-                values(768, 4, 0.1),
-            ),
+            x_embedder[0],
+            ("transformer.x_embedder.lora_B.weight", &[64, 3]),
         ],
         None,
     );
-    let rank = dir.join("rank.safetensors");
-    write_file(
-        &rank,
+    let half = lora_file(&dir, "half", &x_embedder[..1], None);
+    let dora = lora_file(
+        &dir,
+        "dora",
         &[
-            (
-                "transformer.x_embedder.lora_A.weight".into(),
-                vec![2, 128],
-                values(256, 1, 0.1),
-            ),
-            (
-                "transformer.x_embedder.lora_B.weight".into(),
-                vec![64, 3],
-                values(192, 2, 0.1),
-            ),
+            x_embedder[0],
+            x_embedder[1],
+            ("transformer.x_embedder.lora_magnitude_vector", &[64, 1]),
         ],
         None,
     );
-    let half = dir.join("half.safetensors");
-    write_file(
-        &half,
-        &[(
-            "transformer.x_embedder.lora_A.weight".into(),
-            vec![2, 128],
-            values(256, 1, 0.1),
-        )],
-        None,
-    );
-    let dora = dir.join("dora.safetensors");
-    write_file(
-        &dora,
-        &[
-            (
-                "transformer.x_embedder.lora_A.weight".into(),
-                vec![2, 128],
-                values(256, 1, 0.1),
-            ),
-            (
-                "transformer.x_embedder.lora_B.weight".into(),
-                vec![64, 2],
-                values(128, 2, 0.1),
-            ),
-            (
-                "transformer.x_embedder.lora_magnitude_vector".into(),
-                vec![64, 1],
-                values(64, 3, 0.1),
-            ),
-        ],
-        None,
-    );
-    let metadata_rank = dir.join("metadata.safetensors");
-    write_file(
-        &metadata_rank,
-        &[
-            (
-                "transformer.x_embedder.lora_A.weight".into(),
-                vec![2, 128],
-                values(256, 1, 0.1),
-            ),
-            (
-                "transformer.x_embedder.lora_B.weight".into(),
-                vec![64, 2],
-                values(128, 2, 0.1),
-            ),
-        ],
-        Some(BTreeMap::from([(
-            "lora_adapter_metadata".to_string(),
-            r#"{"transformer.r": 8, "transformer.lora_alpha": 8}"#.to_string(),
-        )])),
-    );
+    let metadata = r#"{"transformer.r": 8, "transformer.lora_alpha": 8}"#;
+    let metadata_rank = lora_file(&dir, "metadata", &x_embedder, Some(metadata));
     let not_safetensors = dir.join("model.ckpt");
     std::fs::write(&not_safetensors, b"PK\x03\x04 a pickle").unwrap();
 
