@@ -6,6 +6,7 @@ pub mod component;
 pub mod contract;
 pub mod lora_targets;
 pub mod manifest;
+pub mod onnx_proto;
 pub mod stamp;
 pub mod support;
 

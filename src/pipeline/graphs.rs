@@ -39,6 +39,8 @@ pub(crate) struct GraphSource<'a> {
     pub session: &'a SessionConfig,
     /// Merged into the transformer's weights when it loads.
     pub loras: &'a LoraSet,
+    /// Where merged LoRA weights are written while the transformer's session is created.
+    pub scratch: &'a Path,
 }
 
 impl LoadedGraphs {
@@ -68,13 +70,22 @@ impl LoadedGraphs {
                 .clone()
                 .with_auto_skip(auto_skip(spec.precision, spec.quantization.as_ref()));
             let graph = timed(progress, load_stage(component), |_| {
-                let initializers = match component {
+                let graph = match component {
                     Component::Transformer => {
-                        source.loras.initializers(source.manifest, source.dir)?
+                        let merged = source.loras.merged_graph(
+                            source.manifest,
+                            source.dir,
+                            source.scratch,
+                        )?;
+                        load_graph(
+                            component.as_str(),
+                            &merged.path,
+                            &session,
+                            &merged.initializers,
+                        )?
                     }
-                    _ => Vec::new(),
+                    _ => load_graph(component.as_str(), &path, &session, &[])?,
                 };
-                let graph = load_graph(component.as_str(), &path, &session, &initializers)?;
                 check_graph(component, spec, &graph)?;
                 Ok(graph)
             })?;

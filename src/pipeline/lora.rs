@@ -5,19 +5,13 @@
 //! Runtime in place of the graph's initializer. Untouched layers are read from the bundle as usual,
 //! and no other graph is reloaded when the LoRAs change.
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
-use half::{bf16, f16};
-use ndarray::Array2;
-use rayon::prelude::*;
-
-use crate::bundle::lora_targets::{LoraTarget, WeightDtype, WeightLayout};
+use super::lora_merge::{self, MergedGraph};
+use crate::bundle::lora_targets::LoraTarget;
 use crate::bundle::Manifest;
 use crate::error::{KleinError, Result};
 use crate::limits::{MAX_LORAS, MAX_LORA_SCALE};
-use crate::runtime::{Initializer, InitializerData};
 use crate::stages::lora::{first_names, read_lora, LoraFile, LoraFormat, Update};
 
 /// A LoRA file and the scale it is applied with (`delta * scale`; negative or above 1 allowed).
@@ -158,9 +152,14 @@ impl LoraSet {
             .collect()
     }
 
-    /// The merged weight of every layer a LoRA with a non-zero scale touches, under its
-    /// initializer's name.
-    pub fn initializers(&self, manifest: &Manifest, dir: &Path) -> Result<Vec<Initializer>> {
+    /// The transformer graph with every LoRA of non-zero scale merged ([`lora_merge`]);
+    /// `scratch_root` holds merged external weights while the session is created.
+    pub fn merged_graph(
+        &self,
+        manifest: &Manifest,
+        dir: &Path,
+        scratch_root: &Path,
+    ) -> Result<MergedGraph> {
         let mut by_module: BTreeMap<&str, Vec<(&Update, f32)>> = BTreeMap::new();
         for (spec, file) in &self.adapters {
             if spec.scale == 0.0 {
@@ -173,19 +172,20 @@ impl LoraSet {
                     .push((update, spec.scale));
             }
         }
-        let Some(targets) = &manifest.graphs.transformer.lora_targets else {
-            return Ok(Vec::new());
-        };
-        by_module
-            .into_par_iter()
-            .map(|(module, updates)| {
-                let target = targets.get(module).ok_or_else(|| KleinError::Inference {
-                    stage: "lora",
-                    message: format!("{module} is not in the bundle's LoRA map"),
-                })?;
-                merged(dir, &manifest.graphs.transformer.file, target, &updates)
-            })
-            .collect()
+        let empty = BTreeMap::new();
+        let targets = manifest
+            .graphs
+            .transformer
+            .lora_targets
+            .as_ref()
+            .unwrap_or(&empty);
+        lora_merge::merge(
+            by_module,
+            targets,
+            dir,
+            &manifest.graphs.transformer.file,
+            scratch_root,
+        )
     }
 }
 
@@ -277,70 +277,4 @@ fn check_fit(file: &LoraFile, targets: &BTreeMap<String, LoraTarget>) -> Result<
         )));
     }
     Ok(())
-}
-
-/// `target`'s weight from the bundle plus every update's delta, in the target's layout and dtype,
-/// replacing the initializer in the graph file `graph_file` or in its external data.
-fn merged(
-    dir: &Path,
-    graph_file: &str,
-    target: &LoraTarget,
-    updates: &[(&Update, f32)],
-) -> Result<Initializer> {
-    let path = dir.join(&target.file);
-    let io = |source| KleinError::Io {
-        path: path.clone(),
-        action: "reading a weight to merge a LoRA into",
-        source,
-    };
-    let mut bytes = vec![0u8; target.bytes as usize];
-    let mut file = File::open(&path).map_err(io)?;
-    file.seek(SeekFrom::Start(target.offset)).map_err(io)?;
-    file.read_exact(&mut bytes).map_err(io)?;
-    let [out, inp] = target.shape;
-    let stored = match target.layout {
-        WeightLayout::OutIn => (out, inp),
-        WeightLayout::InOut => (inp, out),
-    };
-    let values: Vec<f32> = match target.dtype {
-        WeightDtype::Float32 => bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        WeightDtype::Float16 => bytes
-            .chunks_exact(2)
-            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        WeightDtype::Bfloat16 => bytes
-            .chunks_exact(2)
-            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-    };
-    let mut weight = Array2::from_shape_vec(stored, values).map_err(|e| KleinError::Inference {
-        stage: "lora",
-        message: format!("{}: {e}", target.initializer),
-    })?;
-    for (update, scale) in updates {
-        match target.layout {
-            WeightLayout::OutIn => weight += &update.delta(*scale), // [out, in]
-            WeightLayout::InOut => weight += &update.delta_transposed(*scale), // [in, out]
-        }
-    }
-    let data: Vec<f32> = weight.into_raw_vec_and_offset().0;
-    let data = match target.dtype {
-        WeightDtype::Float32 => InitializerData::F32(data),
-        WeightDtype::Float16 => InitializerData::F16(data.into_iter().map(f16::from_f32).collect()),
-        WeightDtype::Bfloat16 => {
-            InitializerData::Bf16(data.into_iter().map(bf16::from_f32).collect())
-        }
-    };
-    if target.file == graph_file {
-        Ok(Initializer::in_file(
-            &target.initializer,
-            target.offset,
-            &data,
-        ))
-    } else {
-        Initializer::external(&target.initializer, &[stored.0, stored.1], data)
-    }
 }

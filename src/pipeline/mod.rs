@@ -18,6 +18,7 @@ use ndarray::{concatenate, s, Array2, Array3, Array4, ArrayView3, Axis, Ix3, Ix4
 mod denoise;
 mod graphs;
 pub mod lora;
+mod lora_merge;
 pub mod options;
 pub mod progress;
 pub mod prompts;
@@ -74,6 +75,9 @@ pub struct Pipeline {
     graphs: LoadedGraphs,
     /// LoRAs merged into the transformer when it loads.
     loras: LoraSet,
+    /// The cache directory (else the system's temporary one): merged LoRA weights are written
+    /// there while the transformer's session is created.
+    scratch: PathBuf,
     /// Problems that did not stop a stage ([`Pipeline::take_warnings`]).
     warnings: Vec<String>,
 }
@@ -105,12 +109,13 @@ impl Pipeline {
                 source,
             })?;
         }
+        let cache_dir = cache_dir.or_else(default_cache_dir);
         let verification = if verify_hashes {
-            let cache_dir = cache_dir.or_else(default_cache_dir);
             Some(manifest.verify_hashes_cached(dir, cache_dir.as_deref())?)
         } else {
             None
         };
+        let scratch = cache_dir.unwrap_or_else(std::env::temp_dir);
         let tokenizer =
             PromptTokenizer::load(&dir.join(&manifest.tokenizer.file), &manifest.tokenizer)?;
         runtime::init(runtime_options)?;
@@ -126,6 +131,7 @@ impl Pipeline {
             verification,
             graphs: LoadedGraphs::default(),
             loras,
+            scratch,
             warnings: Vec::new(),
         })
     }
@@ -200,6 +206,7 @@ impl Pipeline {
             manifest: &self.manifest,
             session: &self.session,
             loras: &self.loras,
+            scratch: &self.scratch,
         };
         self.graphs.get(component, bucket, &source, progress)
     }

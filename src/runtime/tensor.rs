@@ -304,27 +304,13 @@ pub enum InitializerData {
     Bf16(Vec<bf16>),
 }
 
-impl InitializerData {
-    /// Little-endian bytes, as ONNX stores raw tensor data.
-    fn to_le_bytes(&self) -> Vec<u8> {
-        match self {
-            InitializerData::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            InitializerData::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            InitializerData::Bf16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        }
-    }
-}
-
 impl Initializer {
-    /// The initializer `name` whose raw data is stored at `offset` of the graph file itself: `data`
-    /// must have exactly as many bytes as it.
-    pub fn in_file(name: &str, offset: u64, data: &InitializerData) -> Initializer {
+    /// The initializer `name` whose raw data is stored at `offset` of the graph file itself,
+    /// replaced by `bytes` (exactly as many, little-endian).
+    pub fn in_file(name: &str, offset: u64, bytes: Vec<u8>) -> Initializer {
         Initializer {
             name: name.to_string(),
-            kind: Replacement::InFile {
-                offset,
-                bytes: data.to_le_bytes(),
-            },
+            kind: Replacement::InFile { offset, bytes },
         }
     }
 

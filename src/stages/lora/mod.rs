@@ -17,7 +17,8 @@
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use ndarray::{s, Array2};
+use ndarray::linalg::general_mat_mul;
+use ndarray::{s, Array2, ArrayViewMut2};
 use safetensors::{Dtype, SafeTensors};
 
 use crate::error::{KleinError, Result};
@@ -86,17 +87,30 @@ impl Update {
         (self.rows.len(), self.factors.shape().1)
     }
 
-    /// `scale * delta` of this module transposed, `[in, out]`: the layout of a MatMul weight,
-    /// computed as such (`down^T . up^T`) rather than transposed afterwards.
-    pub fn delta_transposed(&self, scale: f32) -> Array2<f32> {
-        let scale = scale * self.scale;
+    /// Adds `scale * delta` to `weight` in place: `weight` is `[out, in]`, or `[in, out]` when
+    /// `transposed` (a MatMul weight). LoRA factors are multiplied straight into the weight
+    /// (`W += s * up . down`, or `W += s * down^T . up^T`), with no delta matrix in between.
+    pub fn add_to(&self, mut weight: ArrayViewMut2<'_, f32>, scale: f32, transposed: bool) {
         match &self.factors {
-            // [in, r] . [r, rows] -> [in, rows]
             Factors::Lora { up, down } => {
-                let up = up.slice(s![self.rows.clone(), ..]).mapv(|v| v * scale);
-                down.t().dot(&up.t())
+                let scale = scale * self.scale;
+                let up = up.slice(s![self.rows.clone(), ..]);
+                if transposed {
+                    // [in, r] . [r, rows] into [in, rows]
+                    general_mat_mul(scale, &down.t(), &up.t(), 1.0, &mut weight);
+                } else {
+                    // [rows, r] . [r, in] into [rows, in]
+                    general_mat_mul(scale, &up, down, 1.0, &mut weight);
+                }
             }
-            Factors::Lokr { .. } => self.delta(scale / self.scale).reversed_axes(),
+            Factors::Lokr { .. } => {
+                let delta = self.delta(scale);
+                if transposed {
+                    weight += &delta.t();
+                } else {
+                    weight += &delta;
+                }
+            }
         }
     }
 
@@ -270,7 +284,9 @@ mod tests {
         let want = array![[0.0, 15.0, 0.0, 20.0], [18.0, 21.0, 24.0, 28.0]];
         assert_eq!(update.shape(), (2, 4));
         assert_eq!(update.delta(2.0), want);
-        assert_eq!(update.delta_transposed(2.0), want.t());
+        let mut transposed = Array2::<f32>::ones((4, 2));
+        update.add_to(transposed.view_mut(), 2.0, true);
+        assert_eq!(transposed, want.t().mapv(|v| v + 1.0));
     }
 
     #[test]
