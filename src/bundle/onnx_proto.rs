@@ -152,6 +152,7 @@ pub fn redirect_initializers(
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may unwrap: a failure is a test failure
 mod tests {
     use super::*;
 

@@ -108,6 +108,7 @@ fn matching(patterns: &BTreeMap<String, f64>, module: &str) -> Option<f64> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may unwrap: a failure is a test failure
 mod tests {
     use super::*;
 

@@ -478,7 +478,7 @@ fn split_lora(
             down.dim()
         ));
     }
-    if up.nrows() % modules.len() != 0 {
+    if !up.nrows().is_multiple_of(modules.len()) {
         return Err(format!(
             "`{base}`: {} output rows do not split into the {} projections it stands for",
             up.nrows(),
@@ -569,7 +569,7 @@ fn lokr(
         }
         let factors = Factors::Lokr { w1, w2 };
         let out = factors.shape().0;
-        if out % modules.len() != 0 {
+        if !out.is_multiple_of(modules.len()) {
             return Err(format!(
                 "`{base}`: {out} output rows do not split into the {} projections it stands for",
                 modules.len()
@@ -592,6 +592,7 @@ fn lokr(
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may unwrap: a failure is a test failure
 mod tests {
     use super::*;
     use safetensors::tensor::{Dtype, TensorView};

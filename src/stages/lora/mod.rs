@@ -264,6 +264,7 @@ fn to_f32(dtype: Dtype, data: &[u8]) -> std::result::Result<Vec<f32>, String> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may unwrap: a failure is a test failure
 mod tests {
     use super::*;
     use ndarray::array;
