@@ -70,21 +70,22 @@ impl LoadedGraphs {
                 .clone()
                 .with_auto_skip(auto_skip(spec.precision, spec.quantization.as_ref()));
             let graph = timed(progress, load_stage(component), |_| {
-                let graph = match component {
+                let merged = match component {
                     Component::Transformer => {
-                        let merged = source.loras.merged_graph(
-                            source.manifest,
-                            source.dir,
-                            source.scratch,
-                        )?;
-                        load_graph(
-                            component.as_str(),
-                            &merged.path,
-                            &session,
-                            &merged.initializers,
-                        )?
+                        source
+                            .loras
+                            .merged_graph(source.manifest, source.dir, source.scratch)?
                     }
-                    _ => load_graph(component.as_str(), &path, &session, &[])?,
+                    _ => None,
+                };
+                let graph = match &merged {
+                    Some(merged) => load_graph(
+                        component.as_str(),
+                        &merged.path,
+                        &session,
+                        &merged.initializers,
+                    )?,
+                    None => load_graph(component.as_str(), &path, &session, &[])?,
                 };
                 check_graph(component, spec, &graph)?;
                 Ok(graph)

@@ -152,14 +152,15 @@ impl LoraSet {
             .collect()
     }
 
-    /// The transformer graph with every LoRA of non-zero scale merged ([`lora_merge`]);
-    /// `scratch_root` holds merged external weights while the session is created.
+    /// The transformer graph with every LoRA of non-zero scale merged ([`lora_merge`]); `None`
+    /// when there is none (the bundle's graph loads as it is). `scratch_root` holds merged
+    /// external weights while the session is created.
     pub fn merged_graph(
         &self,
         manifest: &Manifest,
         dir: &Path,
         scratch_root: &Path,
-    ) -> Result<MergedGraph> {
+    ) -> Result<Option<MergedGraph>> {
         let mut by_module: BTreeMap<&str, Vec<(&Update, f32)>> = BTreeMap::new();
         for (spec, file) in &self.adapters {
             if spec.scale == 0.0 {
@@ -171,6 +172,9 @@ impl LoraSet {
                     .or_default()
                     .push((update, spec.scale));
             }
+        }
+        if by_module.is_empty() {
+            return Ok(None);
         }
         let empty = BTreeMap::new();
         let targets = manifest
@@ -186,6 +190,7 @@ impl LoraSet {
             &manifest.graphs.transformer.file,
             scratch_root,
         )
+        .map(Some)
     }
 }
 
