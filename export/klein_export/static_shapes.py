@@ -115,6 +115,9 @@ def make_static(bundle_dir, graphs: dict, buckets: list, refs: int, seq: int, mu
         for old in (dynamic, dynamic.with_name(dynamic.name + ".data")):
             old.unlink(missing_ok=True)
         spec["file"] = files_per_bucket[0][component]
+        # Static bundles (CoreML) take LoRAs at export only (convert --lora); the map pointed at the
+        # dynamic graph removed above.
+        spec.pop("lora_targets", None)
         log(f"static {component}: {len(buckets)} bucket graph(s) sharing {weights}")
     return {
         "batch": 1,

@@ -60,6 +60,7 @@ def _feeds(component, width, height, rng):
 
 def test_manifest_lists_buckets_sharing_weights(static_bundle):
     manifest = _manifest(static_bundle)
+    assert "lora_targets" not in manifest["graphs"]["transformer"]  # LoRAs merge at export only
     shapes = manifest["static_shapes"]
     assert (shapes["batch"], shapes["seq"], shapes["refs"]) == (1, 512, 1)
     assert [(b["width"], b["height"]) for b in shapes["buckets"]] == BUCKETS
@@ -166,6 +167,10 @@ def test_klein_refuses_a_size_or_reference_count_outside_the_buckets(static_bund
         (["--width", 80, "--height", 48, "--ref", ref], ["generates only 64x64, 96x64, not 80x48", "--static-shapes"]),
         (["--width", 64, "--height", 64], ["exactly 1 reference image(s)", "the request has 0"]),
         (["--width", 96, "--height", 64, "--ref", ref], ["output's size 96x64", "reference 1 is 64x64"]),
+        (
+            ["--width", 64, "--height", 64, "--ref", ref, "--lora", tmp_path / "style.safetensors"],
+            ["static-shape", "--lora"],
+        ),
     ]
     for args, needles in cases:
         out = tmp_path / "out.png"
