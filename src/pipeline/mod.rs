@@ -19,6 +19,7 @@ mod denoise;
 mod graphs;
 pub mod lora;
 mod lora_merge;
+pub mod metadata;
 pub mod options;
 pub mod progress;
 pub mod prompts;

@@ -51,9 +51,6 @@ pub(crate) struct GenerateArgs {
         conflicts_with = "prompt"
     )]
     pub(crate) out_dir: Option<PathBuf>,
-    /// Bundle directory [default: $KLEIN_MODEL, else the bundled tiny model]
-    #[arg(long, short = 'm')]
-    pub(crate) model: Option<PathBuf>,
     /// Output width in pixels, floored to a multiple of 16: 16 to 4096, and (width/16) x (height/16) plus the references' tokens at most 20480 (2288x2288 fits alone) [default: first reference's width, else the bundle's]
     #[arg(long)]
     pub(crate) width: Option<u32>,
@@ -81,9 +78,6 @@ pub(crate) struct GenerateArgs {
     /// Execution provider: cpu, cuda, cuda:N, coreml or auto
     #[arg(long, default_value = "cpu")]
     pub(crate) device: Device,
-    /// Threads per operator, 1 to 1024 [default: ONNX Runtime's choice, one per physical core]
-    #[arg(long)]
-    pub(crate) threads: Option<usize>,
     /// Output file: .png (with the settings as text), .jpg/.jpeg (settings in a comment) or .webp (lossless); with --num-images N, files NAME-1.png ... NAME-N.png, written all or none
     #[arg(short, long, default_value = "klein.png")]
     pub(crate) output: PathBuf,
@@ -96,6 +90,20 @@ pub(crate) struct GenerateArgs {
     /// Print the time spent in each stage
     #[arg(long)]
     pub(crate) timings: bool,
+    // Last: its help headings apply to what follows them.
+    #[command(flatten)]
+    pub(crate) load: LoadArgs,
+}
+
+/// How to load the bundle: `generate` and `serve` take the same flags.
+#[derive(Args)]
+pub(crate) struct LoadArgs {
+    /// Bundle directory [default: $KLEIN_MODEL, else the bundled tiny model]
+    #[arg(long, short = 'm')]
+    pub(crate) model: Option<PathBuf>,
+    /// Threads per operator, 1 to 1024 [default: ONNX Runtime's choice, one per physical core]
+    #[arg(long)]
+    pub(crate) threads: Option<usize>,
     /// Directory of an on-disk prompt-embedding cache
     #[arg(long)]
     pub(crate) prompt_cache: Option<PathBuf>,
@@ -169,16 +177,21 @@ pub(crate) fn default_model(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     }
 }
 
-pub(crate) fn pipeline_options(args: &GenerateArgs) -> PipelineOptions {
+/// The pipeline options of `args`, running on `device` with `loras`.
+pub(crate) fn pipeline_options(
+    args: &LoadArgs,
+    device: Device,
+    loras: Vec<LoraSpec>,
+) -> PipelineOptions {
     let mut runtime = RuntimeOptions::default();
     if let Some(lib) = &args.ort_lib {
         runtime = runtime.with_library(lib);
     }
     let mut options = PipelineOptions::default()
-        .with_device(args.device)
+        .with_device(device)
         .with_runtime(runtime)
         .with_verify_hashes(!args.no_verify_hashes)
-        .with_loras(args.loras.clone());
+        .with_loras(loras);
     if let Some(threads) = args.threads {
         options = options.with_threads(threads);
     }
@@ -212,7 +225,7 @@ fn on_off(s: &str) -> Result<bool, String> {
 
 /// Device-specific flags given for a device they do not apply to: a mistake worth stopping for
 /// (`--coreml-cache` with `--device cuda` would otherwise be silently ignored).
-pub(crate) fn check_device_flags(args: &GenerateArgs) -> Result<(), String> {
+pub(crate) fn check_device_flags(args: &LoadArgs, device: Device) -> Result<(), String> {
     let cuda_flags = [
         ("--cuda-mem-limit", args.cuda.cuda_mem_limit.is_some()),
         ("--cuda-arena-exact", args.cuda.cuda_arena_exact),
@@ -229,7 +242,7 @@ pub(crate) fn check_device_flags(args: &GenerateArgs) -> Result<(), String> {
         ),
         ("--coreml-cache", args.coreml.coreml_cache.is_some()),
     ];
-    let (cuda_ok, coreml_ok) = match args.device {
+    let (cuda_ok, coreml_ok) = match device {
         Device::Cuda(_) => (true, false),
         Device::CoreMl => (false, true),
         Device::Auto => (true, true),
@@ -239,7 +252,7 @@ pub(crate) fn check_device_flags(args: &GenerateArgs) -> Result<(), String> {
         if let Some((flag, _)) = flags.iter().find(|(_, given)| *given && !ok) {
             return Err(format!(
                 "{flag} does not apply to --device {}; it applies with --device {} or auto",
-                args.device,
+                device,
                 if flag.starts_with("--cuda") {
                     "cuda"
                 } else {

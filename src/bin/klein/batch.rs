@@ -14,8 +14,8 @@ use serde::Serialize;
 
 use crate::args::{default_model, pipeline_options, GenerateArgs};
 use crate::jsonl::{parse_batch, BatchLine};
-use crate::outputs::{bundle_sha256, png_text, random_seed};
-use crate::report::{device_name, warn_ignored_guidance, Reporter};
+use crate::outputs::random_seed;
+use crate::report::{warn_ignored_guidance, Reporter};
 use crate::{is_user_error, UsageError};
 
 const SUMMARY_FILE: &str = "summary.json";
@@ -288,10 +288,11 @@ impl BatchRun<'_> {
         to_run: ToRun,
         reporter: &Reporter,
     ) -> anyhow::Result<()> {
-        let model = default_model(args.model.clone())?;
-        let options = pipeline_options(args).with_keep_text_encoder(true);
+        let model = default_model(args.load.model.clone())?;
+        let options = pipeline_options(&args.load, args.device, args.loras.clone())
+            .with_keep_text_encoder(true);
         let mut pipeline = Pipeline::load(&model, options)?;
-        let bundle_hash = bundle_sha256(&pipeline)?;
+        let bundle_hash = pipeline.bundle_sha256()?;
         self.model = Some(pipeline.manifest().model.name.clone());
         reporter.say(format!(
             "model: {} ({}), {} line(s) to run",
@@ -356,7 +357,7 @@ impl BatchRun<'_> {
                 eprintln!("klein: warning: {error:#}");
             }
         }
-        reporter.say(format!("device: {}", device_name(&pipeline)));
+        reporter.say(format!("device: {}", pipeline.device_name()));
         Ok(())
     }
 
@@ -439,14 +440,8 @@ impl BatchJob<'_> {
             args.timings,
             &format!("line {}: ", line.line),
         );
-        let text = png_text(
-            pipeline,
-            &generation,
-            &line.prompt,
-            &line.refs,
-            &device_name(pipeline),
-            self.bundle_hash,
-        )?;
+        let refs: Vec<String> = line.refs.iter().map(|r| r.display().to_string()).collect();
+        let text = pipeline.image_metadata(&generation, &line.prompt, &refs, self.bundle_hash);
         let image = generation
             .images
             .first()

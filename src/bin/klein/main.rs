@@ -22,8 +22,9 @@ mod report;
 use args::{
     check_device_flags, default_model, pipeline_options, Cli, Command, GenerateArgs, InfoArgs,
 };
-use outputs::{bundle_sha256, output_files, png_text, random_seed, variant_name};
-use report::{device_name, warn_ignored_guidance, Reporter};
+use klein::pipeline::metadata::variant_name;
+use outputs::{output_files, random_seed};
+use report::{warn_ignored_guidance, Reporter};
 
 /// Exit code after SIGINT, SIGTERM or SIGHUP (128 + SIGINT, as shells report Ctrl-C).
 const INTERRUPTED: i32 = 130;
@@ -68,7 +69,7 @@ pub(crate) fn is_user_error(error: &anyhow::Error) -> bool {
 pub(crate) struct UsageError(pub(crate) String);
 
 fn generate(args: GenerateArgs) -> anyhow::Result<ExitCode> {
-    check_device_flags(&args).map_err(UsageError)?;
+    check_device_flags(&args.load, args.device).map_err(UsageError)?;
     match (&args.prompts, &args.out_dir, &args.prompt) {
         (Some(prompts), Some(out_dir), _) => batch::generate_batch(&args, prompts, out_dir),
         (_, _, Some(prompt)) => generate_one(&args, prompt).map(|()| ExitCode::SUCCESS),
@@ -79,7 +80,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<ExitCode> {
 
 /// `klein generate PROMPT -o FILE`: one prompt, `--num-images` images.
 fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
-    let model = default_model(args.model.clone())?;
+    let model = default_model(args.load.model.clone())?;
     let (paths, format) = output_files(&args.output, usize::from(args.num_images), args.quality)?;
     let seed = args.seed.unwrap_or_else(random_seed);
     let reporter = Reporter::new(args.quiet);
@@ -96,7 +97,10 @@ fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
     check_reference_count(args.refs.len())?;
 
     // Every error of `Pipeline::load` names the bundle or the file in it.
-    let mut pipeline = Pipeline::load(&model, pipeline_options(args))?;
+    let mut pipeline = Pipeline::load(
+        &model,
+        pipeline_options(&args.load, args.device, args.loras.clone()),
+    )?;
     let refs: Vec<&Path> = args.refs.iter().map(PathBuf::as_path).collect();
     pipeline.check_reference_files(&refs, args.width, args.height)?;
     for path in &args.refs {
@@ -113,17 +117,11 @@ fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
 
     let generation = pipeline.generate(&request, Some(&mut reporter.callback("")))?;
     reporter.clear();
-    let device = device_name(&pipeline);
+    let device = pipeline.device_name();
     reporter.report(&mut pipeline, &generation, args.timings, "");
     reporter.say(format!("device: {device}"));
-    let text = png_text(
-        &pipeline,
-        &generation,
-        prompt,
-        &args.refs,
-        &device,
-        &bundle_sha256(&pipeline)?,
-    )?;
+    let refs: Vec<String> = args.refs.iter().map(|r| r.display().to_string()).collect();
+    let text = pipeline.image_metadata(&generation, prompt, &refs, &pipeline.bundle_sha256()?);
     // Every image of the command, or none: a failure leaves earlier outputs as they were.
     let encoded = generation
         .images
@@ -154,7 +152,7 @@ fn info(args: InfoArgs) -> anyhow::Result<()> {
     println!(
         "model:        {} (variant {}, {})",
         m.name,
-        variant_name(m.variant)?,
+        variant_name(m.variant),
         if m.is_distilled { "distilled" } else { "base" }
     );
     println!(

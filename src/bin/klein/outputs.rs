@@ -4,10 +4,6 @@ use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::path::{Path, PathBuf};
 
-use anyhow::Context;
-use klein::bundle::manifest::ModelVariant;
-use klein::bundle::MANIFEST_FILE;
-use klein::pipeline::{Generation, Pipeline};
 use klein::stages::output::ImageFormat;
 
 use crate::UsageError;
@@ -82,58 +78,4 @@ fn output_paths(output: &Path, n: usize) -> Vec<PathBuf> {
 /// A seed for a generation that names none (printed and stored, so the image can be remade).
 pub(crate) fn random_seed() -> u64 {
     RandomState::new().hash_one(std::process::id())
-}
-
-/// sha256 of the bundle's manifest.json, stored in every PNG.
-pub(crate) fn bundle_sha256(pipeline: &Pipeline) -> anyhow::Result<String> {
-    let path = pipeline.bundle_dir().join(MANIFEST_FILE);
-    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
-    Ok(klein::fsutil::sha256_hex(&bytes))
-}
-
-/// The PNG's text metadata: everything needed to make the image again.
-pub(crate) fn png_text(
-    pipeline: &Pipeline,
-    g: &Generation,
-    prompt: &str,
-    refs: &[PathBuf],
-    device: &str,
-    bundle_hash: &str,
-) -> anyhow::Result<Vec<(String, String)>> {
-    let manifest = pipeline.manifest();
-    let refs: Vec<String> = refs.iter().map(|r| r.display().to_string()).collect();
-    let loras: Vec<String> = pipeline
-        .loras()
-        .iter()
-        .map(|l| format!("{}:{}", l.path.display(), l.scale))
-        .collect();
-    Ok(vec![
-        ("prompt".into(), prompt.into()),
-        ("seed".into(), g.seed.to_string()),
-        ("steps".into(), g.steps.to_string()),
-        ("guidance".into(), g.guidance.to_string()),
-        ("size".into(), format!("{}x{}", g.width, g.height)),
-        ("model".into(), manifest.model.name.clone()),
-        (
-            "model_variant".into(),
-            variant_name(manifest.model.variant)?,
-        ),
-        ("bundle_sha256".into(), bundle_hash.to_string()),
-        ("device".into(), device.into()),
-        ("references".into(), serde_json::to_string(&refs)?),
-        ("loras".into(), serde_json::to_string(&loras)?),
-        (
-            "Software".into(),
-            format!("klein {}", env!("CARGO_PKG_VERSION")),
-        ),
-    ])
-}
-
-/// The manifest's name of a model variant (`4b`, `9b`, `tiny`, `custom`).
-pub(crate) fn variant_name(variant: ModelVariant) -> anyhow::Result<String> {
-    let value = serde_json::to_value(variant)?;
-    value
-        .as_str()
-        .map(str::to_string)
-        .with_context(|| format!("model variant {value} is not a string"))
 }

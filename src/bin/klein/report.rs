@@ -109,23 +109,6 @@ pub(crate) fn warn_ignored_guidance(pipeline: &Pipeline, guidance: Option<f64>) 
     ignored
 }
 
-/// Where the graphs ran: `cpu` when every loaded graph ran on one device, else each graph's
-/// (`text_encoder cpu, transformer cuda:0, ...`); `none` before any graph loaded.
-pub(crate) fn device_name(pipeline: &Pipeline) -> String {
-    let placements = pipeline.placements();
-    let Some(first) = placements.first() else {
-        return "none".to_string();
-    };
-    if placements.iter().all(|p| p.device == first.device) {
-        return first.device.to_string();
-    }
-    placements
-        .iter()
-        .map(|p| format!("{} {}", p.component, p.device))
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
 /// `klein info --lora`: a LoRA's format, scale and every layer it changes (stdout).
 pub(crate) fn print_lora(lora: &LoraSummary) {
     println!(
