@@ -88,6 +88,7 @@ fn json_list(items: &[String]) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may unwrap: a failure is a test failure
 mod tests {
     use super::*;
 
