@@ -46,7 +46,7 @@ use crate::stages::latents::{pack_latents, prepare_image_ids, unpack_latents};
 use crate::stages::noise::randn;
 use crate::stages::output::{to_rgb_images, RgbImage};
 use crate::stages::reference::{
-    load_reference, preprocess_reference, processed_size, read_header, ReferenceImage,
+    decode_reference_bytes, load_reference, preprocess_reference, processed_size, read_header, ReferenceImage,
 };
 use crate::stages::schedule::{compute_empirical_mu, schedule, Schedule};
 use crate::stages::tokenize::PromptTokenizer;
@@ -283,6 +283,17 @@ impl Pipeline {
             path,
             &self.manifest.references.limits,
             self.manifest.latents.pixel_multiple,
+        )
+    }
+
+    /// Decodes and preprocesses the bytes of a PNG, JPEG or WebP file as [`Self::load_reference`]
+    /// does for a file (an upload, an image held in memory); `label` names it in errors.
+    pub fn decode_reference(&self, bytes: &[u8], label: &Path) -> Result<ReferenceImage> {
+        decode_reference_bytes(
+            bytes,
+            &self.manifest.references.limits,
+            self.manifest.latents.pixel_multiple,
+            label,
         )
     }
 
