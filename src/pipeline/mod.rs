@@ -46,7 +46,8 @@ use crate::stages::latents::{pack_latents, prepare_image_ids, unpack_latents};
 use crate::stages::noise::randn;
 use crate::stages::output::{to_rgb_images, RgbImage};
 use crate::stages::reference::{
-    decode_reference_bytes, load_reference, preprocess_reference, processed_size, read_header, ReferenceImage,
+    decode_reference_bytes, load_reference, preprocess_reference, processed_size, read_header,
+    ReferenceImage,
 };
 use crate::stages::schedule::{compute_empirical_mu, schedule, Schedule};
 use crate::stages::tokenize::PromptTokenizer;
