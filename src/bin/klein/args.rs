@@ -27,6 +27,43 @@ pub(crate) enum Command {
     Generate(Box<GenerateArgs>),
     /// Show what is in a bundle.
     Info(InfoArgs),
+    /// Serve the model over HTTP: the OpenAI images API and klein's own routes.
+    Serve(Box<ServeArgs>),
+}
+
+/// `klein serve`: one pipeline per device, a bounded queue in front of them.
+#[derive(Args)]
+pub(crate) struct ServeArgs {
+    /// Address to listen on: 127.0.0.1 accepts this machine only; 0.0.0.0 (or ::) every network
+    #[arg(long, default_value = "127.0.0.1")]
+    pub(crate) host: std::net::IpAddr,
+    /// TCP port (0: any free port, printed)
+    #[arg(long, default_value_t = 8080)]
+    pub(crate) port: u16,
+    /// Device of a pipeline: cpu, cuda, cuda:N, coreml or auto; repeat for one pipeline per device (--device cuda:0 --device cuda:1)
+    #[arg(long = "device", value_name = "DEVICE", default_value = "cpu")]
+    pub(crate) devices: Vec<Device>,
+    /// Requests that may wait for a pipeline, 1 to 1024; one more gets 429 with Retry-After
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub(crate) queue: u16,
+    /// Seconds a request may take, waiting included, 1 to 86400; then it is cancelled (504)
+    #[arg(long, default_value_t = 600, value_parser = clap::value_parser!(u32).range(1..=86400))]
+    pub(crate) timeout: u32,
+    /// Largest request body in MiB (uploaded references, base64 included), 1 to 1024
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub(crate) max_body_mib: u16,
+    /// Bearer token every request but /healthz and /readyz must carry [default: $KLEIN_API_KEY; none: no check]. Prefer the variable: a flag shows in the process list
+    #[arg(long, value_name = "KEY")]
+    pub(crate) api_key: Option<String>,
+    /// Directory of LoRA files (.safetensors) that requests may name by file stem ("loras": ["style:0.8"]); without it, requests cannot use LoRAs. Clients never name paths
+    #[arg(long, value_name = "DIR")]
+    pub(crate) lora_dir: Option<PathBuf>,
+    /// Release the text encoder after each prompt (less memory, slower requests)
+    #[arg(long)]
+    pub(crate) low_memory: bool,
+    // Last: its help headings apply to what follows them.
+    #[command(flatten)]
+    pub(crate) load: LoadArgs,
 }
 
 #[derive(Args)]

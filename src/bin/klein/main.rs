@@ -18,6 +18,7 @@ mod bundled;
 mod jsonl;
 mod outputs;
 mod report;
+mod serve;
 
 use args::{
     check_device_flags, default_model, pipeline_options, Cli, Command, GenerateArgs, InfoArgs,
@@ -31,18 +32,14 @@ const INTERRUPTED: i32 = 130;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    // Interrupted (Ctrl-C, SIGTERM, SIGHUP): remove the temporary files of a write in flight, so
-    // that no hidden partial file is left, then exit. Outputs are renamed into place only whole.
-    let handler = ctrlc::set_handler(|| {
-        remove_pending_temp_files();
-        std::process::exit(INTERRUPTED);
-    });
-    if let Err(error) = handler {
-        eprintln!("klein: warning: no interrupt handler ({error}); an interrupted write may leave a temporary file");
-    }
     let result = match cli.command {
-        Command::Generate(args) => generate(*args),
+        Command::Generate(args) => {
+            install_interrupt_handler();
+            generate(*args)
+        }
         Command::Info(args) => info(args).map(|()| ExitCode::SUCCESS),
+        // The server handles SIGTERM and Ctrl-C itself: it finishes accepted requests first.
+        Command::Serve(args) => serve::serve(*args).map(|()| ExitCode::SUCCESS),
     };
     match result {
         Ok(code) => code,
@@ -50,6 +47,18 @@ fn main() -> ExitCode {
             eprintln!("klein: error: {error:#}");
             ExitCode::from(if is_user_error(&error) { 2 } else { 1 })
         }
+    }
+}
+
+/// Interrupted (Ctrl-C, SIGTERM, SIGHUP): removes the temporary files of a write in flight, so
+/// that no hidden partial file is left, then exits. Outputs are renamed into place only whole.
+fn install_interrupt_handler() {
+    let handler = ctrlc::set_handler(|| {
+        remove_pending_temp_files();
+        std::process::exit(INTERRUPTED);
+    });
+    if let Err(error) = handler {
+        eprintln!("klein: warning: no interrupt handler ({error}); an interrupted write may leave a temporary file");
     }
 }
 

@@ -1,0 +1,267 @@
+//! The bounded queue between the HTTP handlers and the pipelines: a job is submitted (or refused
+//! with 429 when the queue is full), runs on the first free pipeline, and reports its progress
+//! and result on its own channel. A job is cancelled by its handle's drop (the client went away),
+//! by `DELETE /v1/klein/jobs/{id}`, or by the timeout; a cancelled job that has not started is
+//! skipped, and one that runs stops at the next step or stage.
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use klein::pipeline::LoraSpec;
+use klein::stages::output::ImageFormat;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+use super::error::{ApiError, ErrorKind};
+use super::metrics::Metrics;
+
+/// An image a client sent as a reference: its name (upload file name, or `image-N`) and bytes.
+#[derive(Debug, Clone)]
+pub(crate) struct Upload {
+    pub(crate) label: String,
+    pub(crate) bytes: Vec<u8>,
+}
+
+/// One generation, every option resolved but the pipeline's defaults.
+#[derive(Debug, Clone)]
+pub(crate) struct JobSpec {
+    pub(crate) prompt: String,
+    pub(crate) width: Option<u32>,
+    pub(crate) height: Option<u32>,
+    pub(crate) steps: Option<usize>,
+    pub(crate) guidance: Option<f64>,
+    pub(crate) seed: u64,
+    pub(crate) num_images: usize,
+    pub(crate) references: Vec<Upload>,
+    pub(crate) loras: Vec<LoraSpec>,
+    pub(crate) format: ImageFormat,
+}
+
+/// A finished generation: the encoded images and what they were made with.
+#[derive(Debug, Clone)]
+pub(crate) struct JobOutput {
+    pub(crate) images: Vec<Vec<u8>>,
+    pub(crate) seed: u64,
+    pub(crate) width: u32,
+    pub(crate) height: u32,
+    pub(crate) steps: usize,
+    pub(crate) guidance: f64,
+    pub(crate) prompt_truncated: bool,
+    /// The text stored in the images (PNG text chunks, the JPEG comment).
+    pub(crate) metadata: Vec<(String, String)>,
+    /// Seconds per stage, in the order they ran.
+    pub(crate) timings: Vec<(&'static str, f64)>,
+}
+
+/// What a job reports, in order: `Started`, stages and steps, then `Done`.
+#[derive(Debug)]
+pub(crate) enum JobEvent {
+    Started,
+    StageStarted(&'static str),
+    StageFinished(&'static str, f64),
+    Step { step: usize, total: usize },
+    Done(Result<JobOutput, ApiError>),
+}
+
+/// A queued job, as a pipeline's worker receives it.
+pub(crate) struct Job {
+    pub(crate) spec: JobSpec,
+    pub(crate) cancel: Arc<AtomicBool>,
+    pub(crate) events: UnboundedSender<JobEvent>,
+    pub(crate) queued_at: Instant,
+}
+
+/// The queue, the jobs that can be cancelled by id, and the counts the metrics show.
+pub(crate) struct Queue {
+    sender: Mutex<Option<SyncSender<Job>>>,
+    capacity: usize,
+    /// Jobs submitted and not yet taken by a worker.
+    pub(crate) waiting: AtomicUsize,
+    /// Jobs a worker is running.
+    pub(crate) running: AtomicUsize,
+    workers: usize,
+    next_id: AtomicU64,
+    jobs: Mutex<HashMap<String, Arc<AtomicBool>>>,
+    metrics: Arc<Metrics>,
+}
+
+impl Queue {
+    /// A queue of `capacity` waiting jobs in front of `workers` pipelines; the workers read the
+    /// returned receiver.
+    pub(crate) fn new(
+        capacity: usize,
+        workers: usize,
+        metrics: Arc<Metrics>,
+    ) -> (Queue, Receiver<Job>) {
+        let (sender, receiver) = std::sync::mpsc::sync_channel(capacity);
+        let queue = Queue {
+            sender: Mutex::new(Some(sender)),
+            capacity,
+            waiting: AtomicUsize::new(0),
+            running: AtomicUsize::new(0),
+            workers,
+            next_id: AtomicU64::new(1),
+            jobs: Mutex::new(HashMap::new()),
+            metrics,
+        };
+        (queue, receiver)
+    }
+
+    /// Queues `spec` under `id` (the client's `X-Request-Id`, else a number). Refused with 429
+    /// when the queue is full, 409 when the id is in use, 503 once the queue is closed.
+    pub(crate) fn submit(
+        self: &Arc<Self>,
+        spec: JobSpec,
+        id: Option<String>,
+    ) -> Result<Submitted, ApiError> {
+        let id = id.unwrap_or_else(|| self.next_id.fetch_add(1, Ordering::Relaxed).to_string());
+        let cancel = Arc::new(AtomicBool::new(false));
+        {
+            let mut jobs = lock(&self.jobs);
+            if jobs.contains_key(&id) {
+                return Err(ApiError {
+                    param: Some("X-Request-Id".into()),
+                    ..ApiError::new(
+                        ErrorKind::InvalidRequest,
+                        format!("request id {id} is already in use by a running request"),
+                    )
+                });
+            }
+            jobs.insert(id.clone(), cancel.clone());
+        }
+        let (events, receiver) = unbounded_channel();
+        let job = Job {
+            spec,
+            cancel: cancel.clone(),
+            events,
+            queued_at: Instant::now(),
+        };
+        let handle = JobHandle {
+            id: id.clone(),
+            events: receiver,
+            cancel,
+            queue: self.clone(),
+            finished: false,
+        };
+        // Counted before the send: a worker may take the job at once.
+        let position = self.waiting.fetch_add(1, Ordering::SeqCst) + 1;
+        let sent = match lock(&self.sender).as_ref() {
+            Some(sender) => sender.try_send(job),
+            None => Err(TrySendError::Disconnected(job)),
+        };
+        match sent {
+            Ok(()) => Ok(handle.with_position(position)),
+            Err(error) => {
+                self.waiting.fetch_sub(1, Ordering::SeqCst);
+                // Never queued: nothing to cancel; the handle's drop forgets the id.
+                let mut handle = handle;
+                handle.finished = true;
+                drop(handle);
+                Err(match error {
+                    TrySendError::Full(_) => ApiError {
+                        retry_after: Some(self.retry_after()),
+                        ..ApiError::new(
+                            ErrorKind::QueueFull,
+                            format!(
+                                "the queue is full ({} requests waiting for {} pipeline(s)); retry later",
+                                self.capacity, self.workers
+                            ),
+                        )
+                    },
+                    TrySendError::Disconnected(_) => {
+                        ApiError::new(ErrorKind::Unavailable, "the server is shutting down")
+                    }
+                })
+            }
+        }
+    }
+
+    /// Cancels the job `id`; false when no running or queued job has it.
+    pub(crate) fn cancel(&self, id: &str) -> bool {
+        match lock(&self.jobs).get(id) {
+            Some(flag) => {
+                flag.store(true, Ordering::SeqCst);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Closes the queue: later submissions get 503; queued jobs still run.
+    pub(crate) fn close(&self) {
+        lock(&self.sender).take();
+    }
+
+    /// Seconds until a slot is likely free: the mean generation time so far times the jobs
+    /// ahead, per pipeline (at least 1).
+    fn retry_after(&self) -> u64 {
+        let mean = self.metrics.mean_job_seconds().unwrap_or(1.0);
+        let ahead = (self.waiting.load(Ordering::SeqCst) + self.running.load(Ordering::SeqCst))
+            as f64
+            / self.workers.max(1) as f64;
+        (mean * ahead).ceil().clamp(1.0, 3600.0) as u64
+    }
+}
+
+/// A submitted job, held by the handler that waits for it. Dropping it before the job finished
+/// (the client disconnected, the timeout fired) cancels the job.
+pub(crate) struct JobHandle {
+    pub(crate) id: String,
+    pub(crate) events: UnboundedReceiver<JobEvent>,
+    cancel: Arc<AtomicBool>,
+    queue: Arc<Queue>,
+    finished: bool,
+}
+
+/// A handle and the job's position in the queue when it was submitted (1: next).
+pub(crate) struct Submitted {
+    pub(crate) handle: JobHandle,
+    pub(crate) position: usize,
+}
+
+impl JobHandle {
+    fn with_position(self, position: usize) -> Submitted {
+        Submitted {
+            handle: self,
+            position,
+        }
+    }
+
+    /// The next event; `Done` ends the job.
+    pub(crate) async fn next(&mut self) -> Option<JobEvent> {
+        let event = self.events.recv().await;
+        if matches!(event, Some(JobEvent::Done(_)) | None) {
+            self.finished = true;
+        }
+        event
+    }
+
+    /// Waits for the result, ignoring progress.
+    pub(crate) async fn result(&mut self) -> Result<JobOutput, ApiError> {
+        loop {
+            match self.next().await {
+                Some(JobEvent::Done(result)) => return result,
+                Some(_) => continue,
+                None => return Err(ApiError::new(ErrorKind::Server, "the pipeline stopped")),
+            }
+        }
+    }
+}
+
+impl Drop for JobHandle {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.cancel.store(true, Ordering::SeqCst);
+            self.queue.metrics.count_abandoned();
+        }
+        lock(&self.queue.jobs).remove(&self.id);
+    }
+}
+
+/// Locks `mutex`, also after a panic elsewhere (the data is counts and flags, always valid).
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}

@@ -1,0 +1,413 @@
+//! `klein serve`: the model behind HTTP. One pipeline per `--device`, each on its own thread
+//! ([`worker`]), a bounded queue in front of them ([`jobs`]); axum on tokio for HTTP: the OpenAI
+//! images API ([`openai`]), klein's own routes with progress as server-sent events ([`native`]),
+//! health, readiness and Prometheus metrics ([`metrics`]). Binds 127.0.0.1 unless told
+//! otherwise; an optional bearer token; SIGTERM or Ctrl-C stop taking work, finish what was
+//! accepted, and exit.
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use klein::pipeline::Pipeline;
+use serde::de::DeserializeOwned;
+use sha2::{Digest, Sha256};
+
+use crate::args::{check_device_flags, default_model, pipeline_options, ServeArgs};
+use crate::UsageError;
+use error::{ApiError, ErrorKind};
+use jobs::{JobOutput, JobSpec, Queue};
+use metrics::{Gauges, Metrics};
+use params::LoraCatalog;
+use worker::Shared;
+
+mod error;
+mod jobs;
+mod metrics;
+mod native;
+mod openai;
+mod params;
+mod worker;
+
+/// What every handler shares.
+pub(crate) struct AppState {
+    queue: Arc<Queue>,
+    metrics: Arc<Metrics>,
+    workers: Arc<Shared>,
+    pipelines: usize,
+    loras: LoraCatalog,
+    /// sha256 of the bearer token, when one is required.
+    api_key: Option<[u8; 32]>,
+    timeout: Duration,
+    model_name: String,
+    /// Set by SIGTERM / Ctrl-C: no new work, readiness fails.
+    draining: AtomicBool,
+}
+
+pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let mut devices = args.devices.clone();
+    devices.dedup();
+    if devices.len() != args.devices.len() {
+        return Err(UsageError("a --device is given twice; give each device once".into()).into());
+    }
+    for &device in &devices {
+        check_device_flags(&args.load, device).map_err(UsageError)?;
+    }
+    let api_key = args
+        .api_key
+        .clone()
+        .or_else(|| std::env::var("KLEIN_API_KEY").ok())
+        .filter(|k| !k.is_empty());
+    let loras = LoraCatalog::scan(args.lora_dir.as_deref())?;
+    let model = default_model(args.load.model.clone())?;
+    // Every pipeline's bundle checks (manifest, hashes) before the port is taken: a bad bundle
+    // is an error now, not a server that never gets ready. Graphs load on the workers.
+    let pipelines = devices
+        .iter()
+        .map(|&device| {
+            let options = pipeline_options(&args.load, device, Vec::new())
+                .with_keep_text_encoder(!args.low_memory);
+            Pipeline::load(&model, options)
+        })
+        .collect::<klein::Result<Vec<_>>>()?;
+    let model_name = pipelines[0].manifest().model.name.clone();
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the HTTP runtime")?;
+    runtime.block_on(async move {
+        let address = SocketAddr::new(args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(address)
+            .await
+            .map_err(|e| UsageError(format!("cannot listen on {address}: {e}")))?;
+        let metrics = Arc::new(Metrics::default());
+        let (queue, receiver) = Queue::new(args.queue.into(), pipelines.len(), metrics.clone());
+        let queue = Arc::new(queue);
+        let shared = Arc::new(Shared {
+            jobs: Mutex::new(receiver),
+            queue: queue.clone(),
+            metrics: metrics.clone(),
+            loaded: AtomicUsize::new(0),
+        });
+        let state = Arc::new(AppState {
+            queue,
+            metrics,
+            workers: shared.clone(),
+            pipelines: pipelines.len(),
+            loras,
+            api_key: api_key.as_deref().map(digest),
+            timeout: Duration::from_secs(args.timeout.into()),
+            model_name,
+            draining: AtomicBool::new(false),
+        });
+        let threads: Vec<_> = pipelines
+            .into_iter()
+            .enumerate()
+            .map(|(i, pipeline)| {
+                let shared = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("klein-pipeline-{i}"))
+                    .spawn(move || worker::run(pipeline, shared))
+            })
+            .collect::<Result<_, _>>()
+            .context("starting the pipeline threads")?;
+        let local = listener.local_addr().context("reading the bound address")?;
+        eprintln!(
+            "klein serve: listening on http://{local} ({} on {}; auth {}); loading the graphs",
+            model.display(),
+            devices
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+            if state.api_key.is_some() {
+                "bearer token"
+            } else {
+                "none"
+            }
+        );
+        let app = router(state.clone(), usize::from(args.max_body_mib) << 20);
+        let shutdown_state = state.clone();
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                shutdown_signal().await;
+                eprintln!("klein serve: shutting down: finishing accepted requests");
+                shutdown_state.draining.store(true, Ordering::SeqCst);
+                shutdown_state.queue.close();
+            })
+            .await
+            .context("serving HTTP")?;
+        state.queue.close();
+        for thread in threads {
+            let _ = thread.join();
+        }
+        eprintln!("klein serve: stopped");
+        Ok(())
+    })
+}
+
+fn router(state: Arc<AppState>, max_body: usize) -> Router {
+    let protected = Router::new()
+        .route("/v1/images/generations", post(openai::generations))
+        .route("/v1/images/edits", post(openai::edits))
+        .route("/v1/klein/generate", post(native::generate))
+        .route("/v1/klein/generate/stream", post(native::generate_stream))
+        .route("/v1/klein/jobs/{id}", delete(native::cancel))
+        .route("/v1/klein/loras", get(list_loras))
+        .route("/v1/models", get(list_models))
+        .route("/metrics", get(render_metrics))
+        .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
+    Router::new()
+        .route("/healthz", get(|| async { Json(serde_json::json!({ "status": "ok" })) }))
+        .route("/readyz", get(readyz))
+        .merge(protected)
+        .fallback(|| async { ApiError::new(ErrorKind::NotFound, "no such route; see GET /v1/models, POST /v1/images/generations, POST /v1/klein/generate") })
+        .layer(DefaultBodyLimit::max(max_body))
+        .layer(middleware::from_fn_with_state(state.clone(), count))
+        .with_state(state)
+}
+
+/// SIGTERM (Kubernetes, systemd) or Ctrl-C.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+}
+
+/// The request counts, latencies and errors of `/metrics`.
+async fn count(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or("unmatched", MatchedPath::as_str)
+        .to_string();
+    let mut pending = Pending {
+        state: state.clone(),
+        route,
+        start: Instant::now(),
+        done: false,
+    };
+    let response = next.run(request).await;
+    if let Some(kind) = response.extensions().get::<ErrorKind>() {
+        state.metrics.count_error(kind.name());
+    }
+    pending.done = true;
+    let seconds = pending.start.elapsed().as_secs_f64();
+    state
+        .metrics
+        .count_request(&pending.route, response.status().as_u16(), seconds);
+    response
+}
+
+/// A request being answered; dropped before it is (the client went away), it counts as status
+/// 499 (nginx's "client closed request").
+struct Pending {
+    state: Arc<AppState>,
+    route: String,
+    start: Instant,
+    done: bool,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if !self.done {
+            let seconds = self.start.elapsed().as_secs_f64();
+            self.state.metrics.count_request(&self.route, 499, seconds);
+        }
+    }
+}
+
+/// `Authorization: Bearer KEY`, compared in constant time (as sha256 digests, so the length of
+/// the key does not show either).
+async fn authorize(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    let Some(want) = &state.api_key else {
+        return next.run(request).await;
+    };
+    let given = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .unwrap_or_default();
+    let differs = digest(given)
+        .iter()
+        .zip(want)
+        .fold(0u8, |acc, (a, b)| acc | (a ^ b));
+    if differs != 0 {
+        let mut response = ApiError::new(
+            ErrorKind::Authentication,
+            "missing or wrong API key: send Authorization: Bearer KEY",
+        )
+        .into_response();
+        response
+            .headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        return response;
+    }
+    next.run(request).await
+}
+
+fn digest(key: &str) -> [u8; 32] {
+    Sha256::digest(key.as_bytes()).into()
+}
+
+async fn readyz(State(state): State<Arc<AppState>>) -> Response {
+    let loaded = state.workers.loaded.load(Ordering::SeqCst);
+    let (status, code) = if state.draining.load(Ordering::SeqCst) {
+        ("draining", StatusCode::SERVICE_UNAVAILABLE)
+    } else if loaded < state.pipelines {
+        ("loading", StatusCode::SERVICE_UNAVAILABLE)
+    } else {
+        ("ready", StatusCode::OK)
+    };
+    let body = serde_json::json!({
+        "status": status, "model": state.model_name,
+        "pipelines": state.pipelines, "loaded": loaded,
+    });
+    (code, Json(body)).into_response()
+}
+
+async fn render_metrics(State(state): State<Arc<AppState>>) -> Response {
+    let gauges = Gauges {
+        waiting: state.queue.waiting.load(Ordering::SeqCst),
+        running: state.queue.running.load(Ordering::SeqCst),
+        pipelines: state.workers.loaded.load(Ordering::SeqCst),
+        ready: !state.draining.load(Ordering::SeqCst)
+            && state.workers.loaded.load(Ordering::SeqCst) == state.pipelines,
+    };
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        state.metrics.render(&gauges),
+    )
+        .into_response()
+}
+
+/// OpenAI's model list: the one model this server runs.
+async fn list_models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    Json(serde_json::json!({
+        "object": "list",
+        "data": [{ "id": state.model_name, "object": "model", "owned_by": "klein" }],
+    }))
+}
+
+async fn list_loras(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    Json(serde_json::json!({ "loras": state.loras.names().collect::<Vec<_>>() }))
+}
+
+/// Submits `spec` and waits for its result within `--timeout`. If the client goes away first,
+/// axum drops this future, and with it the job's handle, which cancels the job.
+async fn run_to_end(
+    state: &AppState,
+    spec: JobSpec,
+    id: Option<String>,
+) -> Result<(String, JobOutput), ApiError> {
+    if state.draining.load(Ordering::SeqCst) {
+        return Err(ApiError::new(
+            ErrorKind::Unavailable,
+            "the server is shutting down",
+        ));
+    }
+    let mut handle = state.queue.submit(spec, id)?.handle;
+    match tokio::time::timeout(state.timeout, handle.result()).await {
+        Ok(result) => result.map(|output| (handle.id.clone(), output)),
+        Err(_) => Err(ApiError::new(
+            ErrorKind::Timeout,
+            format!(
+                "the request took longer than the server's timeout ({} s) and was cancelled",
+                state.timeout.as_secs()
+            ),
+        )),
+    }
+}
+
+/// A JSON body; errors name the field (`steps: invalid type...`).
+fn parse_json<T: DeserializeOwned>(
+    body: Result<axum::body::Bytes, BytesRejection>,
+) -> Result<T, ApiError> {
+    let bytes = body.map_err(|rejection| {
+        let kind = if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ErrorKind::TooLarge
+        } else {
+            ErrorKind::InvalidRequest
+        };
+        ApiError::new(kind, format!("request body: {}", rejection.body_text()))
+    })?;
+    let mut deserializer = serde_json::Deserializer::from_slice(&bytes);
+    serde_path_to_error::deserialize(&mut deserializer).map_err(field_error)
+}
+
+/// [`parse_json`] for a body already made into a JSON value (the edits form).
+fn parse_value<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(field_error)
+}
+
+fn field_error(error: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
+    let path = error.path().to_string();
+    let message = error.inner().to_string();
+    // Missing and unknown fields are errors of the object; the message names the field.
+    let param = if path == "?" {
+        None // a syntax error: no field to name
+    } else if path == "." {
+        message.split('`').nth(1).map(str::to_string)
+    } else {
+        Some(path.clone())
+    };
+    let text = if path == "." {
+        message
+    } else {
+        format!("{path}: {message}")
+    };
+    ApiError {
+        param,
+        ..ApiError::new(ErrorKind::InvalidRequest, text)
+    }
+}
+
+/// The client's `X-Request-Id` (1-128 of `A-Z a-z 0-9 . _ -`), the id
+/// `DELETE /v1/klein/jobs/{id}` cancels.
+fn request_id(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(value) = headers.get("x-request-id") else {
+        return Ok(None);
+    };
+    let id = value.to_str().unwrap_or_default();
+    let valid = (1..=128).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if !valid {
+        return Err(ApiError::field(
+            "X-Request-Id",
+            "X-Request-Id: give 1 to 128 characters of A-Z, a-z, 0-9, '.', '_', '-'",
+        ));
+    }
+    Ok(Some(id.to_string()))
+}

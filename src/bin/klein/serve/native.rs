@@ -1,0 +1,231 @@
+//! klein's own routes: `POST /v1/klein/generate` takes every option of `klein generate` and
+//! answers with the images and their metadata; `POST /v1/klein/generate/stream` sends the same
+//! as server-sent events, with the job's id, its queue position, every stage and step, then the
+//! result. `DELETE /v1/klein/jobs/{id}` cancels a queued or running job.
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::Json;
+use base64::Engine;
+use futures_util::stream::{self, Stream};
+use klein::stages::output::ImageFormat;
+use serde::Deserialize;
+
+use super::error::{ApiError, ErrorKind};
+use super::jobs::{JobEvent, JobHandle, JobOutput, JobSpec, Upload};
+use super::openai::check_negative_prompt;
+use super::params::{
+    check_count, check_guidance, check_side, check_steps, format_name, image_format, seed_or_random,
+};
+use super::{parse_json, request_id, run_to_end, AppState};
+
+/// The body of the native routes: `klein generate`'s options.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NativeBody {
+    prompt: String,
+    width: Option<u32>,
+    height: Option<u32>,
+    steps: Option<u64>,
+    guidance: Option<f64>,
+    seed: Option<u64>,
+    num_images: Option<u64>,
+    /// Reference images, base64 of PNG, JPEG or WebP files.
+    #[serde(default)]
+    refs: Vec<RefBody>,
+    /// LoRAs offered by the server, `NAME` or `NAME:SCALE`.
+    #[serde(default)]
+    loras: Vec<String>,
+    /// `png` (default), `jpeg` or `webp`.
+    format: Option<String>,
+    /// JPEG quality, 1 to 100 (default 90).
+    quality: Option<u64>,
+    negative_prompt: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RefBody {
+    /// Stored in the image's metadata as the reference's name (default `image-N`).
+    name: Option<String>,
+    /// base64 (standard alphabet, padded) of the file.
+    data: String,
+}
+
+fn spec_from(state: &AppState, body: NativeBody) -> Result<(JobSpec, ImageFormat), ApiError> {
+    check_negative_prompt(body.negative_prompt.as_deref())?;
+    if let Some(w) = body.width {
+        check_side("width", w)?;
+    }
+    if let Some(h) = body.height {
+        check_side("height", h)?;
+    }
+    klein::pipeline::request::check_reference_count(body.refs.len())
+        .map_err(|e| ApiError::from_klein(&e, Some("refs")))?;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let references = body
+        .refs
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let bytes = b64.decode(r.data.trim()).map_err(|e| {
+                ApiError::field(
+                    &format!("refs[{i}].data"),
+                    format!("refs[{i}].data is not base64: {e}"),
+                )
+            })?;
+            Ok(Upload {
+                label: r.name.unwrap_or_else(|| format!("image-{i}")),
+                bytes,
+            })
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    let format = image_format(body.format.as_deref(), body.quality)?;
+    let spec = JobSpec {
+        prompt: body.prompt,
+        width: body.width,
+        height: body.height,
+        steps: check_steps(body.steps)?,
+        guidance: check_guidance(body.guidance)?,
+        seed: seed_or_random(body.seed),
+        num_images: check_count("num_images", body.num_images.unwrap_or(1))?,
+        references,
+        loras: state.loras.resolve_all(&body.loras)?,
+        format,
+    };
+    Ok((spec, format))
+}
+
+/// The answer: images (base64) and everything stored in them.
+fn answer(id: &str, output: &JobOutput, format: ImageFormat) -> serde_json::Value {
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let metadata: serde_json::Map<String, serde_json::Value> = output
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), serde_json::Value::from(v.clone())))
+        .collect();
+    let timings: serde_json::Map<String, serde_json::Value> = output
+        .timings
+        .iter()
+        .map(|(stage, s)| (stage.to_string(), serde_json::Value::from(*s)))
+        .collect();
+    serde_json::json!({
+        "id": id,
+        "seed": output.seed,
+        "width": output.width,
+        "height": output.height,
+        "steps": output.steps,
+        "guidance": output.guidance,
+        "prompt_truncated": output.prompt_truncated,
+        "format": format_name(format),
+        "metadata": metadata,
+        "timings": timings,
+        "images": output.images.iter().map(|i| b64.encode(i)).collect::<Vec<_>>(),
+    })
+}
+
+pub(crate) async fn generate(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<axum::body::Bytes, BytesRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let id = request_id(&headers)?;
+    let (spec, format) = spec_from(&state, parse_json(body)?)?;
+    let (id, output) = run_to_end(&state, spec, id).await?;
+    Ok(Json(answer(&id, &output, format)))
+}
+
+/// What the event stream still has to do.
+struct StreamState {
+    handle: Option<JobHandle>,
+    format: ImageFormat,
+    deadline: tokio::time::Instant,
+    /// The first event, `queued`, not yet sent.
+    queued: Option<serde_json::Value>,
+}
+
+pub(crate) async fn generate_stream(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<axum::body::Bytes, BytesRejection>,
+) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
+    let id = request_id(&headers)?;
+    let (spec, format) = spec_from(&state, parse_json(body)?)?;
+    let submitted = state.queue.submit(spec, id)?;
+    let queued = serde_json::json!({ "id": submitted.handle.id, "position": submitted.position });
+    let start = StreamState {
+        handle: Some(submitted.handle),
+        format,
+        deadline: tokio::time::Instant::now() + state.timeout,
+        queued: Some(queued),
+    };
+    // The handle lives in the stream: when the client disconnects, the stream is dropped, and
+    // with it the handle, which cancels the job.
+    let events = stream::unfold(start, |mut s| async move {
+        if let Some(queued) = s.queued.take() {
+            return Some((Ok(event("queued", &queued)), s));
+        }
+        let handle = s.handle.as_mut()?;
+        let next = tokio::time::timeout_at(s.deadline, handle.next()).await;
+        let event = match next {
+            Err(_) => {
+                let e = ApiError::new(ErrorKind::Timeout, "the request took longer than --timeout");
+                s.handle = None; // dropped: cancels the job
+                event("error", &e.body())
+            }
+            Ok(None) => {
+                s.handle = None;
+                event(
+                    "error",
+                    &ApiError::new(ErrorKind::Server, "the pipeline stopped").body(),
+                )
+            }
+            Ok(Some(JobEvent::Done(result))) => {
+                let id = handle.id.clone();
+                s.handle = None;
+                match result {
+                    Ok(output) => event("done", &answer(&id, &output, s.format)),
+                    Err(e) => event("error", &e.body()),
+                }
+            }
+            Ok(Some(JobEvent::Started)) => event("started", &serde_json::json!({})),
+            Ok(Some(JobEvent::StageStarted(stage))) => event(
+                "stage",
+                &serde_json::json!({ "stage": stage, "state": "started" }),
+            ),
+            Ok(Some(JobEvent::StageFinished(stage, seconds))) => event(
+                "stage",
+                &serde_json::json!({ "stage": stage, "state": "finished", "seconds": seconds }),
+            ),
+            Ok(Some(JobEvent::Step { step, total })) => {
+                event("step", &serde_json::json!({ "step": step, "total": total }))
+            }
+        };
+        Some((Ok(event), s))
+    });
+    // Keep-alive comments: proxies keep the stream open, and a gone client is noticed.
+    Ok(Sse::new(events).keep_alive(KeepAlive::new().interval(Duration::from_secs(5))))
+}
+
+fn event(name: &str, data: &serde_json::Value) -> Event {
+    Event::default().event(name).data(data.to_string())
+}
+
+pub(crate) async fn cancel(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    if state.queue.cancel(&id) {
+        Ok(StatusCode::NO_CONTENT)
+    } else {
+        Err(ApiError::new(
+            ErrorKind::NotFound,
+            format!("no queued or running request has id {id}"),
+        ))
+    }
+}

@@ -1,0 +1,228 @@
+//! The OpenAI images API: `POST /v1/images/generations` (JSON) and `POST /v1/images/edits`
+//! (multipart, the references as `image`/`image[]`), answered with `b64_json` images, so the
+//! official clients work with `base_url` pointed here. klein's options (`seed`, `steps`,
+//! `guidance`, `loras`) are extra fields (the Python client's `extra_body`).
+use std::sync::Arc;
+
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Multipart, State};
+use axum::http::HeaderMap;
+use axum::Json;
+use base64::Engine;
+use serde::Deserialize;
+
+use super::error::{ApiError, ErrorKind};
+use super::jobs::{JobOutput, JobSpec, Upload};
+use super::params::{
+    check_count, check_guidance, check_response_format, check_steps, image_format, parse_size,
+    seed_or_random,
+};
+use super::{parse_json, request_id, run_to_end, AppState};
+
+/// The body of `POST /v1/images/generations`. Unknown fields are refused (a misspelt option
+/// would otherwise be silently ignored).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GenerationsBody {
+    prompt: String,
+    /// Any name: the server runs the model it was started with (`GET /v1/models`).
+    #[allow(dead_code)] // accepted, unused
+    model: Option<String>,
+    n: Option<u64>,
+    size: Option<String>,
+    response_format: Option<String>,
+    output_format: Option<String>,
+    output_compression: Option<u64>,
+    /// OpenAI's end-user id.
+    #[allow(dead_code)] // accepted, unused
+    user: Option<String>,
+    quality: Option<String>,
+    // klein's extensions.
+    seed: Option<u64>,
+    steps: Option<u64>,
+    guidance: Option<f64>,
+    negative_prompt: Option<String>,
+    loras: Option<Vec<String>>,
+}
+
+pub(crate) async fn generations(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<axum::body::Bytes, BytesRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let id = request_id(&headers)?;
+    let body: GenerationsBody = parse_json(body)?;
+    let spec = spec_from(&state, body, Vec::new())?;
+    let (_, output) = run_to_end(&state, spec, id).await?;
+    Ok(Json(answer(&output)))
+}
+
+/// Checks the fields and builds the job.
+fn spec_from(
+    state: &AppState,
+    body: GenerationsBody,
+    references: Vec<Upload>,
+) -> Result<JobSpec, ApiError> {
+    check_response_format(body.response_format.as_deref())?;
+    check_quality(body.quality.as_deref())?;
+    check_negative_prompt(body.negative_prompt.as_deref())?;
+    let (width, height) = parse_size(body.size.as_deref())?;
+    Ok(JobSpec {
+        prompt: body.prompt,
+        width,
+        height,
+        steps: check_steps(body.steps)?,
+        guidance: check_guidance(body.guidance)?,
+        seed: seed_or_random(body.seed),
+        num_images: check_count("n", body.n.unwrap_or(1))?,
+        references,
+        loras: state.loras.resolve_all(&body.loras.unwrap_or_default())?,
+        format: image_format(body.output_format.as_deref(), body.output_compression)?,
+    })
+}
+
+/// OpenAI's `quality`: klein has one quality; `auto` and `standard` are accepted.
+fn check_quality(quality: Option<&str>) -> Result<(), ApiError> {
+    match quality {
+        None | Some("auto" | "standard") => Ok(()),
+        Some(other) => Err(ApiError::field(
+            "quality",
+            format!("quality `{other}`: klein has one quality; give auto or standard, and steps for more denoising"),
+        )),
+    }
+}
+
+/// Negative prompts: FLUX.2-klein's distilled models have no guidance, and diffusers'
+/// `Flux2KleinPipeline` takes none as text (it encodes an empty one for base models).
+pub(crate) fn check_negative_prompt(negative: Option<&str>) -> Result<(), ApiError> {
+    match negative {
+        None | Some("") => Ok(()),
+        Some(_) => Err(ApiError::field(
+            "negative_prompt",
+            "negative_prompt is not supported by this klein version: the pipeline uses an empty negative prompt, as diffusers' Flux2KleinPipeline",
+        )),
+    }
+}
+
+/// The OpenAI answer, with klein's settings beside it.
+fn answer(output: &JobOutput) -> serde_json::Value {
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let data: Vec<serde_json::Value> = output
+        .images
+        .iter()
+        .map(|image| serde_json::json!({ "b64_json": b64.encode(image) }))
+        .collect();
+    serde_json::json!({
+        "created": created,
+        "data": data,
+        "seed": output.seed,
+        "width": output.width,
+        "height": output.height,
+        "steps": output.steps,
+        "guidance": output.guidance,
+    })
+}
+
+/// Text fields of the edits form, as [`GenerationsBody`] has them.
+const TEXT_FIELDS: [&str; 13] = [
+    "prompt",
+    "model",
+    "n",
+    "size",
+    "response_format",
+    "output_format",
+    "output_compression",
+    "user",
+    "quality",
+    "seed",
+    "steps",
+    "guidance",
+    "negative_prompt",
+];
+
+pub(crate) async fn edits(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    mut form: Multipart,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let id = request_id(&headers)?;
+    let mut body = serde_json::Map::new();
+    let mut loras = Vec::new();
+    let mut references = Vec::new();
+    while let Some(field) = form.next_field().await.map_err(multipart_error)? {
+        let name = field.name().unwrap_or_default().to_string();
+        match name.as_str() {
+            "image" | "image[]" => {
+                let label = field
+                    .file_name()
+                    .map(str::to_string)
+                    .unwrap_or_else(|| format!("image-{}", references.len()));
+                let bytes = field.bytes().await.map_err(multipart_error)?;
+                references.push(Upload { label, bytes: bytes.to_vec() });
+            }
+            "mask" => {
+                return Err(ApiError::field(
+                    "mask",
+                    "inpainting (mask) is not supported by this klein version; send image[] references without a mask",
+                ))
+            }
+            "loras" | "loras[]" => loras.push(field.text().await.map_err(multipart_error)?),
+            text if TEXT_FIELDS.contains(&text) => {
+                let value = field.text().await.map_err(multipart_error)?;
+                body.insert(name.clone(), form_value(&name, value)?);
+            }
+            other => {
+                return Err(ApiError::field(
+                    other,
+                    format!("unknown field `{other}`; the form takes image[] (files), prompt, n, size, response_format, output_format, output_compression, seed, steps, guidance, loras"),
+                ))
+            }
+        }
+    }
+    if references.is_empty() {
+        return Err(ApiError::field(
+            "image",
+            "give at least one image (the image or image[] field)",
+        ));
+    }
+    klein::pipeline::request::check_reference_count(references.len())
+        .map_err(|e| ApiError::from_klein(&e, Some("image")))?;
+    if !loras.is_empty() {
+        body.insert("loras".into(), serde_json::json!(loras));
+    }
+    let body: GenerationsBody = super::parse_value(serde_json::Value::Object(body))?;
+    let spec = spec_from(&state, body, references)?;
+    let (_, output) = run_to_end(&state, spec, id).await?;
+    Ok(Json(answer(&output)))
+}
+
+/// A form field's text as the JSON value the body's type takes: numbers for the numeric fields.
+fn form_value(name: &str, value: String) -> Result<serde_json::Value, ApiError> {
+    match name {
+        "n" | "output_compression" | "seed" | "steps" => value
+            .trim()
+            .parse::<u64>()
+            .map(serde_json::Value::from)
+            .map_err(|_| ApiError::field(name, format!("{name} `{value}`: give a whole number"))),
+        "guidance" => value
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .and_then(serde_json::Number::from_f64)
+            .map(serde_json::Value::Number)
+            .ok_or_else(|| ApiError::field(name, format!("{name} `{value}`: give a number"))),
+        _ => Ok(serde_json::Value::String(value)),
+    }
+}
+
+fn multipart_error(error: axum::extract::multipart::MultipartError) -> ApiError {
+    let kind = if error.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+        ErrorKind::TooLarge
+    } else {
+        ErrorKind::InvalidRequest
+    };
+    ApiError::new(kind, format!("multipart body: {}", error.body_text()))
+}

@@ -1,0 +1,276 @@
+//! Request fields shared by every route, checked here so that each error names its field: sizes,
+//! counts, seeds, output formats, LoRA names (resolved in `--lora-dir`, never a client's path).
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use klein::limits::{MAX_BATCH, MAX_GUIDANCE, MAX_SIDE, MAX_STEPS};
+use klein::pipeline::LoraSpec;
+use klein::stages::output::ImageFormat;
+
+use super::error::ApiError;
+
+/// `size`: `WxH` (each 16 to [`MAX_SIDE`]) or `auto` (the first reference's size, else the
+/// bundle's default).
+pub(crate) fn parse_size(size: Option<&str>) -> Result<(Option<u32>, Option<u32>), ApiError> {
+    let Some(text) = size
+        .map(str::trim)
+        .filter(|s| !s.eq_ignore_ascii_case("auto"))
+    else {
+        return Ok((None, None));
+    };
+    let bad = || {
+        ApiError::field(
+            "size",
+            format!(
+                "size `{text}`: give WIDTHxHEIGHT (16 to {MAX_SIDE} each, e.g. 1024x1024) or auto"
+            ),
+        )
+    };
+    let (w, h) = text.split_once(['x', 'X']).ok_or_else(bad)?;
+    let (w, h): (u32, u32) = (w.parse().map_err(|_| bad())?, h.parse().map_err(|_| bad())?);
+    check_side("size", w)?;
+    check_side("size", h)?;
+    Ok((Some(w), Some(h)))
+}
+
+/// A width or height of 16 to [`MAX_SIDE`] pixels.
+pub(crate) fn check_side(param: &str, side: u32) -> Result<(), ApiError> {
+    if !(16..=MAX_SIDE).contains(&side) {
+        return Err(ApiError::field(
+            param,
+            format!("{param} {side}: each side must be 16 to {MAX_SIDE} pixels"),
+        ));
+    }
+    Ok(())
+}
+
+/// `n` / `num_images`: 1 to [`MAX_BATCH`].
+pub(crate) fn check_count(param: &str, n: u64) -> Result<usize, ApiError> {
+    if !(1..=MAX_BATCH as u64).contains(&n) {
+        return Err(ApiError::field(
+            param,
+            format!("{param} {n}: give 1 to {MAX_BATCH} images"),
+        ));
+    }
+    Ok(n as usize)
+}
+
+pub(crate) fn check_steps(steps: Option<u64>) -> Result<Option<usize>, ApiError> {
+    match steps {
+        Some(s) if !(1..=MAX_STEPS as u64).contains(&s) => Err(ApiError::field(
+            "steps",
+            format!("steps {s}: give 1 to {MAX_STEPS}"),
+        )),
+        other => Ok(other.map(|s| s as usize)),
+    }
+}
+
+pub(crate) fn check_guidance(guidance: Option<f64>) -> Result<Option<f64>, ApiError> {
+    match guidance {
+        Some(g) if !(g.is_finite() && (0.0..=MAX_GUIDANCE).contains(&g)) => Err(ApiError::field(
+            "guidance",
+            format!("guidance {g}: give 0 to {MAX_GUIDANCE}"),
+        )),
+        other => Ok(other),
+    }
+}
+
+/// The seed, or a random one (returned to the client and stored in the image).
+pub(crate) fn seed_or_random(seed: Option<u64>) -> u64 {
+    seed.unwrap_or_else(crate::outputs::random_seed)
+}
+
+/// `response_format`: only `b64_json` (klein serve keeps no files to link to).
+pub(crate) fn check_response_format(format: Option<&str>) -> Result<(), ApiError> {
+    match format {
+        None | Some("b64_json") => Ok(()),
+        Some(other) => Err(ApiError::field(
+            "response_format",
+            format!(
+                "response_format `{other}` is not supported: klein serve stores no images to link to; use b64_json"
+            ),
+        )),
+    }
+}
+
+/// `output_format` (`png`, `jpeg`, `webp`) and `output_compression` (the JPEG quality, 1-100;
+/// default 90, as `klein generate --quality`).
+pub(crate) fn image_format(
+    format: Option<&str>,
+    compression: Option<u64>,
+) -> Result<ImageFormat, ApiError> {
+    let quality = match compression {
+        None => 90,
+        Some(q @ 1..=100) => q as u8,
+        Some(q) => {
+            return Err(ApiError::field(
+                "output_compression",
+                format!("output_compression {q}: give a JPEG quality of 1 to 100"),
+            ))
+        }
+    };
+    match format.map(str::to_ascii_lowercase).as_deref() {
+        None | Some("png") => Ok(ImageFormat::Png),
+        Some("jpeg" | "jpg") => Ok(ImageFormat::Jpeg { quality }),
+        Some("webp") => Ok(ImageFormat::WebP),
+        Some(other) => Err(ApiError::field(
+            "output_format",
+            format!("output_format `{other}`: give png, jpeg or webp"),
+        )),
+    }
+}
+
+/// The MIME type of a format, for the native route's answer.
+pub(crate) fn format_name(format: ImageFormat) -> &'static str {
+    match format {
+        ImageFormat::Png => "png",
+        ImageFormat::Jpeg { .. } => "jpeg",
+        ImageFormat::WebP => "webp",
+    }
+}
+
+/// The LoRAs a server offers: the `.safetensors` files of `--lora-dir`, by file stem, listed
+/// when the server starts. A client names one (`"style"` or `"style:0.8"`); a name that is not
+/// in the list is refused, whatever it contains, so no client-made path is ever opened.
+#[derive(Debug, Default)]
+pub(crate) struct LoraCatalog {
+    files: BTreeMap<String, PathBuf>,
+}
+
+impl LoraCatalog {
+    pub(crate) fn scan(dir: Option<&Path>) -> anyhow::Result<LoraCatalog> {
+        let Some(dir) = dir else {
+            return Ok(LoraCatalog::default());
+        };
+        let entries = std::fs::read_dir(dir).map_err(|e| {
+            crate::UsageError(format!(
+                "--lora-dir {}: {e}; give a directory of .safetensors files",
+                dir.display()
+            ))
+        })?;
+        let mut files = BTreeMap::new();
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let is_lora = path
+                .extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("safetensors"));
+            if let (true, Some(stem)) = (is_lora && path.is_file(), path.file_stem()) {
+                files.insert(stem.to_string_lossy().into_owned(), path);
+            }
+        }
+        Ok(LoraCatalog { files })
+    }
+
+    pub(crate) fn names(&self) -> impl Iterator<Item = &str> {
+        self.files.keys().map(String::as_str)
+    }
+
+    /// `NAME` or `NAME:SCALE`.
+    pub(crate) fn resolve(&self, text: &str) -> Result<LoraSpec, ApiError> {
+        let (name, scale) = match text.rsplit_once(':') {
+            Some((name, scale)) => {
+                let scale: f32 = scale.parse().map_err(|_| {
+                    ApiError::field(
+                        "loras",
+                        format!("LoRA `{text}`: the scale after `:` is not a number"),
+                    )
+                })?;
+                (name, scale)
+            }
+            None => (text, 1.0),
+        };
+        let path = self.files.get(name).ok_or_else(|| {
+            let offered: Vec<&str> = self.names().collect();
+            ApiError::field(
+                "loras",
+                if offered.is_empty() {
+                    format!("LoRA `{name}`: this server offers no LoRAs (it was started without --lora-dir)")
+                } else {
+                    format!("LoRA `{name}` is not offered; this server has: {}", offered.join(", "))
+                },
+            )
+        })?;
+        let spec = LoraSpec::new(path, scale);
+        spec.check()
+            .map_err(|e| ApiError::from_klein(&e, Some("loras")))?;
+        Ok(spec)
+    }
+
+    pub(crate) fn resolve_all(&self, names: &[String]) -> Result<Vec<LoraSpec>, ApiError> {
+        let specs = names
+            .iter()
+            .map(|n| self.resolve(n))
+            .collect::<Result<Vec<_>, _>>()?;
+        klein::pipeline::lora::check_specs(&specs)
+            .map_err(|e| ApiError::from_klein(&e, Some("loras")))?;
+        Ok(specs)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may unwrap: a failure is a test failure
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size(Some("512x768")).unwrap(), (Some(512), Some(768)));
+        assert_eq!(parse_size(Some("auto")).unwrap(), (None, None));
+        assert_eq!(parse_size(None).unwrap(), (None, None));
+        for bad in ["512", "x", "0x512", "512x99999", "-1x5", "1e3x512"] {
+            let e = parse_size(Some(bad)).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("size"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn formats() {
+        assert_eq!(
+            image_format(Some("JPEG"), Some(70)).unwrap(),
+            ImageFormat::Jpeg { quality: 70 }
+        );
+        assert_eq!(image_format(None, None).unwrap(), ImageFormat::Png);
+        assert_eq!(
+            image_format(Some("gif"), None)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("output_format")
+        );
+        assert_eq!(
+            image_format(None, Some(0)).unwrap_err().param.as_deref(),
+            Some("output_compression")
+        );
+        assert!(check_response_format(Some("url")).is_err());
+    }
+
+    #[test]
+    fn lora_names_never_become_paths() {
+        let dir = std::env::temp_dir().join(format!("klein-serve-loras-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("style.safetensors"), b"x").unwrap();
+        std::fs::write(dir.join("notes.txt"), b"x").unwrap();
+        let catalog = LoraCatalog::scan(Some(&dir)).unwrap();
+        assert_eq!(catalog.names().collect::<Vec<_>>(), ["style"]);
+        let spec = catalog.resolve("style:0.5").unwrap();
+        assert_eq!(
+            (spec.path(), spec.scale()),
+            (dir.join("style.safetensors").as_path(), 0.5)
+        );
+        for bad in [
+            "../style",
+            "/etc/passwd",
+            "notes",
+            "style.safetensors",
+            "style:x",
+            "style:500",
+        ] {
+            assert_eq!(
+                catalog.resolve(bad).unwrap_err().param.as_deref(),
+                Some("loras"),
+                "{bad}"
+            );
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,159 @@
+//! A pipeline's worker thread: takes jobs from the queue one at a time, runs them, and sends
+//! their progress and result back. One worker per device; ONNX Runtime's threads do the work.
+use std::ops::ControlFlow;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::Receiver;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use klein::pipeline::{LoraSpec, Pipeline, Progress, Request};
+use klein::stages::output::encode_image;
+
+use super::error::{ApiError, ErrorKind};
+use super::jobs::{lock, Job, JobEvent, JobOutput, Queue};
+use super::metrics::Metrics;
+
+/// What every worker shares: the queue's receiver, its counts, the metrics, and how many
+/// pipelines have loaded their graphs.
+pub(crate) struct Shared {
+    pub(crate) jobs: Mutex<Receiver<Job>>,
+    pub(crate) queue: Arc<Queue>,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) loaded: AtomicUsize,
+}
+
+/// Loads every graph of `pipeline`, then runs jobs until the queue is closed and empty.
+/// A pipeline whose graphs cannot load ends the process: a server that can never be ready
+/// should not look alive.
+pub(crate) fn run(mut pipeline: Pipeline, shared: Arc<Shared>) {
+    if let Err(error) = pipeline.load_all_graphs() {
+        eprintln!(
+            "klein serve: error: loading the graphs: {}",
+            klein::error::chain(&error)
+        );
+        std::process::exit(if error.is_user_error() { 2 } else { 1 });
+    }
+    let bundle_hash = match pipeline.bundle_sha256() {
+        Ok(hash) => hash,
+        Err(error) => {
+            eprintln!("klein serve: error: {}", klein::error::chain(&error));
+            std::process::exit(1);
+        }
+    };
+    shared.loaded.fetch_add(1, Ordering::SeqCst);
+    loop {
+        // One worker waits on the receiver at a time; the others wait on the lock.
+        let job = match lock(&shared.jobs).recv() {
+            Ok(job) => job,
+            Err(_) => return, // closed and empty: shutting down
+        };
+        shared.queue.waiting.fetch_sub(1, Ordering::SeqCst);
+        if job.cancel.load(Ordering::SeqCst) {
+            let _ = job.events.send(JobEvent::Done(Err(cancelled())));
+            continue;
+        }
+        shared.queue.running.fetch_add(1, Ordering::SeqCst);
+        shared
+            .metrics
+            .observe_queue_wait(job.queued_at.elapsed().as_secs_f64());
+        let start = Instant::now();
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            run_job(&mut pipeline, &job, &bundle_hash)
+        }))
+        .unwrap_or_else(|_| {
+            Err(ApiError::new(
+                ErrorKind::Server,
+                "the generation panicked (a bug in klein)",
+            ))
+        });
+        if let Ok(output) = &result {
+            shared.metrics.observe_job(
+                &output.timings,
+                start.elapsed().as_secs_f64(),
+                output.images.len(),
+            );
+        }
+        shared.queue.running.fetch_sub(1, Ordering::SeqCst);
+        // The client may be gone; its handle's drop already counted it.
+        let _ = job.events.send(JobEvent::Done(result));
+    }
+}
+
+fn cancelled() -> ApiError {
+    ApiError::new(ErrorKind::Cancelled, "cancelled before it finished")
+}
+
+/// One generation: LoRAs, references, the pipeline, the encoded images.
+fn run_job(pipeline: &mut Pipeline, job: &Job, bundle_hash: &str) -> Result<JobOutput, ApiError> {
+    let spec = &job.spec;
+    let _ = job.events.send(JobEvent::Started);
+    let current: Vec<LoraSpec> = pipeline
+        .loras()
+        .iter()
+        .map(|l| LoraSpec::new(&l.path, l.scale))
+        .collect();
+    if current != spec.loras {
+        pipeline
+            .set_loras(&spec.loras)
+            .map_err(|e| ApiError::from_klein(&e, Some("loras")))?;
+    }
+    let mut request = Request::new(spec.prompt.clone())
+        .with_seed(spec.seed)
+        .with_num_images(spec.num_images);
+    request.width = spec.width;
+    request.height = spec.height;
+    request.steps = spec.steps;
+    request.guidance = spec.guidance;
+    for upload in &spec.references {
+        let reference = pipeline
+            .decode_reference(&upload.bytes, Path::new(&upload.label))
+            .map_err(|e| ApiError::from_klein(&e, Some("image")))?;
+        request.references.push(reference);
+    }
+    let mut on_progress = |event: Progress| {
+        let event = match event {
+            Progress::StageStarted(stage) => JobEvent::StageStarted(stage.label()),
+            Progress::StageFinished(stage, elapsed) => {
+                JobEvent::StageFinished(stage.label(), elapsed.as_secs_f64())
+            }
+            Progress::Step { step, total } => JobEvent::Step { step, total },
+        };
+        let _ = job.events.send(event);
+        if job.cancel.load(Ordering::SeqCst) {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
+    };
+    let generation = pipeline
+        .generate(&request, Some(&mut on_progress))
+        .map_err(|e| match e {
+            klein::KleinError::Cancelled => cancelled(),
+            e => ApiError::from_klein(&e, None),
+        })?;
+    let labels: Vec<String> = spec.references.iter().map(|u| u.label.clone()).collect();
+    let metadata = pipeline.image_metadata(&generation, &spec.prompt, &labels, bundle_hash);
+    let images = generation
+        .images
+        .iter()
+        .map(|image| encode_image(image, spec.format, &metadata))
+        .collect::<klein::Result<Vec<_>>>()
+        .map_err(|e| ApiError::from_klein(&e, None))?;
+    Ok(JobOutput {
+        images,
+        seed: generation.seed,
+        width: generation.width,
+        height: generation.height,
+        steps: generation.steps,
+        guidance: generation.guidance,
+        prompt_truncated: generation.prompt_truncated,
+        metadata,
+        timings: generation
+            .timings
+            .iter()
+            .map(|(stage, d)| (stage.label(), d.as_secs_f64()))
+            .collect(),
+    })
+}
