@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test from a fresh clone with no manual step: installs the ONNX Runtime library and the
 # pinned Python environment (.venv, once), then the Rust tests (which build the release binary) and
-# the Python tests (export tool, and the runtime end to end against diffusers).
+# the Python tests (export tool, and the runtime end to end against diffusers; the Python bindings
+# and the serving tests).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 KLEIN_ORT_DYLIB="$(scripts/setup-ort.sh)"
@@ -9,8 +10,16 @@ export KLEIN_ORT_DYLIB
 source scripts/python-env.sh
 # The build first: the C API test links the example against the cdylib this produces.
 cargo build --release
+# The Python bindings (python/): this build's wheel, installed into .venv for tests/python.
+wheel_dir=target/wheels/test
+rm -rf "$wheel_dir"
+maturin build --release -m python/Cargo.toml -o "$wheel_dir" --quiet
+python -m pip install --quiet --force-reinstall --no-deps "$wheel_dir"/klein-*.whl
 cargo test --release
 cargo check --release --features cuda,coreml
 ruff check export
 ruff format --check export
+ruff check --config export/pyproject.toml python tests/python
+ruff format --config export/pyproject.toml --check python tests/python
 python -m pytest -q export/tests
+python -m pytest -q tests/python

@@ -1,0 +1,387 @@
+"""klein: the FLUX.2-klein image models on ONNX Runtime, from Python.
+
+    import klein
+
+    pipe = klein.Pipeline("bundles/klein-4b")  # default: $KLEIN_MODEL
+    out = pipe(prompt="a red fox in the snow", width=512, height=512, generator=7)
+    out.images[0].save("fox.png")
+
+The call mirrors diffusers' ``Flux2KleinPipeline``: ``image`` (references to edit or compose),
+``height``, ``width``, ``num_inference_steps``, ``guidance_scale``, ``generator`` (a seed, or a
+``torch.Generator`` whose ``initial_seed()`` is used), ``num_images_per_prompt`` and ``output_type``
+(``"pil"``, ``"np"`` or ``"png"``: the bytes of the file ``klein generate`` writes for the same
+options). Generation runs in Rust with the GIL released; one pipeline serves one call at a time (calls
+from other threads wait their turn), so use one pipeline per thread for parallel work.
+
+The ONNX Runtime library is the one the ``onnxruntime`` package ships (``onnxruntime/capi/``);
+``ort_lib=`` or ``$ORT_DYLIB_PATH`` names another (``onnxruntime-gpu``'s for CUDA). One process
+loads one ONNX Runtime library.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+import secrets
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import numpy as np
+from PIL import Image
+
+from . import _klein
+from ._klein import CancelledError, InvalidInputError, KleinError
+
+__all__ = [
+    "CancelledError",
+    "InvalidInputError",
+    "KleinError",
+    "KleinPipelineOutput",
+    "KleinWarning",
+    "Pipeline",
+    "find_ort_library",
+]
+
+__version__ = _klein.version()
+
+#: A reference image: a PIL image, or the path of a PNG, JPEG or WebP file.
+ImageInput = Union[Image.Image, str, "os.PathLike[str]"]
+#: A LoRA: ``(path, scale)``, ``"FILE"`` or ``"FILE:SCALE"`` (as ``--lora``), or a path (scale 1).
+LoraInput = Union[tuple[Union[str, "os.PathLike[str]"], float], str, "os.PathLike[str]"]
+
+# Modes Pillow writes to PNG as they are; other modes are converted to RGB (RGBA with alpha).
+_PNG_MODES = {"1", "L", "LA", "I;16", "I;16B", "P", "RGB", "RGBA"}
+_OUTPUT_TYPES = ("pil", "np", "png")
+_U32 = 2**32
+_U64 = 2**64
+
+
+class KleinWarning(UserWarning):
+    """Something klein did not stop for: a truncated prompt, a prompt cache it could not use."""
+
+
+@dataclass
+class KleinPipelineOutput:
+    """What a call made. ``images`` is a list of RGB ``PIL.Image``s (``output_type="pil"``), a
+    float32 array ``[N, H, W, 3]`` in [0, 1] (``"np"``: the 8-bit pixels / 255), or a list of PNG
+    files as bytes (``"png"``)."""
+
+    images: list[Image.Image] | np.ndarray | list[bytes]
+    seed: int
+    width: int
+    height: int
+    steps: int
+    guidance: float
+    #: Seconds per stage ("encode prompt", "denoise", "decode", "load transformer"...).
+    timings: dict[str, float] = field(default_factory=dict)
+    prompt_truncated: bool = False
+    #: The labels stored for the references: each path as given, ``image-<i>`` for PIL images.
+    references: list[str] = field(default_factory=list)
+    #: Where the graphs ran (``cpu``, ``cuda:0``, or per graph).
+    device: str = ""
+
+
+def find_ort_library(ort_lib: str | os.PathLike[str] | None = None) -> Path:
+    """The ONNX Runtime shared library klein loads: ``ort_lib`` when given, else
+    ``$ORT_DYLIB_PATH``, else the one inside the installed ``onnxruntime`` (or ``onnxruntime-gpu``)
+    package. Raises ``KleinError`` when there is none."""
+    if ort_lib is not None:
+        return Path(ort_lib)
+    from_env = os.environ.get("ORT_DYLIB_PATH")
+    if from_env:
+        return Path(from_env)
+    how = (
+        "install the onnxruntime package (pip install onnxruntime==1.31.1, or onnxruntime-gpu==1.31.1 "
+        "for CUDA), or pass ort_lib= (or set ORT_DYLIB_PATH) to an ONNX Runtime 1.31 shared library"
+    )
+    spec = importlib.util.find_spec("onnxruntime")  # found without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise KleinError(f"ONNX Runtime library: the onnxruntime package is not installed; {how}")
+    searched = []
+    for location in spec.submodule_search_locations:
+        capi = Path(location) / "capi"
+        searched.append(str(capi))
+        if sys.platform == "win32":
+            candidates = [capi / "onnxruntime.dll"]
+        elif sys.platform == "darwin":
+            candidates = [*capi.glob("libonnxruntime.*.dylib"), capi / "libonnxruntime.dylib"]
+        else:
+            candidates = [*capi.glob("libonnxruntime.so.*"), capi / "libonnxruntime.so"]
+        # The fully versioned name first (libonnxruntime.so.1.31.1 over a libonnxruntime.so.1 link).
+        for candidate in sorted(candidates, key=lambda p: (-len(p.name), p.name)):
+            if candidate.is_file():
+                return candidate
+    raise KleinError(
+        f"ONNX Runtime library: no shared library in the onnxruntime package ({', '.join(searched)}); {how}"
+    )
+
+
+def _count(name: str, value: Any, *, optional: bool = True, limit: int = _U32) -> int | None:
+    """An integer argument, refused with its name unless 0 <= value < limit (klein checks the
+    real bounds and says what they are)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidInputError(f"invalid request: {name} must be an integer, not {type(value).__name__}")
+    if not 0 <= int(value) < limit:
+        raise InvalidInputError(f"invalid request: {name} is {int(value)}: it is out of range")
+    return int(value)
+
+
+def _number(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InvalidInputError(f"invalid request: {name} must be a number, not {type(value).__name__}")
+    return float(value)
+
+
+def _seed(generator: Any) -> int:
+    """The seed of ``generator``: a random one for None, an integer, or a torch.Generator's
+    ``initial_seed()`` (klein draws the noise of every image from that seed, as torch does from a
+    freshly seeded generator)."""
+    if generator is None:
+        return secrets.randbits(63)
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != 1:
+            raise InvalidInputError(
+                f"invalid request: generator: {len(generator)} generators given; klein takes one "
+                "(the noise of all num_images_per_prompt images comes from one seed)"
+            )
+        generator = generator[0]
+    if hasattr(generator, "initial_seed") and not isinstance(generator, (int, np.integer)):
+        generator = generator.initial_seed()
+    seed = _count("generator (seed)", generator, optional=False, limit=_U64)
+    assert seed is not None
+    return seed
+
+
+def _png_bytes(image: Image.Image) -> bytes:
+    """``image`` as a PNG file, losslessly and in its own mode where PNG has it; without EXIF
+    (a PIL image is used as it is, not rotated by its EXIF orientation), ICC profile or text."""
+    if image.mode not in _PNG_MODES:
+        has_alpha = "A" in image.getbands() or "transparency" in image.info
+        image = image.convert("RGBA" if has_alpha else "RGB")
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", compress_level=1, icc_profile=None)
+    return buffer.getvalue()
+
+
+def _references(image: Any) -> list[str | tuple[bytes, str]]:
+    if image is None:
+        return []
+    items = list(image) if isinstance(image, (list, tuple)) else [image]
+    references: list[str | tuple[bytes, str]] = []
+    for index, item in enumerate(items):
+        if isinstance(item, Image.Image):
+            references.append((_png_bytes(item), f"image-{index}"))
+        elif isinstance(item, (str, os.PathLike)):
+            references.append(os.fsdecode(item))
+        else:
+            raise InvalidInputError(
+                f"invalid request: image[{index}] is a {type(item).__name__}; "
+                "give a PIL.Image.Image or the path of a PNG, JPEG or WebP file"
+            )
+    return references
+
+
+def _loras(loras: Any) -> list[str | tuple[str, float]]:
+    if loras is None:
+        return []
+    if isinstance(loras, (str, os.PathLike, tuple)):
+        loras = [loras]
+    specs: list[str | tuple[str, float]] = []
+    for index, lora in enumerate(loras):
+        if isinstance(lora, str):
+            specs.append(lora)
+        elif isinstance(lora, os.PathLike):
+            specs.append((os.fsdecode(lora), 1.0))
+        elif isinstance(lora, tuple) and len(lora) == 2 and isinstance(lora[0], (str, os.PathLike)):
+            scale = _number(f"loras[{index}] scale", lora[1])
+            assert scale is not None
+            specs.append((os.fsdecode(lora[0]), scale))
+        else:
+            raise InvalidInputError(
+                f"invalid request: loras[{index}]: give (path, scale), 'FILE' or 'FILE:SCALE', not {lora!r}"
+            )
+    return specs
+
+
+class Pipeline:
+    """A loaded klein bundle (``klein-export convert`` writes them).
+
+    ``model``: the bundle directory (default ``$KLEIN_MODEL``). ``device``: ``cpu``, ``cuda``,
+    ``cuda:N``, ``coreml`` or ``auto``. ``threads``: threads per operator (default: ONNX Runtime's
+    choice). ``loras``: ``[(path, scale)]`` or ``["FILE:SCALE"]``. ``verify_hashes``: check the
+    bundle's files against its manifest (skipped while a stamp in the cache vouches for them).
+    ``keep_text_encoder``: keep the text encoder loaded between calls (faster for many prompts; by
+    default its memory goes back before the transformer loads, and it loads again on the next call).
+    ``ort_lib``: the ONNX Runtime library (default: the ``onnxruntime`` package's).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        device: str = "cpu",
+        threads: int | None = None,
+        loras: Sequence[LoraInput] | None = None,
+        verify_hashes: bool = True,
+        keep_text_encoder: bool = False,
+        ort_lib: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if model is None:
+            model = os.environ.get("KLEIN_MODEL") or None
+            if model is None:
+                raise InvalidInputError("no model: pass model= (a bundle directory) or set KLEIN_MODEL")
+        if not isinstance(device, str):
+            raise InvalidInputError(f"invalid request: device must be a string, not {type(device).__name__}")
+        self._native = _klein.Pipeline(
+            os.fsdecode(model),
+            device=device,
+            threads=_count("threads", threads),
+            loras=_loras(loras),
+            verify_hashes=bool(verify_hashes),
+            keep_text_encoder=bool(keep_text_encoder),
+            ort_lib=os.fsdecode(find_ort_library(ort_lib)),
+        )
+
+    def __call__(
+        self,
+        prompt: str,
+        *,
+        image: ImageInput | Sequence[ImageInput] | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        generator: Any = None,
+        num_images_per_prompt: int = 1,
+        output_type: Literal["pil", "np", "png"] = "pil",
+        callback: Callable[[int, int], bool | None] | None = None,
+        return_dict: bool = True,
+    ) -> KleinPipelineOutput | tuple[Any]:
+        """Generates ``num_images_per_prompt`` images of ``prompt``, from the references in
+        ``image`` if any. Defaults (None): the first reference's size, else the bundle's; the
+        bundle's steps and guidance; a random seed (returned as ``seed``). ``callback(step,
+        total)`` runs after every denoising step; returning ``False`` raises ``CancelledError``,
+        and so does Ctrl-C (``KeyboardInterrupt``) between steps. With ``return_dict=False``, the
+        tuple ``(images,)`` as diffusers."""
+        if not isinstance(prompt, str):
+            raise InvalidInputError(f"invalid request: prompt must be a string, not {type(prompt).__name__}")
+        if output_type not in _OUTPUT_TYPES:
+            raise InvalidInputError(
+                f"invalid request: output_type {output_type!r}: use one of {', '.join(_OUTPUT_TYPES)}"
+            )
+        if callback is not None and not callable(callback):
+            raise InvalidInputError("invalid request: callback must be callable(step, total)")
+        count = _count("num_images_per_prompt", num_images_per_prompt, optional=False)
+        generation = self._native.generate(
+            prompt,
+            references=_references(image),
+            width=_count("width", width),
+            height=_count("height", height),
+            steps=_count("num_inference_steps", num_inference_steps),
+            guidance=_number("guidance_scale", guidance_scale),
+            seed=_seed(generator),
+            num_images=count,
+            png=output_type == "png",
+            callback=callback,
+        )
+        for message in generation.warnings:
+            warnings.warn(message, KleinWarning, stacklevel=2)
+        if generation.prompt_truncated:
+            warnings.warn(
+                "the prompt is longer than the text encoder reads and was truncated, as diffusers does",
+                KleinWarning,
+                stacklevel=2,
+            )
+        size = (generation.width, generation.height)
+        images: list[Image.Image] | np.ndarray | list[bytes]
+        if output_type == "png":
+            images = list(generation.png or [])
+        elif output_type == "np":
+            shape = (generation.height, generation.width, 3)
+            pixels = [np.frombuffer(raw, dtype=np.uint8).reshape(shape) for raw in generation.images]
+            images = np.stack(pixels).astype(np.float32) / 255
+        else:
+            images = [Image.frombytes("RGB", size, raw) for raw in generation.images]
+        if not return_dict:
+            return (images,)
+        return KleinPipelineOutput(
+            images=images,
+            seed=generation.seed,
+            width=generation.width,
+            height=generation.height,
+            steps=generation.steps,
+            guidance=generation.guidance,
+            timings=dict(generation.timings),
+            prompt_truncated=generation.prompt_truncated,
+            references=list(generation.references),
+            device=generation.device,
+        )
+
+    def set_loras(self, loras: Sequence[LoraInput] | None) -> None:
+        """Applies ``loras`` in place of the current ones (empty or None: none). Only the
+        transformer reloads; a LoRA that does not fit the bundle raises and changes nothing."""
+        self._native.set_loras(_loras(loras))
+
+    @property
+    def loras(self) -> list[tuple[Path, float]]:
+        """The applied LoRAs, ``(path, scale)``."""
+        return [(Path(path), scale) for path, scale in self._native.loras]
+
+    @property
+    def model_name(self) -> str:
+        return self._native.model_name
+
+    @property
+    def variant(self) -> str:
+        """``4b``, ``9b``, ``tiny`` or ``custom``."""
+        return self._native.variant
+
+    @property
+    def is_distilled(self) -> bool:
+        return self._native.is_distilled
+
+    @property
+    def default_width(self) -> int:
+        return self._native.default_width
+
+    @property
+    def default_height(self) -> int:
+        return self._native.default_height
+
+    @property
+    def default_steps(self) -> int:
+        return self._native.default_steps
+
+    @property
+    def default_guidance(self) -> float:
+        return self._native.default_guidance
+
+    @property
+    def bundle_dir(self) -> Path:
+        return Path(self._native.bundle_dir)
+
+    @property
+    def device(self) -> str:
+        """The device asked for (``cpu``, ``cuda:0``, ``coreml``, ``auto``)."""
+        return self._native.device
+
+    @property
+    def device_used(self) -> str:
+        """Where the graphs loaded so far run; ``none`` before the first call."""
+        return self._native.device_used
+
+    def bundle_sha256(self) -> str:
+        """sha256 of the bundle's manifest.json, as stored in every PNG."""
+        return self._native.bundle_sha256()
+
+    def __repr__(self) -> str:
+        return repr(self._native)

@@ -1,0 +1,103 @@
+"""Type stubs of klein._klein, the native module (python/src/lib.rs). Use the ``klein`` package:
+its ``Pipeline`` takes PIL images, generators and output types and calls this one."""
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+class KleinError(Exception):
+    """An error of klein (the message names the file, field or stage)."""
+
+class InvalidInputError(KleinError, ValueError):
+    """What the caller gave cannot be used: a file, a bundle, a size, a count, an option."""
+
+class CancelledError(KleinError):
+    """The progress callback returned False."""
+
+class Generation:
+    """What ``Pipeline.generate`` made."""
+
+    @property
+    def images(self) -> list[bytes]:
+        """Each image's pixels: ``height * width * 3`` bytes, RGB, row-major."""
+    @property
+    def png(self) -> list[bytes] | None:
+        """Each image as a PNG file with the settings as text (as the CLI writes it), when asked."""
+    @property
+    def width(self) -> int: ...
+    @property
+    def height(self) -> int: ...
+    @property
+    def steps(self) -> int: ...
+    @property
+    def guidance(self) -> float: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def prompt_truncated(self) -> bool: ...
+    @property
+    def timings(self) -> list[tuple[str, float]]:
+        """Seconds per stage label, in the order the stages first ran."""
+    @property
+    def references(self) -> list[str]:
+        """The label of each reference, as stored in the PNG."""
+    @property
+    def warnings(self) -> list[str]: ...
+    @property
+    def device(self) -> str: ...
+
+class Pipeline:
+    """A loaded bundle; calls run without the GIL, one at a time."""
+
+    def __new__(
+        cls,
+        model: str | os.PathLike[str],
+        *,
+        device: str = "cpu",
+        threads: int | None = None,
+        loras: Sequence[str | os.PathLike[str] | tuple[str | os.PathLike[str], float]] = [],
+        verify_hashes: bool = True,
+        keep_text_encoder: bool = False,
+        ort_lib: str | os.PathLike[str] | None = None,
+    ) -> Pipeline: ...
+    def generate(
+        self,
+        prompt: str,
+        *,
+        references: Sequence[str | tuple[bytes, str]] = [],
+        width: int | None = None,
+        height: int | None = None,
+        steps: int | None = None,
+        guidance: float | None = None,
+        seed: int = 0,
+        num_images: int = 1,
+        png: bool = False,
+        callback: Callable[[int, int], object] | None = None,
+    ) -> Generation: ...
+    def set_loras(self, loras: Sequence[str | os.PathLike[str] | tuple[str | os.PathLike[str], float]]) -> None: ...
+    @property
+    def loras(self) -> list[tuple[Path, float]]: ...
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def variant(self) -> str: ...
+    @property
+    def is_distilled(self) -> bool: ...
+    @property
+    def default_width(self) -> int: ...
+    @property
+    def default_height(self) -> int: ...
+    @property
+    def default_steps(self) -> int: ...
+    @property
+    def default_guidance(self) -> float: ...
+    @property
+    def bundle_dir(self) -> Path: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def device_used(self) -> str: ...
+    def bundle_sha256(self) -> str: ...
+
+def version() -> str:
+    """The version of the klein library this module was built with."""

@@ -1,0 +1,564 @@
+//! `klein._klein`: the native half of the `klein` Python package (python/klein/ is the other).
+//!
+//! A thin layer over [`klein::pipeline::Pipeline`]: the Python side turns PIL images, generators
+//! and output types into the plain values taken here (paths, PNG bytes, integers) and back. Every
+//! call that touches the pipeline runs with the GIL released (`py.detach`), the pipeline behind a
+//! mutex; the progress callback re-attaches to call Python and to check for Ctrl-C. Errors are
+//! Python exceptions carrying klein's message; nothing here panics on input.
+#![warn(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![deny(unsafe_code)]
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use klein::error::chain;
+use klein::pipeline::metadata::variant_name;
+use klein::pipeline::{
+    Generation, LoraSpec, Pipeline, PipelineOptions, Progress, Request, Timings,
+};
+use klein::runtime::{Device, RuntimeOptions};
+use klein::stages::output::{encode_image, ImageFormat};
+use klein::KleinError;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBool, PyBytes, PyDict, PyTuple, PyType};
+
+/// The exception classes, created when the module is first imported.
+struct Exceptions {
+    /// `klein.KleinError(Exception)`: every error of klein.
+    base: Py<PyType>,
+    /// `klein.InvalidInputError(KleinError, ValueError)`: what the caller gave is wrong.
+    invalid_input: Py<PyType>,
+    /// `klein.CancelledError(KleinError)`: the callback asked to stop.
+    cancelled: Py<PyType>,
+}
+
+static EXCEPTIONS: PyOnceLock<Exceptions> = PyOnceLock::new();
+
+/// Creates `name` (in module `klein`) with `bases`; several bases need `type()` itself, which
+/// `create_exception!` does not offer.
+fn exception_type<'py>(
+    py: Python<'py>,
+    name: &str,
+    bases: Bound<'py, PyTuple>,
+    doc: &str,
+) -> PyResult<Py<PyType>> {
+    let namespace = PyDict::new(py);
+    namespace.set_item("__module__", "klein")?;
+    namespace.set_item("__doc__", doc)?;
+    let class = py
+        .get_type::<PyType>()
+        .call1((name, bases, namespace))?
+        .cast_into::<PyType>()?;
+    Ok(class.unbind())
+}
+
+fn create_exceptions(py: Python<'_>) -> PyResult<Exceptions> {
+    let exception = py.get_type::<pyo3::exceptions::PyException>();
+    let value_error = py.get_type::<pyo3::exceptions::PyValueError>();
+    let base = exception_type(
+        py,
+        "KleinError",
+        PyTuple::new(py, [exception])?,
+        "An error of klein (the message names the file, field or stage).",
+    )?;
+    let invalid_input = exception_type(
+        py,
+        "InvalidInputError",
+        PyTuple::new(py, [base.bind(py).clone(), value_error])?,
+        "What the caller gave cannot be used: a file, a bundle, a size, a count, an option.",
+    )?;
+    let cancelled = exception_type(
+        py,
+        "CancelledError",
+        PyTuple::new(py, [base.bind(py).clone()])?,
+        "The progress callback returned False.",
+    )?;
+    Ok(Exceptions {
+        base,
+        invalid_input,
+        cancelled,
+    })
+}
+
+fn exceptions(py: Python<'_>) -> PyResult<&Exceptions> {
+    EXCEPTIONS.get_or_try_init(py, || create_exceptions(py))
+}
+
+/// A klein error as the Python exception of its kind, with klein's whole message.
+fn to_py_err(py: Python<'_>, error: &KleinError) -> PyErr {
+    let classes = match exceptions(py) {
+        Ok(classes) => classes,
+        Err(failed) => return failed,
+    };
+    let class = match error {
+        KleinError::Cancelled => &classes.cancelled,
+        e if e.is_user_error() => &classes.invalid_input,
+        _ => &classes.base,
+    };
+    PyErr::from_type(class.bind(py).clone(), chain(error))
+}
+
+/// The pipeline, whatever a panic elsewhere left (klein does not panic on input).
+fn lock(pipeline: &Mutex<Pipeline>) -> MutexGuard<'_, Pipeline> {
+    pipeline.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A LoRA as Python gives it: `(path, scale)`, `"FILE"` or `"FILE:SCALE"`, or an `os.PathLike`.
+#[derive(FromPyObject)]
+enum LoraArg {
+    Pair(PathBuf, f32),
+    Text(String),
+    Path(PathBuf),
+}
+
+impl LoraArg {
+    fn spec(self) -> LoraSpec {
+        match self {
+            LoraArg::Pair(path, scale) => LoraSpec::new(path, scale),
+            LoraArg::Text(text) => LoraSpec::parse(&text),
+            LoraArg::Path(path) => LoraSpec::new(path, 1.0),
+        }
+    }
+}
+
+/// A reference image as the Python side passes it: a path (read by klein, labelled by the string
+/// as given) or the bytes of an image file with its label.
+#[derive(FromPyObject)]
+enum ReferenceArg<'py> {
+    Encoded(Bound<'py, PyBytes>, String),
+    Path(String),
+}
+
+/// A [`ReferenceArg`] copied out of Python's objects, for use without the GIL.
+enum Reference {
+    Encoded(Vec<u8>, String),
+    Path(String),
+}
+
+impl From<ReferenceArg<'_>> for Reference {
+    fn from(arg: ReferenceArg<'_>) -> Self {
+        match arg {
+            ReferenceArg::Encoded(bytes, label) => {
+                Reference::Encoded(bytes.as_bytes().to_vec(), label)
+            }
+            ReferenceArg::Path(path) => Reference::Path(path),
+        }
+    }
+}
+
+/// The bundle's model, read once at load (its manifest does not change).
+#[derive(Clone)]
+struct ModelInfo {
+    name: String,
+    variant: &'static str,
+    distilled: bool,
+    default_width: u32,
+    default_height: u32,
+    default_steps: u32,
+    default_guidance: f64,
+}
+
+/// A loaded klein bundle. Calls from several threads take turns; each runs without the GIL.
+#[pyclass(module = "klein._klein", name = "Pipeline", frozen)]
+struct PyPipeline {
+    pipeline: Mutex<Pipeline>,
+    model: ModelInfo,
+    bundle_dir: PathBuf,
+    requested_device: String,
+    /// The applied LoRAs, readable while a generation holds the pipeline.
+    loras: Mutex<Vec<(PathBuf, f32)>>,
+}
+
+/// What a generation made, before it becomes Python objects.
+struct Made {
+    generation: Generation,
+    png: Option<Vec<Vec<u8>>>,
+    references: Vec<String>,
+    warnings: Vec<String>,
+    device: String,
+}
+
+/// The result of `Pipeline.generate`.
+#[pyclass(module = "klein._klein", name = "Generation", frozen)]
+struct PyGeneration {
+    images: Vec<Py<PyBytes>>,
+    png: Option<Vec<Py<PyBytes>>>,
+    #[pyo3(get)]
+    width: u32,
+    #[pyo3(get)]
+    height: u32,
+    #[pyo3(get)]
+    steps: usize,
+    #[pyo3(get)]
+    guidance: f64,
+    #[pyo3(get)]
+    seed: u64,
+    #[pyo3(get)]
+    prompt_truncated: bool,
+    #[pyo3(get)]
+    timings: Vec<(String, f64)>,
+    #[pyo3(get)]
+    references: Vec<String>,
+    #[pyo3(get)]
+    warnings: Vec<String>,
+    #[pyo3(get)]
+    device: String,
+}
+
+#[pymethods]
+impl PyGeneration {
+    /// Each image's pixels: `height * width * 3` bytes, RGB, row-major.
+    #[getter]
+    fn images(&self, py: Python<'_>) -> Vec<Py<PyBytes>> {
+        self.images.iter().map(|b| b.clone_ref(py)).collect()
+    }
+
+    /// Each image as a PNG file with the generation settings (as the CLI writes it), when asked.
+    #[getter]
+    fn png(&self, py: Python<'_>) -> Option<Vec<Py<PyBytes>>> {
+        self.png
+            .as_ref()
+            .map(|files| files.iter().map(|b| b.clone_ref(py)).collect())
+    }
+}
+
+/// Seconds per stage label, in the order the stages first ran (repeated stages added up).
+fn seconds_per_stage(timings: &Timings) -> Vec<(String, f64)> {
+    let mut totals: Vec<(String, Duration)> = Vec::new();
+    for (stage, elapsed) in timings {
+        match totals.iter_mut().find(|(label, _)| label == stage.label()) {
+            Some((_, total)) => *total += *elapsed,
+            None => totals.push((stage.label().to_string(), *elapsed)),
+        }
+    }
+    totals
+        .into_iter()
+        .map(|(label, total)| (label, total.as_secs_f64()))
+        .collect()
+}
+
+/// The error a generation ended with: the callback's own exception (or Ctrl-C's
+/// `KeyboardInterrupt`) when it stopped the work, else klein's.
+enum Failure {
+    Klein(KleinError),
+    Python(PyErr),
+}
+
+impl PyPipeline {
+    fn run_generation(
+        &self,
+        request: Request,
+        references: Vec<Reference>,
+        png: bool,
+        callback: Option<Py<PyAny>>,
+    ) -> Result<Made, Failure> {
+        let mut request = request;
+        let mut pipeline = lock(&self.pipeline);
+        let pipeline = &mut *pipeline;
+        let mut labels = Vec::with_capacity(references.len());
+        // Paths only (as the CLI): every file checked from its header before any is decoded.
+        let paths: Vec<&Path> = references
+            .iter()
+            .filter_map(|r| match r {
+                Reference::Path(path) => Some(Path::new(path)),
+                Reference::Encoded(..) => None,
+            })
+            .collect();
+        if paths.len() == references.len() {
+            pipeline
+                .check_reference_files(&paths, request.width, request.height)
+                .map_err(Failure::Klein)?;
+        }
+        for reference in &references {
+            let (image, label) = match reference {
+                Reference::Path(path) => (pipeline.load_reference(Path::new(path)), path),
+                Reference::Encoded(bytes, label) => {
+                    (pipeline.decode_reference(bytes, Path::new(label)), label)
+                }
+            };
+            request.references.push(image.map_err(Failure::Klein)?);
+            labels.push(label.clone());
+        }
+        drop(references);
+
+        let mut python_error: Option<PyErr> = None;
+        let mut on_progress = |event: Progress| -> ControlFlow<()> {
+            Python::attach(|py| {
+                if let Err(interrupt) = py.check_signals() {
+                    python_error = Some(interrupt);
+                    return ControlFlow::Break(());
+                }
+                let (Progress::Step { step, total }, Some(callback)) = (event, &callback) else {
+                    return ControlFlow::Continue(());
+                };
+                match callback.call1(py, (step, total)) {
+                    Ok(answer) if answer.bind(py).is(PyBool::new(py, false)) => {
+                        ControlFlow::Break(())
+                    }
+                    Ok(_) => ControlFlow::Continue(()),
+                    Err(raised) => {
+                        python_error = Some(raised);
+                        ControlFlow::Break(())
+                    }
+                }
+            })
+        };
+        let generated = pipeline.generate(&request, Some(&mut on_progress));
+        let generation = match (generated, python_error) {
+            (Ok(generation), _) => generation,
+            (Err(KleinError::Cancelled), Some(raised)) => return Err(Failure::Python(raised)),
+            (Err(error), _) => return Err(Failure::Klein(error)),
+        };
+        let png = if png {
+            let hash = pipeline.bundle_sha256().map_err(Failure::Klein)?;
+            let text = pipeline.image_metadata(&generation, &request.prompt, &labels, &hash);
+            let files = generation
+                .images
+                .iter()
+                .map(|image| encode_image(image, ImageFormat::Png, &text))
+                .collect::<klein::Result<Vec<_>>>()
+                .map_err(Failure::Klein)?;
+            Some(files)
+        } else {
+            None
+        };
+        Ok(Made {
+            generation,
+            png,
+            references: labels,
+            warnings: pipeline.take_warnings(),
+            device: pipeline.device_name(),
+        })
+    }
+}
+
+#[pymethods]
+impl PyPipeline {
+    /// Loads the bundle at `model` (see `klein.Pipeline`; here every argument is explicit).
+    #[new]
+    #[allow(clippy::too_many_arguments)] // the keyword arguments of a Python call
+    #[pyo3(signature = (model, *, device = "cpu", threads = None, loras = Vec::new(), verify_hashes = true, keep_text_encoder = false, ort_lib = None))]
+    fn new(
+        py: Python<'_>,
+        model: PathBuf,
+        device: &str,
+        threads: Option<usize>,
+        loras: Vec<LoraArg>,
+        verify_hashes: bool,
+        keep_text_encoder: bool,
+        ort_lib: Option<PathBuf>,
+    ) -> PyResult<Self> {
+        let device = Device::from_str(device).map_err(|e| to_py_err(py, &e))?;
+        let loras: Vec<LoraSpec> = loras.into_iter().map(LoraArg::spec).collect();
+        let mut runtime = RuntimeOptions::default();
+        if let Some(library) = ort_lib {
+            runtime = runtime.with_library(library);
+        }
+        let mut options = PipelineOptions::default()
+            .with_device(device)
+            .with_runtime(runtime)
+            .with_verify_hashes(verify_hashes)
+            .with_keep_text_encoder(keep_text_encoder)
+            .with_loras(loras.clone());
+        if let Some(threads) = threads {
+            options = options.with_threads(threads);
+        }
+        // Hashing a bundle takes seconds: other Python threads run meanwhile.
+        let pipeline = py
+            .detach(|| Pipeline::load(&model, options))
+            .map_err(|e| to_py_err(py, &e))?;
+        let m = &pipeline.manifest().model;
+        let info = ModelInfo {
+            name: m.name.clone(),
+            variant: variant_name(m.variant),
+            distilled: m.is_distilled,
+            default_width: m.default_width,
+            default_height: m.default_height,
+            default_steps: m.default_steps,
+            default_guidance: m.default_guidance,
+        };
+        let bundle_dir = pipeline.bundle_dir().to_path_buf();
+        Ok(PyPipeline {
+            pipeline: Mutex::new(pipeline),
+            model: info,
+            bundle_dir,
+            requested_device: device.to_string(),
+            loras: Mutex::new(
+                loras
+                    .iter()
+                    .map(|l| (l.path().to_path_buf(), l.scale()))
+                    .collect(),
+            ),
+        })
+    }
+
+    /// Generates `num_images` images for `prompt` with the GIL released. `references`: paths
+    /// (labelled by the string as given) or `(file bytes, label)` pairs. `callback(step, total)`
+    /// runs after every denoising step; returning `False` cancels.
+    #[pyo3(signature = (prompt, *, references = Vec::new(), width = None, height = None, steps = None, guidance = None, seed = 0, num_images = 1, png = false, callback = None))]
+    #[allow(clippy::too_many_arguments)] // the keyword arguments of a Python call
+    fn generate(
+        &self,
+        py: Python<'_>,
+        prompt: String,
+        references: Vec<ReferenceArg<'_>>,
+        width: Option<u32>,
+        height: Option<u32>,
+        steps: Option<usize>,
+        guidance: Option<f64>,
+        seed: u64,
+        num_images: usize,
+        png: bool,
+        callback: Option<Py<PyAny>>,
+    ) -> PyResult<PyGeneration> {
+        let mut request = Request::new(prompt)
+            .with_seed(seed)
+            .with_num_images(num_images);
+        request.width = width;
+        request.height = height;
+        request.steps = steps;
+        request.guidance = guidance;
+        // Every number given, before a file is read or a graph loaded.
+        request.check_bounds().map_err(|e| to_py_err(py, &e))?;
+        klein::pipeline::request::check_reference_count(references.len())
+            .map_err(|e| to_py_err(py, &e))?;
+        let references: Vec<Reference> = references.into_iter().map(Reference::from).collect();
+        let made = py
+            .detach(|| self.run_generation(request, references, png, callback))
+            .map_err(|failure| match failure {
+                Failure::Klein(error) => to_py_err(py, &error),
+                Failure::Python(raised) => raised,
+            })?;
+        let bytes = |data: &[u8]| PyBytes::new(py, data).unbind();
+        let g = &made.generation;
+        Ok(PyGeneration {
+            images: g.images.iter().map(|image| bytes(&image.pixels)).collect(),
+            png: made
+                .png
+                .as_ref()
+                .map(|files| files.iter().map(|f| bytes(f)).collect()),
+            width: g.width,
+            height: g.height,
+            steps: g.steps,
+            guidance: g.guidance,
+            seed: g.seed,
+            prompt_truncated: g.prompt_truncated,
+            timings: seconds_per_stage(&g.timings),
+            references: made.references,
+            warnings: made.warnings,
+            device: made.device,
+        })
+    }
+
+    /// Applies `loras` in place of the current ones (empty: none); only the transformer reloads.
+    fn set_loras(&self, py: Python<'_>, loras: Vec<LoraArg>) -> PyResult<()> {
+        let specs: Vec<LoraSpec> = loras.into_iter().map(LoraArg::spec).collect();
+        py.detach(|| lock(&self.pipeline).set_loras(&specs))
+            .map_err(|e| to_py_err(py, &e))?;
+        *self.loras.lock().unwrap_or_else(PoisonError::into_inner) = specs
+            .iter()
+            .map(|l| (l.path().to_path_buf(), l.scale()))
+            .collect();
+        Ok(())
+    }
+
+    /// The applied LoRAs, `(path, scale)`.
+    #[getter]
+    fn loras(&self) -> Vec<(PathBuf, f32)> {
+        self.loras
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    #[getter]
+    fn model_name(&self) -> &str {
+        &self.model.name
+    }
+
+    /// `4b`, `9b`, `tiny` or `custom`.
+    #[getter]
+    fn variant(&self) -> &str {
+        self.model.variant
+    }
+
+    #[getter]
+    fn is_distilled(&self) -> bool {
+        self.model.distilled
+    }
+
+    #[getter]
+    fn default_width(&self) -> u32 {
+        self.model.default_width
+    }
+
+    #[getter]
+    fn default_height(&self) -> u32 {
+        self.model.default_height
+    }
+
+    #[getter]
+    fn default_steps(&self) -> u32 {
+        self.model.default_steps
+    }
+
+    #[getter]
+    fn default_guidance(&self) -> f64 {
+        self.model.default_guidance
+    }
+
+    #[getter]
+    fn bundle_dir(&self) -> PathBuf {
+        self.bundle_dir.clone()
+    }
+
+    /// The device asked for at load (`cpu`, `cuda:0`, `coreml`, `auto`).
+    #[getter]
+    fn device(&self) -> &str {
+        &self.requested_device
+    }
+
+    /// Where the graphs loaded so far run (`cpu`, or per graph); `none` before the first.
+    #[getter]
+    fn device_used(&self, py: Python<'_>) -> String {
+        py.detach(|| lock(&self.pipeline).device_name())
+    }
+
+    /// sha256 of the bundle's manifest.json (stored in every PNG).
+    fn bundle_sha256(&self, py: Python<'_>) -> PyResult<String> {
+        py.detach(|| lock(&self.pipeline).bundle_sha256())
+            .map_err(|e| to_py_err(py, &e))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "klein.Pipeline(model={:?}, name={:?}, variant={:?}, device={:?})",
+            self.bundle_dir.display().to_string(),
+            self.model.name,
+            self.model.variant,
+            self.requested_device
+        )
+    }
+}
+
+/// The version of the klein library this module was built with.
+#[pyfunction]
+fn version() -> &'static str {
+    env!("CARGO_PKG_VERSION")
+}
+
+#[pymodule]
+fn _klein(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    let classes = exceptions(py)?;
+    m.add("KleinError", classes.base.bind(py))?;
+    m.add("InvalidInputError", classes.invalid_input.bind(py))?;
+    m.add("CancelledError", classes.cancelled.bind(py))?;
+    m.add_class::<PyPipeline>()?;
+    m.add_class::<PyGeneration>()?;
+    m.add_function(wrap_pyfunction!(version, m)?)?;
+    Ok(())
+}

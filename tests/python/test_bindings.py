@@ -1,0 +1,250 @@
+"""The Python bindings (python/): the same files as the CLI, output types, the GIL, the callback,
+errors, and the type stubs. scripts/test.sh builds the CLI and installs the wheel first."""
+
+import ast
+import io
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import klein
+import numpy as np
+import pytest
+from PIL import Image
+
+SIZE = ["--width", "64", "--height", "64"]
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_bundle: Path) -> klein.Pipeline:
+    return klein.Pipeline(tiny_bundle)
+
+
+def cli(klein_bin: Path, tiny_bundle: Path, out: Path, prompt: str, *args: str) -> None:
+    """`klein generate` with the same options the bindings get."""
+    command = [str(klein_bin), "generate", prompt, "--model", str(tiny_bundle), "-o", str(out), "-q", *args]
+    subprocess.run(command, check=True, timeout=120, capture_output=True)
+
+
+def pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
+def test_png_is_the_cli_file(pipe, klein_bin, tiny_bundle, tmp_path):
+    cli(klein_bin, tiny_bundle, tmp_path / "a.png", "a fox", *SIZE, "--seed", "7")
+    out = pipe(prompt="a fox", width=64, height=64, generator=7, output_type="png")
+    assert out.images == [(tmp_path / "a.png").read_bytes()]
+    assert (out.seed, out.width, out.height, out.steps) == (7, 64, 64, 4)
+    assert out.device == "cpu"
+    assert {"encode prompt", "denoise", "decode"} <= set(out.timings)
+    assert all(seconds >= 0 for seconds in out.timings.values())
+
+
+def test_two_images_are_the_cli_files(pipe, klein_bin, tiny_bundle, tmp_path):
+    cli(klein_bin, tiny_bundle, tmp_path / "out.png", "two owls", *SIZE, "--seed", "11", "--num-images", "2")
+    out = pipe("two owls", width=64, height=64, generator=11, num_images_per_prompt=2, output_type="png")
+    assert out.images == [(tmp_path / f"out-{i}.png").read_bytes() for i in (1, 2)]
+    assert out.images[0] != out.images[1]
+
+
+def test_reference_path_is_the_cli_file(pipe, klein_bin, tiny_bundle, repo, tmp_path):
+    # A JPEG with an EXIF rotation; the output size comes from it (96x72 -> 96x64).
+    reference = str(repo / "tests" / "fixtures" / "reference" / "orient6.jpg")
+    cli(klein_bin, tiny_bundle, tmp_path / "r.png", "make it snow", "--seed", "5", "--ref", reference)
+    out = pipe("make it snow", image=reference, generator=5, output_type="png")
+    assert out.images == [(tmp_path / "r.png").read_bytes()]
+    assert out.references == [reference]
+    assert Image.open(io.BytesIO(out.images[0])).text["references"] == f'["{reference}"]'
+
+
+def synthetic() -> Image.Image:
+    rng = np.random.default_rng(3)
+    return Image.fromarray(rng.integers(0, 256, (72, 96, 3), dtype=np.uint8), "RGB")
+
+
+@pytest.mark.parametrize("source", ["rgba.png", "palette.png", "gray16.png", "synthetic"])
+def test_pil_reference_has_the_cli_pixels(pipe, klein_bin, tiny_bundle, repo, tmp_path, source):
+    if source == "synthetic":
+        image = synthetic()
+    else:
+        image = Image.open(repo / "tests" / "fixtures" / "reference" / source)
+        image.load()
+    mode = image.mode
+    saved = tmp_path / "ref.png"
+    image.save(saved)
+    cli(klein_bin, tiny_bundle, tmp_path / "p.png", "a painting", *SIZE, "--seed", "9", "--ref", str(saved))
+    out = pipe("a painting", image=[image], width=64, height=64, generator=9, output_type="png")
+    assert image.mode == mode  # the caller's image is not converted
+    expected = (tmp_path / "p.png").read_bytes()
+    assert np.array_equal(pixels(out.images[0]), pixels(expected))
+    ours, theirs = Image.open(io.BytesIO(out.images[0])).text, Image.open(io.BytesIO(expected)).text
+    assert ours.pop("references") == '["image-0"]'
+    assert theirs.pop("references") == f'["{saved}"]'
+    assert ours == theirs
+
+
+def test_pil_and_np_outputs(pipe):
+    pil = pipe("a lighthouse", width=64, height=64, generator=4, num_images_per_prompt=2)
+    array = pipe("a lighthouse", width=64, height=64, generator=4, num_images_per_prompt=2, output_type="np")
+    png = pipe("a lighthouse", width=64, height=64, generator=4, num_images_per_prompt=2, output_type="png")
+    assert [image.mode for image in pil.images] == ["RGB", "RGB"]
+    assert [image.size for image in pil.images] == [(64, 64), (64, 64)]
+    assert array.images.dtype == np.float32 and array.images.shape == (2, 64, 64, 3)
+    expected = np.stack([np.asarray(image, dtype=np.float32) / 255 for image in pil.images])
+    assert np.array_equal(array.images, expected)
+    assert array.images.min() >= 0.0 and array.images.max() <= 1.0
+    assert all(np.array_equal(np.asarray(a), pixels(b)) for a, b in zip(pil.images, png.images, strict=True))
+    (images,) = pipe("a lighthouse", width=64, height=64, generator=4, return_dict=False)
+    assert np.array_equal(np.asarray(images[0]), np.asarray(pil.images[0]))
+
+
+def test_generators_and_random_seeds(pipe):
+    class Generator:  # torch.Generator's interface
+        def initial_seed(self) -> int:
+            return 4
+
+    a = pipe("a lighthouse", width=64, height=64, generator=Generator(), output_type="np")
+    b = pipe("a lighthouse", width=64, height=64, generator=[4], output_type="np")
+    assert a.seed == b.seed == 4 and np.array_equal(a.images, b.images)
+    random = pipe("a lighthouse", width=64, height=64, output_type="np")
+    again = pipe("a lighthouse", width=64, height=64, generator=random.seed, output_type="np")
+    assert np.array_equal(random.images, again.images)
+
+
+def test_generation_releases_the_gil(pipe):
+    pipe("warm up", width=64, height=64, generator=1, num_inference_steps=1)
+    counter = 0
+    stop = threading.Event()
+
+    def spin() -> None:
+        nonlocal counter
+        while not stop.is_set():
+            counter += 1
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        time.sleep(0.05)
+        before = counter
+        start = time.monotonic()
+        pipe("a fox", width=64, height=64, generator=1, num_inference_steps=30)
+        elapsed = time.monotonic() - start
+        moved = counter - before
+    finally:
+        stop.set()
+        spinner.join(timeout=10)
+    # Held for the whole call, the counter could not have moved at all.
+    assert moved > 10_000, (moved, elapsed)
+
+
+def test_callback_steps_and_cancel(pipe):
+    steps: list[tuple[int, int]] = []
+    done = pipe("a fox", width=64, height=64, generator=2, callback=lambda s, t: steps.append((s, t)), output_type="np")
+    assert steps == [(1, 4), (2, 4), (3, 4), (4, 4)]
+
+    seen: list[int] = []
+
+    def stop_at_two(step: int, total: int) -> bool:
+        seen.append(step)
+        return step < 2
+
+    with pytest.raises(klein.CancelledError, match="cancelled"):
+        pipe("a fox", width=64, height=64, generator=2, callback=stop_at_two)
+    assert seen == [1, 2]
+
+    def boom(step: int, total: int) -> None:
+        raise RuntimeError("callback failed")
+
+    with pytest.raises(RuntimeError, match="callback failed"):
+        pipe("a fox", width=64, height=64, generator=2, callback=boom)
+    # The pipeline is still usable, and gives the same image.
+    again = pipe("a fox", width=64, height=64, generator=2, output_type="np")
+    assert np.array_equal(done.images, again.images)
+
+
+def test_ctrl_c_cancels(tiny_bundle):
+    """A SIGINT while Rust runs is seen at the next step: KeyboardInterrupt, long before the end."""
+    script = textwrap.dedent(
+        f"""
+        import _thread, threading, time, klein
+        pipe = klein.Pipeline({str(tiny_bundle)!r})
+        pipe("warm up", width=64, height=64, generator=1, num_inference_steps=1)
+        threading.Timer(0.5, _thread.interrupt_main).start()
+        start = time.monotonic()
+        try:
+            pipe("a fox", width=64, height=64, generator=1, num_inference_steps=1000)
+            print("finished")
+        except KeyboardInterrupt:
+            print(f"interrupted {{time.monotonic() - start:.2f}}")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    word, seconds = result.stdout.split()
+    assert word == "interrupted"
+    assert float(seconds) < 10  # 1000 steps take about 35 s here
+
+
+def test_invalid_input(pipe, tiny_bundle, tmp_path):
+    with pytest.raises(klein.InvalidInputError, match="width 8000") as error:
+        pipe("a fox", width=8000, height=64)
+    assert isinstance(error.value, ValueError) and isinstance(error.value, klein.KleinError)
+    missing = tmp_path / "missing.png"
+    with pytest.raises(klein.InvalidInputError, match=re.escape(str(missing))):
+        pipe("a fox", image=str(missing), width=64, height=64)
+    unreadable = tmp_path / "notes.png"
+    unreadable.write_bytes(b"these are not the pixels you are looking for")
+    with pytest.raises(klein.InvalidInputError, match=re.escape(str(unreadable))):
+        pipe("a fox", image=unreadable, width=64, height=64)
+    nowhere = tmp_path / "no-bundle-here"
+    with pytest.raises(klein.InvalidInputError, match=re.escape(str(nowhere))):
+        klein.Pipeline(nowhere)
+    with pytest.raises(klein.InvalidInputError, match="num_images"):
+        pipe("a fox", width=64, height=64, num_images_per_prompt=0)
+    with pytest.raises(klein.InvalidInputError, match="num_inference_steps"):
+        pipe("a fox", width=64, height=64, num_inference_steps=-1)
+    with pytest.raises(klein.InvalidInputError, match="output_type"):
+        pipe("a fox", output_type="latent")
+    with pytest.raises(klein.InvalidInputError, match=r"image\[1\]"):
+        pipe("a fox", image=[synthetic(), 3])
+    with pytest.raises(klein.InvalidInputError, match="device"):
+        klein.Pipeline(tiny_bundle, device="tpu")
+    with pytest.raises(klein.InvalidInputError, match="nothing.safetensors"):
+        pipe.set_loras([("nothing.safetensors", 0.5)])
+    assert pipe.loras == []
+
+
+def test_bundle_properties(pipe, tiny_bundle):
+    assert (pipe.model_name, pipe.variant) == ("klein-tiny", "tiny")
+    assert pipe.default_steps == 4 and pipe.is_distilled
+    assert (pipe.default_width, pipe.default_height) == (1024, 1024)
+    assert pipe.bundle_dir == tiny_bundle
+    assert pipe.device == "cpu"
+    assert len(pipe.bundle_sha256()) == 64
+    assert klein.find_ort_library().name.startswith(("libonnxruntime", "onnxruntime"))
+
+
+def stub_names(node: ast.AST) -> set[str]:
+    return {
+        item.name
+        for item in getattr(node, "body", [])
+        if isinstance(item, (ast.ClassDef, ast.FunctionDef)) and not item.name.startswith("_")
+    }
+
+
+def test_type_stubs_match_the_native_module():
+    native = klein._klein
+    stubs = ast.parse((Path(klein.__file__).parent / "_klein.pyi").read_text())
+    public = {name for name in dir(native) if not name.startswith("_")}
+    assert stub_names(stubs) == public
+    for cls in stubs.body:
+        if isinstance(cls, ast.ClassDef):
+            members = {name for name in dir(getattr(native, cls.name)) if not name.startswith("_")}
+            if issubclass(getattr(native, cls.name), BaseException):
+                members -= {"args", "with_traceback", "add_note"}
+            assert stub_names(cls) == members, cls.name
+    assert (Path(klein.__file__).parent / "py.typed").is_file()
