@@ -372,19 +372,24 @@ fn parse_value<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, ApiEr
 
 fn field_error(error: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
     let path = error.path().to_string();
-    let message = error.inner().to_string();
+    let inner = error.into_inner();
+    if inner.is_syntax() || inner.is_eof() || inner.is_io() {
+        return ApiError::new(
+            ErrorKind::InvalidRequest,
+            format!("the body is not valid JSON: {inner}"),
+        );
+    }
+    let message = inner.to_string();
     // Missing and unknown fields are errors of the object; the message names the field.
-    let param = if path == "?" {
-        None // a syntax error: no field to name
-    } else if path == "." {
+    let param = if path == "." || path == "?" {
         message.split('`').nth(1).map(str::to_string)
     } else {
         Some(path.clone())
     };
-    let text = if path == "." {
-        message
-    } else {
+    let text = if param.as_deref() == Some(path.as_str()) {
         format!("{path}: {message}")
+    } else {
+        message
     };
     ApiError {
         param,

@@ -20,7 +20,8 @@ use super::error::{ApiError, ErrorKind};
 use super::jobs::{JobEvent, JobHandle, JobOutput, JobSpec, Upload};
 use super::openai::check_negative_prompt;
 use super::params::{
-    check_count, check_guidance, check_side, check_steps, format_name, image_format, seed_or_random,
+    check_count, check_guidance, check_side, check_steps, format_name, image_format,
+    seed_or_random, NATIVE_FORMAT_FIELDS,
 };
 use super::{parse_json, request_id, run_to_end, AppState};
 
@@ -85,7 +86,7 @@ fn spec_from(state: &AppState, body: NativeBody) -> Result<(JobSpec, ImageFormat
             })
         })
         .collect::<Result<Vec<_>, ApiError>>()?;
-    let format = image_format(body.format.as_deref(), body.quality)?;
+    let format = image_format(body.format.as_deref(), body.quality, NATIVE_FORMAT_FIELDS)?;
     let spec = JobSpec {
         prompt: body.prompt,
         width: body.width,

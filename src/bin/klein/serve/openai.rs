@@ -4,6 +4,7 @@
 //! `guidance`, `loras`) are extra fields (the Python client's `extra_body`).
 use std::sync::Arc;
 
+use axum::extract::multipart::MultipartRejection;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Multipart, State};
 use axum::http::HeaderMap;
@@ -15,7 +16,7 @@ use super::error::{ApiError, ErrorKind};
 use super::jobs::{JobOutput, JobSpec, Upload};
 use super::params::{
     check_count, check_guidance, check_response_format, check_steps, image_format, parse_size,
-    seed_or_random,
+    seed_or_random, OPENAI_FORMAT_FIELDS,
 };
 use super::{parse_json, request_id, run_to_end, AppState};
 
@@ -77,7 +78,11 @@ fn spec_from(
         num_images: check_count("n", body.n.unwrap_or(1))?,
         references,
         loras: state.loras.resolve_all(&body.loras.unwrap_or_default())?,
-        format: image_format(body.output_format.as_deref(), body.output_compression)?,
+        format: image_format(
+            body.output_format.as_deref(),
+            body.output_compression,
+            OPENAI_FORMAT_FIELDS,
+        )?,
     })
 }
 
@@ -146,9 +151,18 @@ const TEXT_FIELDS: [&str; 13] = [
 pub(crate) async fn edits(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    mut form: Multipart,
+    form: Result<Multipart, MultipartRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let id = request_id(&headers)?;
+    let mut form = form.map_err(|rejection| {
+        ApiError::new(
+            ErrorKind::InvalidRequest,
+            format!(
+                "send multipart/form-data (image[] files and text fields): {}",
+                rejection.body_text()
+            ),
+        )
+    })?;
     let mut body = serde_json::Map::new();
     let mut loras = Vec::new();
     let mut references = Vec::new();

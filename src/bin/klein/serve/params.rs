@@ -93,19 +93,25 @@ pub(crate) fn check_response_format(format: Option<&str>) -> Result<(), ApiError
     }
 }
 
-/// `output_format` (`png`, `jpeg`, `webp`) and `output_compression` (the JPEG quality, 1-100;
-/// default 90, as `klein generate --quality`).
+/// The names of the format fields: OpenAI's, or the native route's.
+pub(crate) const OPENAI_FORMAT_FIELDS: [&str; 2] = ["output_format", "output_compression"];
+pub(crate) const NATIVE_FORMAT_FIELDS: [&str; 2] = ["format", "quality"];
+
+/// The output format (`png`, `jpeg`, `webp`) and the JPEG quality (1-100; default 90, as
+/// `klein generate --quality`), from the fields named `fields`.
 pub(crate) fn image_format(
     format: Option<&str>,
     compression: Option<u64>,
+    fields: [&str; 2],
 ) -> Result<ImageFormat, ApiError> {
+    let [format_field, quality_field] = fields;
     let quality = match compression {
         None => 90,
         Some(q @ 1..=100) => q as u8,
         Some(q) => {
             return Err(ApiError::field(
-                "output_compression",
-                format!("output_compression {q}: give a JPEG quality of 1 to 100"),
+                quality_field,
+                format!("{quality_field} {q}: give a JPEG quality of 1 to 100"),
             ))
         }
     };
@@ -114,8 +120,8 @@ pub(crate) fn image_format(
         Some("jpeg" | "jpg") => Ok(ImageFormat::Jpeg { quality }),
         Some("webp") => Ok(ImageFormat::WebP),
         Some(other) => Err(ApiError::field(
-            "output_format",
-            format!("output_format `{other}`: give png, jpeg or webp"),
+            format_field,
+            format!("{format_field} `{other}`: give png, jpeg or webp"),
         )),
     }
 }
@@ -226,19 +232,25 @@ mod tests {
     #[test]
     fn formats() {
         assert_eq!(
-            image_format(Some("JPEG"), Some(70)).unwrap(),
+            image_format(Some("JPEG"), Some(70), OPENAI_FORMAT_FIELDS).unwrap(),
             ImageFormat::Jpeg { quality: 70 }
         );
-        assert_eq!(image_format(None, None).unwrap(), ImageFormat::Png);
         assert_eq!(
-            image_format(Some("gif"), None)
+            image_format(None, None, OPENAI_FORMAT_FIELDS).unwrap(),
+            ImageFormat::Png
+        );
+        assert_eq!(
+            image_format(Some("gif"), None, NATIVE_FORMAT_FIELDS)
                 .unwrap_err()
                 .param
                 .as_deref(),
-            Some("output_format")
+            Some("format")
         );
         assert_eq!(
-            image_format(None, Some(0)).unwrap_err().param.as_deref(),
+            image_format(None, Some(0), OPENAI_FORMAT_FIELDS)
+                .unwrap_err()
+                .param
+                .as_deref(),
             Some("output_compression")
         );
         assert!(check_response_format(Some("url")).is_err());

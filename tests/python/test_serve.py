@@ -1,0 +1,495 @@
+"""`klein serve` against the CLI: the official `openai` client, curl and plain HTTP get the bytes
+`klein generate` writes for the same options; progress streams, cancellation, the queue's 429,
+timeouts, auth, metrics, graceful shutdown; and every kind of bad request gets a 400 (or 401,
+404, 413) whose JSON body names the field, without harming the server."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2 as httpx
+import openai
+import pytest
+
+PROMPT = "a red fox in the snow"
+# A long job on the tiny model (~10-20 s at 128x128, 1000 steps), cut short by the tests that use it.
+LONG = {"prompt": "a long one", "width": 128, "height": 128, "steps": 1000, "seed": 1}
+
+
+class Server:
+    """A `klein serve` process on a free port of 127.0.0.1, stopped with the fixture."""
+
+    def __init__(self, klein_bin: Path, bundle: Path, *args: str, env: dict[str, str] | None = None):
+        self.process = subprocess.Popen(
+            [str(klein_bin), "serve", "--model", str(bundle), "--port", "0", *args],
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.log: list[str] = []
+        deadline = time.monotonic() + 60
+        assert self.process.stderr is not None
+        while True:
+            line = self.process.stderr.readline()
+            assert line, f"klein serve exited: {''.join(self.log)}"
+            self.log.append(line)
+            match = re.search(r"listening on (http://[\d.]+:\d+)", line)
+            if match:
+                self.url = match.group(1)
+                break
+            assert time.monotonic() < deadline, "klein serve did not start"
+        threading.Thread(target=self._drain, daemon=True).start()
+        self.wait_ready()
+
+    def _drain(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.log.append(line)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{self.url}/readyz").status_code != 200:
+            assert time.monotonic() < deadline, "klein serve did not get ready"
+            time.sleep(0.1)
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=60)
+
+    def metric(self, line_start: str, headers: dict[str, str] | None = None) -> float:
+        text = httpx.get(f"{self.url}/metrics", headers=headers).text
+        for line in text.splitlines():
+            if line.startswith(line_start + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+
+@pytest.fixture(scope="module")
+def server(klein_bin: Path, tiny_bundle: Path) -> Iterator[Server]:
+    s = Server(klein_bin, tiny_bundle, "--queue", "2")
+    yield s
+    assert s.stop() == 0
+
+
+def cli_png(klein_bin: Path, bundle: Path, tmp_path: Path, *args: str, cwd: Path | None = None) -> list[bytes]:
+    """The files `klein generate` writes for these options (one, or `--num-images N` of them)."""
+    out = tmp_path / "cli.png"
+    subprocess.run(
+        [str(klein_bin), "generate", "--model", str(bundle), "-q", "-o", str(out), *args],
+        check=True,
+        cwd=cwd,
+    )
+    if out.exists():
+        return [out.read_bytes()]
+    return [p.read_bytes() for p in sorted(tmp_path.glob("cli-*.png"))]
+
+
+def error_of(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    return response.json()["error"]
+
+
+def test_openai_client_gets_the_cli_images(server: Server, klein_bin: Path, tiny_bundle: Path, tmp_path: Path):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    result = client.images.generate(
+        model="klein", prompt=PROMPT, n=2, size="64x80", response_format="b64_json", extra_body={"seed": 11}
+    )
+    got = [base64.b64decode(d.b64_json) for d in result.data]
+    want = cli_png(
+        klein_bin, tiny_bundle, tmp_path, PROMPT, "--num-images", "2", "--width", "64", "--height", "80", "--seed", "11"
+    )
+    assert len(got) == len(want) == 2
+    assert got == want
+    assert result.model_extra["seed"] == 11
+
+
+def test_openai_edits_with_references(server: Server, klein_bin: Path, tiny_bundle: Path, tmp_path: Path, repo: Path):
+    refs = repo / "tests" / "fixtures" / "reference"
+    for name in ("gray.png", "orient6.jpg"):
+        shutil.copy(refs / name, tmp_path / name)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    with open(tmp_path / "gray.png", "rb") as a, open(tmp_path / "orient6.jpg", "rb") as b:
+        result = client.images.edit(
+            image=[a, b], prompt="put them together", size="64x64", extra_body={"seed": 5, "steps": 3}
+        )
+    got = base64.b64decode(result.data[0].b64_json)
+    # The server labels references by upload name; the CLI by the path it is given.
+    (want,) = cli_png(
+        klein_bin,
+        tiny_bundle,
+        tmp_path,
+        "put them together",
+        "--ref",
+        "gray.png",
+        "--ref",
+        "orient6.jpg",
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--seed",
+        "5",
+        "--steps",
+        "3",
+        cwd=tmp_path,
+    )
+    assert got == want
+
+
+def test_curl_gets_the_cli_image(server: Server, klein_bin: Path, tiny_bundle: Path, tmp_path: Path):
+    body = json.dumps({"prompt": PROMPT, "size": "48x64", "seed": 3})
+    out = subprocess.run(
+        [
+            "curl",
+            "-sS",
+            "--fail-with-body",
+            f"{server.url}/v1/images/generations",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            body,
+        ],
+        check=True,
+        capture_output=True,
+    ).stdout
+    got = base64.b64decode(json.loads(out)["data"][0]["b64_json"])
+    assert [got] == cli_png(klein_bin, tiny_bundle, tmp_path, PROMPT, "--width", "48", "--height", "64", "--seed", "3")
+
+
+def test_native_route_returns_metadata_and_other_formats(
+    server: Server, klein_bin: Path, tiny_bundle: Path, tmp_path: Path
+):
+    ref = base64.b64encode((Path(__file__).parents[1] / "fixtures" / "reference" / "gray.png").read_bytes()).decode()
+    body = {
+        "prompt": PROMPT,
+        "seed": 9,
+        "steps": 2,
+        "refs": [{"name": "gray.png", "data": ref}],
+        "format": "jpeg",
+        "quality": 80,
+    }
+    r = httpx.post(f"{server.url}/v1/klein/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert (answer["seed"], answer["steps"], answer["format"]) == (9, 2, "jpeg")
+    assert answer["metadata"]["references"] == '["gray.png"]'
+    assert answer["metadata"]["prompt"] == PROMPT
+    assert set(answer["timings"]) >= {"encode prompt", "encode references", "denoise", "decode"}
+    shutil.copy(Path(__file__).parents[1] / "fixtures" / "reference" / "gray.png", tmp_path / "gray.png")
+    out = tmp_path / "cli.jpg"
+    subprocess.run(
+        [
+            str(klein_bin),
+            "generate",
+            "--model",
+            str(tiny_bundle),
+            "-q",
+            PROMPT,
+            "--ref",
+            "gray.png",
+            "--seed",
+            "9",
+            "--steps",
+            "2",
+            "--quality",
+            "80",
+            "-o",
+            str(out),
+        ],
+        check=True,
+        cwd=tmp_path,
+    )
+    assert base64.b64decode(answer["images"][0]) == out.read_bytes()
+
+
+def stream(server: Server, body: dict, headers: dict[str, str] | None = None) -> Iterator[tuple[str, dict]]:
+    """The events of `POST /v1/klein/generate/stream`, parsed."""
+    with httpx.stream("POST", f"{server.url}/v1/klein/generate/stream", json=body, headers=headers, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        name = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: ") :]
+            elif line.startswith("data: "):
+                yield name, json.loads(line[len("data: ") :])
+
+
+def test_stream_reports_every_step_then_the_cli_image(
+    server: Server, klein_bin: Path, tiny_bundle: Path, tmp_path: Path
+):
+    events = list(stream(server, {"prompt": PROMPT, "width": 64, "height": 64, "seed": 21, "steps": 3}))
+    names = [n for n, _ in events]
+    assert names[0] == "queued" and names[1] == "started" and names[-1] == "done"
+    assert [d["step"] for n, d in events if n == "step"] == [1, 2, 3]
+    finished = [d["stage"] for n, d in events if n == "stage" and d["state"] == "finished"]
+    assert finished == ["encode prompt", "denoise", "decode"]
+    done = events[-1][1]
+    assert done["id"] == events[0][1]["id"]
+    got = base64.b64decode(done["images"][0])
+    assert [got] == cli_png(
+        klein_bin, tiny_bundle, tmp_path, PROMPT, "--width", "64", "--height", "64", "--seed", "21", "--steps", "3"
+    )
+
+
+def test_a_client_that_goes_away_cancels_its_generation(server: Server):
+    before = server.metric("klein_abandoned_total")
+    start = time.monotonic()
+    for name, data in stream(server, LONG):
+        if name == "step" and data["step"] == 2:
+            break  # closes the connection
+    # The worker stops at the next step: a short request right after runs at once.
+    r = httpx.post(f"{server.url}/v1/images/generations", json={"prompt": "next", "size": "64x64"}, timeout=60)
+    assert r.status_code == 200
+    assert time.monotonic() - start < 8, "the abandoned generation kept running"
+    assert server.metric("klein_abandoned_total") == before + 1
+
+    # Also for the plain JSON routes: a client timeout closes the connection.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/klein/generate", json=LONG, timeout=1.5)
+    r = httpx.post(f"{server.url}/v1/images/generations", json={"prompt": "next", "size": "64x64"}, timeout=60)
+    assert r.status_code == 200
+    assert server.metric("klein_abandoned_total") == before + 2
+
+
+def test_queued_requests_can_be_cancelled_and_a_full_queue_answers_429(klein_bin: Path, tiny_bundle: Path):
+    s = Server(klein_bin, tiny_bundle, "--queue", "1")
+    try:
+        running = stream(s, LONG, headers={"X-Request-Id": "long-1"})
+        assert next(running)[0] == "queued"
+        assert next(running)[0] == "started"
+        queued = stream(s, {"prompt": "waits", "width": 64, "height": 64}, headers={"X-Request-Id": "q-1"})
+        name, data = next(queued)
+        assert (name, data["id"], data["position"]) == ("queued", "q-1", 1)
+        # The pipeline is busy and the one queue slot is taken.
+        r = httpx.post(f"{s.url}/v1/images/generations", json={"prompt": "one too many"}, timeout=10)
+        err = error_of(r, 429)
+        assert err["type"] == "queue_full"
+        assert int(r.headers["retry-after"]) >= 1
+        # The same id twice is refused while the first runs.
+        err = error_of(
+            httpx.post(f"{s.url}/v1/klein/generate", json={"prompt": "x"}, headers={"X-Request-Id": "long-1"}), 400
+        )
+        assert err["param"] == "X-Request-Id"
+        # Cancel the queued one, then the running one.
+        assert httpx.delete(f"{s.url}/v1/klein/jobs/q-1").status_code == 204
+        assert httpx.delete(f"{s.url}/v1/klein/jobs/long-1").status_code == 204
+        rest = list(running)
+        assert rest[-1][0] == "error" and rest[-1][1]["error"]["type"] == "cancelled"
+        rest = list(queued)
+        assert [n for n, _ in rest] == ["error"] and rest[0][1]["error"]["type"] == "cancelled"
+        assert httpx.delete(f"{s.url}/v1/klein/jobs/q-1").status_code == 404
+        assert s.metric('klein_errors_total{kind="queue_full"}') == 1
+    finally:
+        assert s.stop() == 0
+
+
+def test_timeout_cancels_with_504(klein_bin: Path, tiny_bundle: Path):
+    s = Server(klein_bin, tiny_bundle, "--timeout", "1")
+    try:
+        start = time.monotonic()
+        err = error_of(httpx.post(f"{s.url}/v1/klein/generate", json=LONG, timeout=30), 504)
+        assert err["type"] == "timeout"
+        assert time.monotonic() - start < 5
+        events = list(stream(s, LONG))
+        assert events[-1][0] == "error" and events[-1][1]["error"]["type"] == "timeout"
+    finally:
+        assert s.stop() == 0
+
+
+def test_bearer_token(klein_bin: Path, tiny_bundle: Path):
+    s = Server(klein_bin, tiny_bundle, env={"KLEIN_API_KEY": "s3cret"})
+    try:
+        body = {"prompt": PROMPT, "size": "64x64"}
+        url = f"{s.url}/v1/images/generations"
+        assert error_of(httpx.post(url, json=body), 401)["type"] == "authentication_error"
+        assert httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.post(url, json=body, headers={"Authorization": "Bearer s3cret!"}).status_code == 401
+        assert httpx.get(f"{s.url}/metrics").status_code == 401
+        assert httpx.get(f"{s.url}/healthz").status_code == 200  # probes need no token
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="s3cret")
+        assert client.images.generate(prompt=PROMPT, size="64x64").data[0].b64_json
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{s.url}/v1", api_key="nope").images.generate(prompt=PROMPT)
+    finally:
+        assert s.stop() == 0
+
+
+def test_health_readiness_and_metrics(server: Server):
+    assert httpx.get(f"{server.url}/healthz").json() == {"status": "ok"}
+    ready = httpx.get(f"{server.url}/readyz").json()
+    assert ready["status"] == "ready" and ready["model"] == "klein-tiny"
+    assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == "klein-tiny"
+    httpx.post(f"{server.url}/v1/images/generations", json={"prompt": "m", "size": "64x64"}, timeout=60)
+    text = httpx.get(f"{server.url}/metrics").text
+    for needle in (
+        "klein_queue_depth 0",
+        'klein_requests_total{route="/v1/images/generations",status="200"}',
+        'klein_stage_seconds_bucket{stage="denoise",le="+Inf"}',
+        "klein_queue_wait_seconds_count",
+        'klein_request_seconds_count{route="/v1/images/generations"}',
+    ):
+        assert needle in text, needle
+    assert "listening on http://127.0.0.1:" in "".join(server.log)  # loopback unless told otherwise
+
+
+BAD_JSON = [
+    # (body, field the error must name, status)
+    (b'{"prompt": "x", "size": ', None, 400),  # not JSON
+    (b'["a list"]', None, 400),
+    ({"size": "64x64"}, "prompt", 400),
+    ({"prompt": "x", "stepz": 3}, "stepz", 400),
+    ({"prompt": "x", "steps": "four"}, "steps", 400),
+    ({"prompt": "x", "steps": 0}, "steps", 400),
+    ({"prompt": "x", "steps": 100000}, "steps", 400),
+    ({"prompt": "x", "n": 0}, "n", 400),
+    ({"prompt": "x", "n": 17}, "n", 400),
+    ({"prompt": "x", "size": "99999x64"}, "size", 400),
+    ({"prompt": "x", "size": "big"}, "size", 400),
+    ({"prompt": "x", "seed": -1}, "seed", 400),
+    ({"prompt": "x", "guidance": -1}, "guidance", 400),
+    ({"prompt": "x", "response_format": "url"}, "response_format", 400),
+    ({"prompt": "x", "output_format": "gif"}, "output_format", 400),
+    ({"prompt": "x", "output_compression": 101}, "output_compression", 400),
+    ({"prompt": "x", "quality": "hd"}, "quality", 400),
+    ({"prompt": "x", "negative_prompt": "blurry"}, "negative_prompt", 400),
+    ({"prompt": "x", "loras": ["../../etc/passwd"]}, "loras", 400),
+    ({"prompt": "x", "loras": ["/abs/style.safetensors:0.5"]}, "loras", 400),
+    ({"prompt": "x" * 70000}, None, 400),  # over the prompt bound: the library's message
+]
+
+
+@pytest.mark.parametrize(("body", "param", "status"), BAD_JSON)
+def test_bad_generation_requests(server: Server, body, param, status):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(
+        f"{server.url}/v1/images/generations", content=content, headers={"Content-Type": "application/json"}, timeout=60
+    )
+    err = error_of(r, status)
+    assert err["param"] == param, err
+    assert err["message"]
+
+
+BAD_NATIVE = [
+    ({"prompt": "x", "refs": [{"data": "not base64!"}]}, "refs[0].data"),
+    ({"prompt": "x", "refs": [{"data": base64.b64encode(b"GIF89a not an image").decode()}]}, "image"),
+    ({"prompt": "x", "refs": [{"data": base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 40).decode()}]}, "image"),
+    ({"prompt": "x", "refs": [{"data": ""}] * 11}, "refs"),
+    ({"prompt": "x", "width": 8}, "width"),
+    ({"prompt": "x", "height": 5000}, "height"),
+    ({"prompt": "x", "num_images": 99}, "num_images"),
+    ({"prompt": "x", "format": "bmp"}, "format"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_NATIVE)
+def test_bad_native_requests(server: Server, body, param):
+    err = error_of(httpx.post(f"{server.url}/v1/klein/generate", json=body, timeout=60), 400)
+    assert err["param"] == param, err
+
+
+def test_bad_edit_requests(server: Server, repo: Path):
+    url = f"{server.url}/v1/images/edits"
+    png = (repo / "tests" / "fixtures" / "reference" / "gray.png").read_bytes()
+    image = ("image", ("a.png", png))
+    cases = [
+        # (multipart parts, field the error must name)
+        ([("prompt", (None, "x"))], "image"),  # no image
+        ([("prompt", (None, "x")), image, ("mask", ("m.png", png))], "mask"),
+        ([("prompt", (None, "x")), ("colour", (None, "red")), image], "colour"),
+        ([("prompt", (None, "x")), ("n", (None, "two")), image], "n"),
+        ([("prompt", (None, "x")), ("image", ("a.txt", b"plain text"))], "image"),
+        ([("prompt", (None, "x"))] + [image] * 11, "image"),  # over 10 references
+        ([image], "prompt"),
+    ]
+    for parts, param in cases:
+        err = error_of(httpx.post(url, files=parts, timeout=60), 400)
+        assert err["param"] == param, (param, err)
+    # Not multipart at all.
+    assert error_of(httpx.post(url, json={"prompt": "x"}), 400)["type"] == "invalid_request_error"
+
+
+def test_body_limit_and_unknown_routes(klein_bin: Path, tiny_bundle: Path):
+    s = Server(klein_bin, tiny_bundle, "--max-body-mib", "1")
+    try:
+        big = {"prompt": "x", "refs": [{"data": "A" * (2 << 20)}]}
+        assert error_of(httpx.post(f"{s.url}/v1/klein/generate", json=big), 413)["type"] == "payload_too_large"
+        files = {"image": ("big.png", b"\0" * (2 << 20))}
+        assert httpx.post(f"{s.url}/v1/images/edits", data={"prompt": "x"}, files=files).status_code == 413
+        assert error_of(httpx.get(f"{s.url}/v1/nothing"), 404)["type"] == "not_found_error"
+        assert httpx.get(f"{s.url}/v1/images/generations").status_code == 405
+    finally:
+        assert s.stop() == 0
+
+
+def test_garbage_never_brings_the_server_down(server: Server):
+    """Random bytes, truncated bodies and wrong content types on every route: each answered with
+    a 4xx, and the server still generates afterwards."""
+    import random
+
+    rng = random.Random(7)
+    routes = ["/v1/images/generations", "/v1/images/edits", "/v1/klein/generate", "/v1/klein/generate/stream"]
+    for i in range(120):
+        route = routes[i % len(routes)]
+        kind = rng.choice(["bytes", "json", "multipart-junk"])
+        if kind == "bytes":
+            content, ctype = rng.randbytes(rng.randint(0, 300)), "application/json"
+        elif kind == "json":
+            value = rng.choice(
+                [None, 1, "s", [1, 2], {"prompt": rng.randbytes(8).hex(), "size": rng.randbytes(4).hex()}]
+            )
+            content, ctype = json.dumps(value).encode(), "application/json"
+        else:
+            content, ctype = (
+                b'--xx\r\nContent-Disposition: form-data; name="image"\r\n\r\n' + rng.randbytes(50),
+                "multipart/form-data; boundary=xx",
+            )
+        r = httpx.post(f"{server.url}{route}", content=content, headers={"Content-Type": ctype}, timeout=60)
+        assert 400 <= r.status_code < 500, (route, kind, r.status_code, r.text)
+    r = httpx.post(f"{server.url}/v1/images/generations", json={"prompt": "still alive", "size": "64x64"}, timeout=60)
+    assert r.status_code == 200
+
+
+def test_sigterm_finishes_accepted_work_and_refuses_new(klein_bin: Path, tiny_bundle: Path):
+    s = Server(klein_bin, tiny_bundle)
+    results: list[httpx.Response] = []
+    body = {"prompt": "finish me", "width": 128, "height": 128, "steps": 150}
+    t = threading.Thread(
+        target=lambda: results.append(httpx.post(f"{s.url}/v1/klein/generate", json=body, timeout=120))
+    )
+    t.start()
+    deadline = time.monotonic() + 30
+    while s.metric("klein_jobs_running") < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    s.process.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    with pytest.raises(httpx.ConnectError):
+        httpx.post(f"{s.url}/v1/klein/generate", json={"prompt": "too late"}, timeout=5)
+    t.join(timeout=120)
+    assert results and results[0].status_code == 200, results
+    assert results[0].json()["steps"] == 150
+    assert s.process.wait(timeout=60) == 0
+    assert "finishing accepted requests" in "".join(s.log)
+
+
+def test_bad_command_lines_exit_2(klein_bin: Path, tiny_bundle: Path, tmp_path: Path):
+    for args, needle in [
+        (["--model", str(tmp_path / "missing")], "missing"),
+        (["--model", str(tiny_bundle), "--lora-dir", str(tmp_path / "no-loras")], "--lora-dir"),
+        (["--model", str(tiny_bundle), "--device", "cpu", "--device", "cpu"], "twice"),
+        (["--model", str(tiny_bundle), "--queue", "0"], "queue"),
+    ]:
+        r = subprocess.run([str(klein_bin), "serve", "--port", "0", *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, (args, r.stderr)
+        assert needle in r.stderr, (args, r.stderr)
