@@ -366,6 +366,7 @@ BAD_JSON = [
     ({"prompt": "x", "loras": ["../../etc/passwd"]}, "loras", 400),
     ({"prompt": "x", "loras": ["/abs/style.safetensors:0.5"]}, "loras", 400),
     ({"prompt": "x" * 70000}, None, 400),  # over the prompt bound: the library's message
+    ({"prompt": "x", "size": "4096x4096"}, None, 400),  # over the token budget: the library's message
 ]
 
 
@@ -380,7 +381,18 @@ def test_bad_generation_requests(server: Server, body, param, status):
     assert err["message"]
 
 
+def png_header(width: int, height: int) -> bytes:
+    """The start of a PNG file that claims `width` x `height` pixels (no pixel data)."""
+    import struct
+    import zlib
+
+    ihdr = b"IHDR" + struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + ihdr + struct.pack(">I", zlib.crc32(ihdr))
+
+
 BAD_NATIVE = [
+    # A decompression bomb: refused from its header, before any pixel is allocated.
+    ({"prompt": "x", "refs": [{"data": base64.b64encode(png_header(40000, 40000)).decode()}]}, "image"),
     ({"prompt": "x", "refs": [{"data": "not base64!"}]}, "refs[0].data"),
     ({"prompt": "x", "refs": [{"data": base64.b64encode(b"GIF89a not an image").decode()}]}, "image"),
     ({"prompt": "x", "refs": [{"data": base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 40).decode()}]}, "image"),
