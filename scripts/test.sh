@@ -19,7 +19,7 @@ cargo test --release
 cargo check --release --features cuda,coreml
 ruff check export
 ruff format --check export
-ruff check --config export/pyproject.toml python tests/python
-ruff format --config export/pyproject.toml --check python tests/python
+ruff check --config export/pyproject.toml python tests/python deploy
+ruff format --config export/pyproject.toml --check python tests/python deploy
 python -m pytest -q export/tests
 python -m pytest -q tests/python

@@ -6,12 +6,13 @@
     out = pipe(prompt="a red fox in the snow", width=512, height=512, generator=7)
     out.images[0].save("fox.png")
 
-The call mirrors diffusers' ``Flux2KleinPipeline``: ``image`` (references to edit or compose),
-``height``, ``width``, ``num_inference_steps``, ``guidance_scale``, ``generator`` (a seed, or a
-``torch.Generator`` whose ``initial_seed()`` is used), ``num_images_per_prompt`` and ``output_type``
-(``"pil"``, ``"np"`` or ``"png"``: the bytes of the file ``klein generate`` writes for the same
-options). Generation runs in Rust with the GIL released; one pipeline serves one call at a time (calls
-from other threads wait their turn), so use one pipeline per thread for parallel work.
+The call mirrors diffusers' ``Flux2KleinPipeline``: ``image`` (references to edit or compose: PIL
+images, file paths, or files' bytes as ``klein.EncodedImage``), ``height``, ``width``,
+``num_inference_steps``, ``guidance_scale``, ``generator`` (a seed, or a ``torch.Generator`` whose
+``initial_seed()`` is used), ``num_images_per_prompt`` and ``output_type`` (``"pil"``, ``"np"`` or
+``"png"``: the bytes of the file ``klein generate`` writes for the same options). Generation runs in
+Rust with the GIL released; one pipeline serves one call at a time (calls from other threads wait
+their turn), so use one pipeline per thread for parallel work.
 
 The ONNX Runtime library is the one the ``onnxruntime`` package ships (``onnxruntime/capi/``);
 ``ort_lib=`` or ``$ORT_DYLIB_PATH`` names another (``onnxruntime-gpu``'s for CUDA). One process
@@ -35,10 +36,27 @@ import numpy as np
 from PIL import Image
 
 from . import _klein
-from ._klein import CancelledError, InvalidInputError, KleinError
+from ._klein import (
+    MAX_BATCH,
+    MAX_GUIDANCE,
+    MAX_PROMPT_BYTES,
+    MAX_REFERENCES,
+    MAX_SIDE,
+    MAX_STEPS,
+    CancelledError,
+    InvalidInputError,
+    KleinError,
+)
 
 __all__ = [
+    "MAX_BATCH",
+    "MAX_GUIDANCE",
+    "MAX_PROMPT_BYTES",
+    "MAX_REFERENCES",
+    "MAX_SIDE",
+    "MAX_STEPS",
     "CancelledError",
+    "EncodedImage",
     "InvalidInputError",
     "KleinError",
     "KleinPipelineOutput",
@@ -49,8 +67,18 @@ __all__ = [
 
 __version__ = _klein.version()
 
-#: A reference image: a PIL image, or the path of a PNG, JPEG or WebP file.
-ImageInput = Union[Image.Image, str, "os.PathLike[str]"]
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """The bytes of a PNG, JPEG or WebP file (an upload, a download), decoded by klein exactly as
+    the file would be (EXIF orientation included); ``name`` labels it in errors and in the PNG."""
+
+    data: bytes
+    name: str = "image"
+
+
+#: A reference image: a PIL image, the path of a PNG, JPEG or WebP file, or such a file's bytes.
+ImageInput = Union[Image.Image, str, "os.PathLike[str]", EncodedImage, bytes]
 #: A LoRA: ``(path, scale)``, ``"FILE"`` or ``"FILE:SCALE"`` (as ``--lora``), or a path (scale 1).
 LoraInput = Union[tuple[Union[str, "os.PathLike[str]"], float], str, "os.PathLike[str]"]
 
@@ -182,10 +210,14 @@ def _references(image: Any) -> list[str | tuple[bytes, str]]:
             references.append((_png_bytes(item), f"image-{index}"))
         elif isinstance(item, (str, os.PathLike)):
             references.append(os.fsdecode(item))
+        elif isinstance(item, EncodedImage):
+            references.append((bytes(item.data), str(item.name)))
+        elif isinstance(item, (bytes, bytearray, memoryview)):
+            references.append((bytes(item), f"image-{index}"))
         else:
             raise InvalidInputError(
-                f"invalid request: image[{index}] is a {type(item).__name__}; "
-                "give a PIL.Image.Image or the path of a PNG, JPEG or WebP file"
+                f"invalid request: image[{index}] is a {type(item).__name__}; give a PIL.Image.Image, "
+                "the path of a PNG, JPEG or WebP file, or its bytes (bytes or klein.EncodedImage)"
             )
     return references
 

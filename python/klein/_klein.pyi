@@ -5,6 +5,16 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+MAX_SIDE: int
+"""Largest width or height, in pixels (the smallest is 16)."""
+MAX_BATCH: int
+"""Most images per call."""
+MAX_STEPS: int
+MAX_GUIDANCE: float
+MAX_REFERENCES: int
+"""Most reference images per call."""
+MAX_PROMPT_BYTES: int
+
 class KleinError(Exception):
     """An error of klein (the message names the file, field or stage)."""
 

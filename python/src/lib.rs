@@ -14,6 +14,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use klein::error::chain;
+use klein::limits;
 use klein::pipeline::metadata::variant_name;
 use klein::pipeline::{
     Generation, LoraSpec, Pipeline, PipelineOptions, Progress, Request, Timings,
@@ -560,5 +561,12 @@ fn _klein(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPipeline>()?;
     m.add_class::<PyGeneration>()?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
+    // The bounds klein checks (src/limits.rs), for callers that check a request's fields first.
+    m.add("MAX_SIDE", limits::MAX_SIDE)?;
+    m.add("MAX_BATCH", limits::MAX_BATCH)?;
+    m.add("MAX_STEPS", limits::MAX_STEPS)?;
+    m.add("MAX_GUIDANCE", limits::MAX_GUIDANCE)?;
+    m.add("MAX_REFERENCES", limits::MAX_REFERENCES)?;
+    m.add("MAX_PROMPT_BYTES", limits::MAX_PROMPT_BYTES)?;
     Ok(())
 }

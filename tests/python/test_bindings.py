@@ -59,6 +59,9 @@ def test_reference_path_is_the_cli_file(pipe, klein_bin, tiny_bundle, repo, tmp_
     assert out.images == [(tmp_path / "r.png").read_bytes()]
     assert out.references == [reference]
     assert Image.open(io.BytesIO(out.images[0])).text["references"] == f'["{reference}"]'
+    # The file's bytes, named as the path: decoded as the file is (EXIF rotation included).
+    encoded = klein.EncodedImage(Path(reference).read_bytes(), reference)
+    assert pipe("make it snow", image=encoded, generator=5, output_type="png").images == out.images
 
 
 def synthetic() -> Image.Image:
@@ -226,14 +229,18 @@ def test_bundle_properties(pipe, tiny_bundle):
     assert pipe.device == "cpu"
     assert len(pipe.bundle_sha256()) == 64
     assert klein.find_ort_library().name.startswith(("libonnxruntime", "onnxruntime"))
+    assert (klein.MAX_SIDE, klein.MAX_BATCH, klein.MAX_REFERENCES) == (4096, 16, 10)
 
 
 def stub_names(node: ast.AST) -> set[str]:
-    return {
-        item.name
-        for item in getattr(node, "body", [])
-        if isinstance(item, (ast.ClassDef, ast.FunctionDef)) and not item.name.startswith("_")
-    }
+    """The public classes, functions and annotated constants a stub defines."""
+    names = set()
+    for item in getattr(node, "body", []):
+        if isinstance(item, (ast.ClassDef, ast.FunctionDef)):
+            names.add(item.name)
+        elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            names.add(item.target.id)
+    return {name for name in names if not name.startswith("_")}
 
 
 def test_type_stubs_match_the_native_module():

@@ -1,0 +1,275 @@
+"""Ray Serve (deploy/ray/klein_serve.py) on a local cluster: two replicas of the tiny model behind
+Serve's HTTP proxy, the OpenAI client and multipart edits, every image byte-equal to the CLI's
+file; then one replica killed while requests are in flight: each request answers the right image
+or an HTTP error status, and a retry of the failed ones succeeds once Serve has replaced it.
+
+Every wait is bounded; the cluster is this process's own (ray.init), shut down at the end."""
+
+import base64
+import concurrent.futures
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import requests
+from openai import APIStatusError, OpenAI
+
+# Requests that must finish (or fail) well within this; the whole test takes about a minute here.
+HTTP_TIMEOUT = 60
+DEPLOY_TIMEOUT = 150
+RECOVERY_TIMEOUT = 120
+APP = "klein"
+DEPLOYMENT = "KleinDeployment"
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    prompt: str
+    seed: int
+    edit: bool = False
+
+
+# Ten generations and two edits, sent at once.
+JOBS = [Job(f"g{i}", f"a lighthouse in a storm, study {i}", 100 + i) for i in range(10)] + [
+    Job(f"e{i}", f"make it a winter night, take {i}", 200 + i, edit=True) for i in range(2)
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def expected(klein_bin, tiny_bundle, repo, tmp_path_factory) -> dict[str, bytes]:
+    """The CLI's file for every job: the generations in one batch run (the PNGs batch mode writes
+    are those of single mode), the edits one by one with `--ref ref.png` (labelled as the upload)."""
+    work = tmp_path_factory.mktemp("cli")
+    shutil.copy(repo / "tests" / "fixtures" / "reference" / "rgba.png", work / "ref.png")
+    lines = [
+        json.dumps({"prompt": j.prompt, "seed": j.seed, "width": 64, "height": 64, "name": j.name})
+        for j in JOBS
+        if not j.edit
+    ]
+    (work / "jobs.jsonl").write_text("\n".join(lines) + "\n")
+    base = [str(klein_bin), "generate", "--model", str(tiny_bundle), "-q"]
+    run = {"cwd": work, "check": True, "timeout": 180, "capture_output": True}
+    subprocess.run([*base, "--prompts", "jobs.jsonl", "--out-dir", "out"], **run)
+    files = {j.name: (work / "out" / f"{j.name}.png").read_bytes() for j in JOBS if not j.edit}
+    for j in JOBS:
+        if j.edit:
+            size = ["--width", "64", "--height", "64", "--seed", str(j.seed)]
+            subprocess.run([*base, j.prompt, *size, "--ref", "ref.png", "-o", f"{j.name}.png"], **run)
+            files[j.name] = (work / f"{j.name}.png").read_bytes()
+    files["ref.png"] = (work / "ref.png").read_bytes()
+    return files
+
+
+@pytest.fixture(scope="module")
+def serve_url(repo, tiny_bundle):
+    """A local Ray cluster with the deployment at 2 replicas; its base URL."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    import ray
+    from ray import serve
+
+    from deploy.ray import klein_serve
+
+    port = free_port()
+    # Four logical CPUs: two replicas of one CPU each, and room for a replacement to start
+    # before the dead replica's CPU is given back. The workers import deploy.ray from the repo.
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        object_store_memory=128 * 1024**2,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(repo), "RAY_USAGE_STATS_ENABLED": "0"}},
+    )
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = klein_serve.app_builder(
+            {
+                "model": str(tiny_bundle),
+                "replicas": "2",
+                "num_cpus": "1",
+                "threads": "1",
+                "graceful_shutdown_timeout_s": "2",
+            }
+        )
+        deployed = threading.Event()
+        failure: list[BaseException] = []
+
+        def deploy() -> None:
+            try:
+                serve.run(app, name=APP, route_prefix="/")
+            except BaseException as error:  # reported below
+                failure.append(error)
+            deployed.set()
+
+        threading.Thread(target=deploy, daemon=True).start()
+        assert deployed.wait(DEPLOY_TIMEOUT), f"the deployment was not running after {DEPLOY_TIMEOUT} s"
+        assert not failure, failure
+        url = f"http://127.0.0.1:{port}"
+        health = requests.get(f"{url}/healthz", timeout=HTTP_TIMEOUT)
+        assert health.status_code == 200 and health.json()["model"] == "klein-tiny", health.text
+        yield url
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+class Failed(Exception):
+    """A request answered with an HTTP error status."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:200]}")
+        self.status = status
+
+
+def send(url: str, job: Job, reference: bytes) -> bytes:
+    """One request; the PNG it answered, or Failed with the status. Transport errors and
+    timeouts propagate (the test counts them as wrong)."""
+    if job.edit:
+        response = requests.post(
+            f"{url}/v1/images/edits",
+            files=[("image[]", ("ref.png", reference, "image/png"))],
+            data={"prompt": job.prompt, "size": "64x64", "seed": str(job.seed)},
+            timeout=HTTP_TIMEOUT,
+        )
+        if response.status_code != 200:
+            raise Failed(response.status_code, response.text)
+        body = response.json()
+        assert body["seed"] == job.seed
+        (image,) = body["data"]
+        return base64.b64decode(image["b64_json"])
+    client = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=HTTP_TIMEOUT)
+    try:
+        answer = client.images.generate(prompt=job.prompt, size="64x64", extra_body={"seed": job.seed})
+    except APIStatusError as error:
+        raise Failed(error.status_code, str(error)) from None
+    assert answer.model_extra["seed"] == job.seed
+    (image,) = answer.data
+    return base64.b64decode(image.b64_json)
+
+
+def send_all(url: str, jobs: list[Job], reference: bytes, during=None) -> dict[str, bytes | Failed]:
+    """Every job at once; `during()` runs once the first answer is in (requests in flight)."""
+    results: dict[str, bytes | Failed] = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = {pool.submit(send, url, job, reference): job for job in jobs}
+        if during is not None:
+            concurrent.futures.wait(futures, timeout=HTTP_TIMEOUT, return_when=concurrent.futures.FIRST_COMPLETED)
+            during()
+        for future in concurrent.futures.as_completed(futures, timeout=2 * HTTP_TIMEOUT):
+            job = futures[future]
+            try:
+                results[job.name] = future.result()
+            except Failed as failed:
+                results[job.name] = failed
+    return results
+
+
+def replica_names() -> list[str]:
+    import ray
+
+    return sorted(
+        actor["name"]
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["namespace"] == "serve" and actor["name"].startswith("SERVE_REPLICA") and DEPLOYMENT in actor["name"]
+    )
+
+
+def running_replicas() -> int:
+    from ray import serve
+
+    deployment = serve.status().applications[APP].deployments[DEPLOYMENT]
+    return deployment.replica_states.get("RUNNING", 0)
+
+
+def test_openai_api_errors(serve_url, expected):
+    url = serve_url
+    cases = [
+        ({"prompt": "a fox", "size": "8000x64"}, "size"),
+        ({"prompt": "a fox", "response_format": "url"}, "response_format"),
+        ({"prompt": "a fox", "colour": "red"}, "colour"),
+        ({"prompt": "a fox", "n": 0}, "n"),
+        ({"size": "64x64"}, "prompt"),
+    ]
+    for body, param in cases:
+        response = requests.post(f"{url}/v1/images/generations", json=body, timeout=HTTP_TIMEOUT)
+        assert response.status_code == 400, (body, response.text)
+        error = response.json()["error"]
+        assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, None), error
+    form = {"prompt": "a fox", "size": "64x64"}
+    reference = ("image[]", ("ref.png", expected["ref.png"], "image/png"))
+    mask = requests.post(
+        f"{url}/v1/images/edits", files=[reference, ("mask", ("m.png", b"x", "image/png"))], data=form, timeout=60
+    )
+    assert mask.status_code == 400 and mask.json()["error"]["param"] == "mask", mask.text
+    # klein's own check: an upload that is no image, named in the message.
+    notes = ("image[]", ("notes.png", b"these are not pixels", "image/png"))
+    bad = requests.post(f"{url}/v1/images/edits", files=[notes], data=form, timeout=HTTP_TIMEOUT)
+    assert bad.status_code == 400 and "notes.png" in bad.json()["error"]["message"], bad.text
+
+
+def test_two_replicas_answer_the_cli_files_and_survive_a_killed_replica(serve_url, expected):
+    import ray
+
+    url, reference = serve_url, expected["ref.png"]
+    start = time.monotonic()
+    first = send_all(url, JOBS, reference)
+    wave1 = time.monotonic() - start
+    assert first == {j.name: expected[j.name] for j in JOBS}
+
+    replicas = replica_names()
+    assert len(replicas) == 2, replicas
+    victim = replicas[0]
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        killed_at.append(time.monotonic() - start)
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=False)
+
+    start = time.monotonic()
+    second = send_all(url, JOBS, reference, during=kill)
+    wave2 = time.monotonic() - start
+    assert set(second) == {j.name for j in JOBS}  # every request answered, none lost
+    failed = [name for name, result in second.items() if isinstance(result, Failed)]
+    for name, result in second.items():
+        if not isinstance(result, Failed):
+            assert result == expected[name], f"{name}: a wrong image"
+    assert all(second[name].status >= 500 for name in failed), [second[n] for n in failed]
+
+    # Serve replaces the replica; then the failed requests, sent again, succeed.
+    deadline = time.monotonic() + RECOVERY_TIMEOUT
+    while True:
+        now = replica_names()
+        replacements = sorted(set(now) - set(replicas))
+        if len(now) == 2 and victim not in now and replacements and running_replicas() == 2:
+            break
+        assert time.monotonic() < deadline, f"no replacement replica after {RECOVERY_TIMEOUT} s: {now}"
+        time.sleep(0.25)
+    recovered = time.monotonic() - start
+    retried = send_all(url, [j for j in JOBS if j.name in failed], reference)
+    assert retried == {name: expected[name] for name in failed}
+    answered = len(second) - len(failed) + len(retried)
+    assert answered == len(JOBS)
+    print(
+        f"\nray serve: wave 1 {len(JOBS)} requests in {wave1:.1f} s; wave 2: replica {victim} killed at "
+        f"{killed_at[0]:.1f} s, {len(failed)} of {len(JOBS)} failed with HTTP "
+        f"{sorted({second[n].status for n in failed})} ({', '.join(sorted(failed))}), the rest right, "
+        f"in {wave2:.1f} s; replaced by {replacements[0]}, 2 replicas running at {recovered:.1f} s; "
+        f"{len(failed)} retried, all right"
+    )
