@@ -106,6 +106,9 @@ pub struct KleinRequest {
     /// `reference_count` paths of reference images (PNG, JPEG, WebP); may be NULL when the count is 0.
     pub reference_paths: *const *const c_char,
     pub reference_count: usize,
+    /// What guidance steers away from (base models with guidance above 1); NULL: the empty
+    /// prompt, as diffusers. Refused (`KLEIN_ERROR_USER`) on distilled models.
+    pub negative_prompt: *const c_char,
 }
 
 /// Called after each denoising step `step` (1-based) of `total`, on the thread that called
@@ -526,6 +529,7 @@ unsafe fn to_request(
         num_images,
         reference_paths,
         reference_count,
+        negative_prompt,
     } = *request;
     // SAFETY: the caller's guarantee.
     let prompt = unsafe { required_str(prompt, "request.prompt") }?;
@@ -535,6 +539,11 @@ unsafe fn to_request(
     result.steps = (steps != 0).then_some(steps as usize);
     result.guidance = (guidance != 0.0).then_some(guidance);
     result.num_images = num_images.max(1) as usize;
+    if !negative_prompt.is_null() {
+        // SAFETY: the caller's guarantee.
+        let negative = unsafe { required_str(negative_prompt, "request.negative_prompt") }?;
+        result.negative_prompt = Some(negative.to_string());
+    }
     // Every number before any reference file is read.
     result.check_bounds()?;
     check_reference_count(reference_count)?;

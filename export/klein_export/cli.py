@@ -78,7 +78,7 @@ def _ranges(args):
 def _tiny(args):
     from .tiny import build_tiny
 
-    print(build_tiny(args.out, seed=args.seed, preset=args.preset))
+    print(build_tiny(args.out, seed=args.seed, preset=args.preset, distilled=not args.base))
     return 0
 
 
@@ -220,6 +220,11 @@ def parser() -> argparse.ArgumentParser:
         choices=["tiny", "wide", "4b"],
         help="tiny: the test model; wide: the real 4B widths with 28 Qwen3 layers and 1+2 blocks; "
         "4b: the published 4B architecture",
+    )
+    t.add_argument(
+        "--base",
+        action="store_true",
+        help="a base (non-distilled) checkpoint: 50 steps and classifier-free guidance 4 by default",
     )
     t.set_defaults(func=_tiny)
 

@@ -129,7 +129,13 @@ PRESETS = {
 
 
 def build_tiny(
-    out_dir, seed: int = 0, transformer_overrides=None, vae_overrides=None, qwen_overrides=None, preset="tiny"
+    out_dir,
+    seed: int = 0,
+    transformer_overrides=None,
+    vae_overrides=None,
+    qwen_overrides=None,
+    preset="tiny",
+    distilled: bool = True,
 ):
     """Write a random-weight checkpoint of `preset` to `out_dir` (which must not exist).
 
@@ -187,19 +193,20 @@ def build_tiny(
     (tmp / "tokenizer").mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(ASSETS / name, tmp / "tokenizer" / name)
-    (tmp / "model_index.json").write_text(json.dumps(_model_index(), indent=2) + "\n", encoding="utf-8")
+    (tmp / "model_index.json").write_text(json.dumps(_model_index(distilled), indent=2) + "\n", encoding="utf-8")
     tmp.rename(out_dir)
     return out_dir
 
 
-def _model_index() -> dict:
-    """What `Flux2KleinPipeline.save_pretrained` writes for a distilled klein checkpoint."""
+def _model_index(distilled: bool) -> dict:
+    """What `Flux2KleinPipeline.save_pretrained` writes for a klein checkpoint: distilled (4 steps, no
+    guidance) or base (50 steps, classifier-free guidance)."""
     import diffusers
 
     return {
         "_class_name": "Flux2KleinPipeline",
         "_diffusers_version": diffusers.__version__,
-        "is_distilled": True,
+        "is_distilled": distilled,
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
         "text_encoder": ["transformers", "Qwen3ForCausalLM"],
         "tokenizer": ["transformers", "Qwen2Tokenizer"],

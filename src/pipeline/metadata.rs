@@ -49,8 +49,11 @@ impl Pipeline {
             .map(|l| format!("{}:{}", l.path.display(), l.scale))
             .collect();
         let g = generation;
-        vec![
-            ("prompt".into(), prompt.into()),
+        let mut text: Vec<(String, String)> = vec![("prompt".into(), prompt.into())];
+        if let Some(negative) = &g.negative_prompt {
+            text.push(("negative_prompt".into(), negative.clone()));
+        }
+        text.extend([
             ("seed".into(), g.seed.to_string()),
             ("steps".into(), g.steps.to_string()),
             ("guidance".into(), g.guidance.to_string()),
@@ -68,7 +71,8 @@ impl Pipeline {
                 "Software".into(),
                 format!("klein {}", env!("CARGO_PKG_VERSION")),
             ),
-        ]
+        ]);
+        text
     }
 }
 

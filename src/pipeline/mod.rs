@@ -61,6 +61,8 @@ pub struct Generation {
     pub steps: usize,
     pub guidance: f64,
     pub seed: u64,
+    /// The negative prompt guidance ran with, when the request gave one.
+    pub negative_prompt: Option<String>,
     pub prompt_truncated: bool,
     pub timings: Timings,
 }
@@ -486,7 +488,8 @@ impl Pipeline {
             None => self.prepare_latents(request.seed, batch, width, height),
         };
 
-        // 2. Prompt (and the empty negative prompt for guidance), then free the text encoder.
+        // 2. Prompt (and the negative prompt for guidance: empty unless given), then free the
+        //    text encoder.
         let encoded;
         let embeds = match &request.prompt_embeds {
             Some(given) => given,
@@ -496,7 +499,8 @@ impl Pipeline {
             }
         };
         let negative = if cfg {
-            Some(self.encode_prompt("", Some(&mut *progress))?)
+            let negative = request.negative_prompt.as_deref().unwrap_or("");
+            Some(self.encode_prompt(negative, Some(&mut *progress))?)
         } else {
             None
         };
@@ -545,6 +549,7 @@ impl Pipeline {
             steps,
             guidance,
             seed: request.seed,
+            negative_prompt: request.negative_prompt.clone(),
             prompt_truncated: embeds.truncated,
             timings: Timings::new(),
         })

@@ -27,6 +27,9 @@ pub struct Request {
     pub steps: Option<usize>,
     /// Classifier-free guidance scale (base models only); default: the manifest's.
     pub guidance: Option<f64>,
+    /// What guidance steers away from (base models with guidance above 1 only); default: the
+    /// empty prompt, as diffusers' `Flux2KleinPipeline` (whose `negative_prompt_embeds` this is).
+    pub negative_prompt: Option<String>,
     pub seed: u64,
     /// Images per prompt (one batch); at least 1.
     pub num_images: usize,
@@ -60,6 +63,10 @@ impl Request {
     }
     pub fn with_guidance(mut self, guidance: f64) -> Self {
         self.guidance = Some(guidance);
+        self
+    }
+    pub fn with_negative_prompt(mut self, negative: impl Into<String>) -> Self {
+        self.negative_prompt = Some(negative.into());
         self
     }
     pub fn with_reference(mut self, reference: ReferenceImage) -> Self {
@@ -98,6 +105,9 @@ impl Request {
             check_guidance(guidance)?;
         }
         check_prompt(&self.prompt)?;
+        if let Some(negative) = &self.negative_prompt {
+            check_prompt(negative)?;
+        }
         check_reference_count(self.references.len())?;
         for (what, value) in [("width", self.width), ("height", self.height)] {
             if let Some(value) = value.filter(|&v| v == 0 || v > MAX_SIDE) {
@@ -197,12 +207,27 @@ impl Plan {
                 )));
             }
         }
+        // As diffusers: guidance applies to base (non-distilled) models only, when above 1.
+        let cfg = !model.is_distilled && guidance > 1.0;
+        if request.negative_prompt.is_some() && !cfg {
+            return Err(request_error(if model.is_distilled {
+                format!(
+                    "a negative prompt needs classifier-free guidance, and {} is a distilled model \
+                     (it runs without guidance); use a base model",
+                    model.name
+                )
+            } else {
+                format!(
+                    "a negative prompt needs guidance above 1 (it is {guidance}): guidance 1 or \
+                     less runs without the negative branch, as in diffusers"
+                )
+            }));
+        }
         Ok(Plan {
             batch,
             steps,
             guidance,
-            // As diffusers: guidance applies to base (non-distilled) models only, when above 1.
-            cfg: !model.is_distilled && guidance > 1.0,
+            cfg,
             width,
             height,
             lat_h,

@@ -299,6 +299,7 @@ fn entry_points_check_their_arguments() {
         num_images: 0,
         reference_paths: ptr::null(),
         reference_count: 0,
+        negative_prompt: std::ptr::null(),
     };
     let (mut width, mut height) = (0u32, 0u32);
     let (status, message) =
@@ -371,6 +372,7 @@ fn entry_points_check_their_arguments() {
     let with_missing_ref = KleinRequest {
         reference_paths: missing.as_ptr(),
         reference_count: 1,
+        negative_prompt: std::ptr::null(),
         ..request
     };
     let (status, message) = call(|m| generate(&with_missing_ref, &mut small, &mut w, &mut h, m));
@@ -407,6 +409,7 @@ fn c_requests_carry_num_images_and_guidance() {
         num_images: 2,
         reference_paths: ptr::null(),
         reference_count: 0,
+        negative_prompt: std::ptr::null(),
     };
     let generate = |request: &KleinRequest, buffer: &mut [u8], m| unsafe {
         generate_into(pipeline, request, buffer, m)

@@ -178,6 +178,7 @@ fn the_c_api_refuses_numbers_past_their_bounds() {
         num_images: 0,
         reference_paths: ptr::null(),
         reference_count: 0,
+        negative_prompt: std::ptr::null(),
     };
     let mut buffer = vec![0u8; 64 * 64 * 4];
     let (status, message) = call(|m| unsafe { generate_into(pipeline, &request, &mut buffer, m) });

@@ -520,6 +520,7 @@ fn c_api_sets_loras() {
         num_images: 1,
         reference_paths: ptr::null(),
         reference_count: 0,
+        negative_prompt: std::ptr::null(),
     };
     let path = CString::new(lora.to_str().unwrap()).unwrap();
     let paths = [path.as_ptr()];

@@ -100,6 +100,9 @@ pub(crate) struct GenerateArgs {
     /// Classifier-free guidance scale, 0 to 100, base (non-distilled) models only [default: the bundle's]
     #[arg(long)]
     pub(crate) guidance: Option<f64>,
+    /// What guidance steers away from, base models with guidance above 1 only [default: empty, as diffusers]
+    #[arg(long, value_name = "TEXT")]
+    pub(crate) negative_prompt: Option<String>,
     /// Seed of the initial noise (same seed, same image as diffusers) [default: random, printed]
     #[arg(long)]
     pub(crate) seed: Option<u64>,

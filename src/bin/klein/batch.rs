@@ -463,6 +463,10 @@ impl BatchJob<'_> {
         request.height = line.height.or(args.height);
         request.steps = line.steps.or(args.steps);
         request.guidance = line.guidance.or(args.guidance);
+        request.negative_prompt = line
+            .negative_prompt
+            .clone()
+            .or_else(|| args.negative_prompt.clone());
         // Every number, then the references from their headers, before any is decoded.
         request.check_bounds()?;
         let refs: Vec<&Path> = line.refs.iter().map(PathBuf::as_path).collect();

@@ -34,6 +34,7 @@ pub(crate) struct BatchLine {
     pub height: Option<u32>,
     pub steps: Option<usize>,
     pub guidance: Option<f64>,
+    pub negative_prompt: Option<String>,
     /// Reference images, resolved against the file's directory.
     pub refs: Vec<PathBuf>,
     /// LoRAs of this line, resolved against the file's directory (`None`: the command line's).
@@ -63,6 +64,7 @@ struct LineJson {
     height: Option<u32>,
     steps: Option<usize>,
     guidance: Option<f64>,
+    negative_prompt: Option<String>,
     #[serde(default)]
     refs: Vec<PathBuf>,
     /// `FILE` or `FILE:SCALE` each.
@@ -144,6 +146,7 @@ pub(crate) fn parse_batch(
             height: json.height,
             steps: json.steps,
             guidance: json.guidance,
+            negative_prompt: json.negative_prompt,
             refs: json.refs.iter().map(|r| base_dir.join(r)).collect(),
             loras: json.loras.map(|loras| {
                 loras

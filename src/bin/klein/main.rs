@@ -101,6 +101,7 @@ fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
     request.height = args.height;
     request.steps = args.steps;
     request.guidance = args.guidance;
+    request.negative_prompt = args.negative_prompt.clone();
     // Every number the user gave, before anything is read or loaded.
     request.check_bounds()?;
     check_reference_count(args.refs.len())?;

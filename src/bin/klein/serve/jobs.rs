@@ -31,6 +31,7 @@ pub(crate) struct JobSpec {
     pub(crate) height: Option<u32>,
     pub(crate) steps: Option<usize>,
     pub(crate) guidance: Option<f64>,
+    pub(crate) negative_prompt: Option<String>,
     pub(crate) seed: u64,
     pub(crate) num_images: usize,
     pub(crate) references: Vec<Upload>,

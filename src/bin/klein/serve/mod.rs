@@ -48,6 +48,8 @@ pub(crate) struct AppState {
     api_key: Option<[u8; 32]>,
     timeout: Duration,
     model_name: String,
+    /// A distilled model: no guidance, so no negative prompt.
+    distilled: bool,
     /// Set by SIGTERM / Ctrl-C: no new work, readiness fails.
     draining: AtomicBool,
 }
@@ -79,6 +81,7 @@ pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
         })
         .collect::<klein::Result<Vec<_>>>()?;
     let model_name = pipelines[0].manifest().model.name.clone();
+    let distilled = pipelines[0].manifest().model.is_distilled;
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -108,6 +111,7 @@ pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
             api_key: api_key.as_deref().map(digest),
             timeout: Duration::from_secs(args.timeout.into()),
             model_name,
+            distilled,
             draining: AtomicBool::new(false),
         });
         let threads: Vec<_> = pipelines

@@ -59,7 +59,6 @@ struct RefBody {
 }
 
 fn spec_from(state: &AppState, body: NativeBody) -> Result<(JobSpec, ImageFormat), ApiError> {
-    check_negative_prompt(body.negative_prompt.as_deref())?;
     if let Some(w) = body.width {
         check_side("width", w)?;
     }
@@ -93,6 +92,7 @@ fn spec_from(state: &AppState, body: NativeBody) -> Result<(JobSpec, ImageFormat
         height: body.height,
         steps: check_steps(body.steps)?,
         guidance: check_guidance(body.guidance)?,
+        negative_prompt: check_negative_prompt(state, body.negative_prompt)?,
         seed: seed_or_random(body.seed),
         num_images: check_count("num_images", body.num_images.unwrap_or(1))?,
         references,

@@ -66,7 +66,6 @@ fn spec_from(
 ) -> Result<JobSpec, ApiError> {
     check_response_format(body.response_format.as_deref())?;
     check_quality(body.quality.as_deref())?;
-    check_negative_prompt(body.negative_prompt.as_deref())?;
     let (width, height) = parse_size(body.size.as_deref())?;
     Ok(JobSpec {
         prompt: body.prompt,
@@ -74,6 +73,7 @@ fn spec_from(
         height,
         steps: check_steps(body.steps)?,
         guidance: check_guidance(body.guidance)?,
+        negative_prompt: check_negative_prompt(state, body.negative_prompt)?,
         seed: seed_or_random(body.seed),
         num_images: check_count("n", body.n.unwrap_or(1))?,
         references,
@@ -97,15 +97,21 @@ fn check_quality(quality: Option<&str>) -> Result<(), ApiError> {
     }
 }
 
-/// Negative prompts: FLUX.2-klein's distilled models have no guidance, and diffusers'
-/// `Flux2KleinPipeline` takes none as text (it encodes an empty one for base models).
-pub(crate) fn check_negative_prompt(negative: Option<&str>) -> Result<(), ApiError> {
+/// A negative prompt needs guidance, which distilled models do not run: refused there, naming
+/// the field (the library refuses guidance 1 or less on base models).
+pub(crate) fn check_negative_prompt(
+    state: &AppState,
+    negative: Option<String>,
+) -> Result<Option<String>, ApiError> {
     match negative {
-        None | Some("") => Ok(()),
-        Some(_) => Err(ApiError::field(
+        Some(_) if state.distilled => Err(ApiError::field(
             "negative_prompt",
-            "negative_prompt is not supported by this klein version: the pipeline uses an empty negative prompt, as diffusers' Flux2KleinPipeline",
+            format!(
+                "negative_prompt needs classifier-free guidance, and {} is a distilled model (it runs without guidance); serve a base model",
+                state.model_name
+            ),
         )),
+        other => Ok(other),
     }
 }
 

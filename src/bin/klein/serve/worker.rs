@@ -106,6 +106,7 @@ fn run_job(pipeline: &mut Pipeline, job: &Job, bundle_hash: &str) -> Result<JobO
     request.height = spec.height;
     request.steps = spec.steps;
     request.guidance = spec.guidance;
+    request.negative_prompt = spec.negative_prompt.clone();
     for upload in &spec.references {
         let reference = pipeline
             .decode_reference(&upload.bytes, Path::new(&upload.label))

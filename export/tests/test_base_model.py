@@ -1,0 +1,134 @@
+"""A base (non-distilled) klein checkpoint against diffusers: defaults from the checkpoint (50 steps,
+guidance 4), classifier-free guidance with the empty negative prompt and with a negative prompt,
+several images per prompt (the CFG batch), and the refusals (a negative prompt on a distilled
+model, or with guidance 1).
+
+Tolerance: at most 1 level anywhere, as every CLI-vs-diffusers test (tests/it/diffusers.rs,
+test_runtime_e2e.py), in at most max(1%, 2 x the noise floor) of pixels. Guidance runs the
+transformer twice per step and scales the difference of the two (by 3.5-4), so fp32's summation
+noise flips more pixels than without guidance. The floor is measured in each test, in diffusers
+itself: its image with the prompt embeddings perturbed by a relative 2e-5 (what ONNX Runtime's
+summation order gives) against its image without.
+"""
+
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import Flux2KleinPipeline
+from PIL import Image
+
+from klein_export.convert import convert
+from klein_export.tiny import build_tiny
+
+REPO = Path(__file__).resolve().parents[2]
+KLEIN = REPO / "target" / "release" / "klein"
+NEGATIVE = "blurry, low quality, a dog"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    root = tmp_path_factory.mktemp("base")
+    ckpt = build_tiny(
+        root / "ckpt",
+        seed=4242,
+        transformer_overrides={"num_layers": 2, "num_single_layers": 2},
+        distilled=False,
+    )
+    bundle = convert(ckpt, root / "bundle", variant="tiny", log=lambda _: None)
+    pipe = Flux2KleinPipeline.from_pretrained(str(ckpt), dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, bundle
+
+
+def klein(bundle: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
+    assert KLEIN.is_file(), f"{KLEIN} is missing: build it with `cargo build --release` (scripts/test.sh does)"
+    cmd = [str(KLEIN), "generate", "--model", str(bundle), "-o", str(out), "--quiet", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def differing(a: np.ndarray, b: np.ndarray) -> tuple[int, float]:
+    """Largest difference in levels, and the fraction of pixels that differ."""
+    assert a.shape == b.shape
+    diff = np.abs(a.astype(int) - b.astype(int))
+    return int(diff.max()), float((diff > 0).any(axis=-1).mean())
+
+
+def noise_floor(pipe, prompt: str, seed: int, **kwargs) -> tuple[np.ndarray, float]:
+    """diffusers' image, and the fraction of its pixels a 2e-5 relative change of its prompt
+    embeddings flips."""
+    with torch.no_grad():
+        embeds, _ = pipe.encode_prompt(prompt)
+        g = torch.Generator("cpu").manual_seed(1)
+        nudged = embeds * (1 + 2e-5 * torch.randn(embeds.shape, generator=g))
+        images = [
+            np.array(pipe(prompt_embeds=e, generator=torch.Generator("cpu").manual_seed(seed), **kwargs).images[0])
+            for e in (embeds, nudged)
+        ]
+    return images[0], differing(images[0], images[1])[1]
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, floor: float, what: str) -> None:
+    top, pixels = differing(got, want)
+    allowed = max(0.01, 2 * floor)
+    print(f"{what}: max diff {top}, {100 * pixels:.2f}% of pixels differ (diffusers' own floor {100 * floor:.2f}%)")
+    assert top <= 1 and pixels <= allowed, (top, pixels, floor)
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(float) - b.astype(float)) ** 2))
+    return 10 * np.log10(255**2 / mse) if mse else float("inf")
+
+
+def test_defaults_come_from_the_checkpoint(base, tmp_path):
+    pipe, bundle = base
+    manifest = (bundle / "manifest.json").read_text()
+    assert '"is_distilled": false' in manifest and '"default_steps": 50' in manifest
+    want, floor = noise_floor(pipe, "a lighthouse", 3, width=64, height=48)
+    out = tmp_path / "k.png"
+    run = klein(bundle, out, "a lighthouse", "--width", "64", "--height", "48", "--seed", "3")
+    assert run.returncode == 0, run.stderr
+    got = Image.open(out)
+    assert got.text["steps"] == "50" and got.text["guidance"] == "4"
+    assert "negative_prompt" not in got.text
+    assert_close(np.array(got), want, floor, "base defaults (50 steps, guidance 4)")
+
+
+def test_negative_prompt_matches_diffusers(base, tmp_path):
+    pipe, bundle = base
+    with torch.no_grad():
+        negative_embeds, _ = pipe.encode_prompt(NEGATIVE)
+        kwargs = dict(prompt="a cat on a sofa", width=64, height=64, num_inference_steps=6, guidance_scale=3.5)
+        kwargs["num_images_per_prompt"] = 2
+        want = pipe(
+            **kwargs, negative_prompt_embeds=negative_embeds, generator=torch.Generator("cpu").manual_seed(8)
+        ).images
+        empty = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(8)).images[0]
+    kwargs.pop("prompt")
+    kwargs["num_images_per_prompt"] = 1
+    _, floor = noise_floor(pipe, "a cat on a sofa", 8, negative_prompt_embeds=negative_embeds, **kwargs)
+    out = tmp_path / "k.png"
+    args = ["a cat on a sofa", "--negative-prompt", NEGATIVE, "--guidance", "3.5", "--steps", "6", "--width", "64"]
+    args += ["--height", "64"]
+    run = klein(bundle, out, *args, "--seed", "8", "--num-images", "2")
+    assert run.returncode == 0, run.stderr
+    for i in (1, 2):
+        got = Image.open(tmp_path / f"k-{i}.png")
+        assert got.text["negative_prompt"] == NEGATIVE
+        assert_close(np.array(got), np.array(want[i - 1]), floor, f"negative prompt, image {i} of 2")
+    # The negative prompt changes the image: equality above means it was used.
+    moved = psnr(np.array(want[0]), np.array(empty))
+    print(f"negative prompt vs empty: {moved:.1f} dB")
+    assert moved < 40
+
+
+def test_negative_prompt_refused_without_guidance(base, tmp_path):
+    _, bundle = base
+    run = klein(bundle, tmp_path / "a.png", "x", "--negative-prompt", "y", "--guidance", "1", "--steps", "1")
+    assert run.returncode == 2 and "guidance above 1" in run.stderr, run.stderr
+    distilled = REPO / "onnx" / "klein-tiny"
+    run = klein(distilled, tmp_path / "b.png", "x", "--negative-prompt", "y", "--steps", "1")
+    assert run.returncode == 2 and "distilled" in run.stderr, run.stderr
+    assert not (tmp_path / "a.png").exists() and not (tmp_path / "b.png").exists()
