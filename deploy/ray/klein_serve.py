@@ -92,6 +92,7 @@ class Job:
     seed: int = 0
     steps: int | None = None
     guidance: float | None = None
+    negative_prompt: str | None = None
     references: list[klein.EncodedImage] = field(default_factory=list)
 
 
@@ -135,7 +136,7 @@ def check_request(body: dict[str, Any], references: list[klein.EncodedImage]) ->
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise ApiError("prompt is required: a string", "prompt")
-    for name in ("model", "user"):  # accepted; the deployment runs the model it was started with
+    for name in ("model", "user", "negative_prompt"):  # model, user: accepted, unused
         if body.get(name) is not None and not isinstance(body[name], str):
             raise ApiError(f"{name} must be a string", name)
     if body.get("response_format") not in (None, "b64_json"):
@@ -154,12 +155,6 @@ def check_request(body: dict[str, Any], references: list[klein.EncodedImage]) ->
             "denoising",
             "quality",
         )
-    if body.get("negative_prompt") not in (None, ""):
-        raise ApiError(
-            "negative_prompt is not supported by this klein version: the pipeline uses an empty negative prompt, "
-            "as diffusers' Flux2KleinPipeline",
-            "negative_prompt",
-        )
     guidance = body.get("guidance")
     if guidance is not None and (
         isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not 0 <= guidance <= klein.MAX_GUIDANCE
@@ -175,6 +170,7 @@ def check_request(body: dict[str, Any], references: list[klein.EncodedImage]) ->
         seed=secrets.randbits(63) if seed is None else seed,
         steps=_integer(body, "steps", 1, klein.MAX_STEPS),
         guidance=None if guidance is None else float(guidance),
+        negative_prompt=body.get("negative_prompt"),
         references=references,
     )
 
@@ -307,6 +303,7 @@ class KleinDeployment:
                 height=job.height,
                 num_inference_steps=job.steps,
                 guidance_scale=job.guidance,
+                negative_prompt=job.negative_prompt,
                 generator=job.seed,
                 num_images_per_prompt=job.n,
                 output_type="png",

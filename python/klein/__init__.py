@@ -292,6 +292,7 @@ class Pipeline:
         width: int | None = None,
         num_inference_steps: int | None = None,
         guidance_scale: float | None = None,
+        negative_prompt: str | None = None,
         generator: Any = None,
         num_images_per_prompt: int = 1,
         output_type: Literal["pil", "np", "png"] = "pil",
@@ -300,7 +301,9 @@ class Pipeline:
     ) -> KleinPipelineOutput | tuple[Any]:
         """Generates ``num_images_per_prompt`` images of ``prompt``, from the references in
         ``image`` if any. Defaults (None): the first reference's size, else the bundle's; the
-        bundle's steps and guidance; a random seed (returned as ``seed``). ``callback(step,
+        bundle's steps and guidance; a random seed (returned as ``seed``). ``negative_prompt``:
+        what guidance steers away from, base models with guidance above 1 only (default: empty, as
+        diffusers). ``callback(step,
         total)`` runs after every denoising step; returning ``False`` raises ``CancelledError``,
         and so does Ctrl-C (``KeyboardInterrupt``) between steps. With ``return_dict=False``, the
         tuple ``(images,)`` as diffusers."""
@@ -320,6 +323,7 @@ class Pipeline:
             height=_count("height", height),
             steps=_count("num_inference_steps", num_inference_steps),
             guidance=_number("guidance_scale", guidance_scale),
+            negative_prompt=negative_prompt,
             seed=_seed(generator),
             num_images=count,
             png=output_type == "png",

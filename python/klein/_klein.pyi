@@ -79,6 +79,7 @@ class Pipeline:
         height: int | None = None,
         steps: int | None = None,
         guidance: float | None = None,
+        negative_prompt: str | None = None,
         seed: int = 0,
         num_images: int = 1,
         png: bool = False,

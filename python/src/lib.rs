@@ -399,7 +399,7 @@ impl PyPipeline {
     /// Generates `num_images` images for `prompt` with the GIL released. `references`: paths
     /// (labelled by the string as given) or `(file bytes, label)` pairs. `callback(step, total)`
     /// runs after every denoising step; returning `False` cancels.
-    #[pyo3(signature = (prompt, *, references = Vec::new(), width = None, height = None, steps = None, guidance = None, seed = 0, num_images = 1, png = false, callback = None))]
+    #[pyo3(signature = (prompt, *, references = Vec::new(), width = None, height = None, steps = None, guidance = None, negative_prompt = None, seed = 0, num_images = 1, png = false, callback = None))]
     #[allow(clippy::too_many_arguments)] // the keyword arguments of a Python call
     fn generate(
         &self,
@@ -410,6 +410,7 @@ impl PyPipeline {
         height: Option<u32>,
         steps: Option<usize>,
         guidance: Option<f64>,
+        negative_prompt: Option<String>,
         seed: u64,
         num_images: usize,
         png: bool,
@@ -422,6 +423,7 @@ impl PyPipeline {
         request.height = height;
         request.steps = steps;
         request.guidance = guidance;
+        request.negative_prompt = negative_prompt;
         // Every number given, before a file is read or a graph loaded.
         request.check_bounds().map_err(|e| to_py_err(py, &e))?;
         klein::pipeline::request::check_reference_count(references.len())

@@ -255,3 +255,9 @@ def test_type_stubs_match_the_native_module():
                 members -= {"args", "with_traceback", "add_note"}
             assert stub_names(cls) == members, cls.name
     assert (Path(klein.__file__).parent / "py.typed").is_file()
+
+
+def test_negative_prompt_needs_a_base_model(pipe):
+    # The tiny model is distilled: no guidance, so a negative prompt would change nothing.
+    with pytest.raises(klein.InvalidInputError, match="distilled"):
+        pipe("a fox", width=64, height=64, generator=1, negative_prompt="blurry")
