@@ -92,6 +92,8 @@ def build_manifest(ckpt, tokenizer_facts: dict, graphs: dict, name: str, variant
             "spatial_factor": spatial,
             "batch_norm_eps": vae["batch_norm_eps"],
             "block_out_channels": vae["block_out_channels"],
+            # The tile side of tiled decoding and encoding (diffusers' tile_sample_min_size).
+            "sample_size": _first(vae.get("sample_size", 1024)),
         },
         "latents": {"channels": vae["latent_channels"] * patch[0] * patch[1], "pixel_multiple": spatial * patch[0]},
         "references": dict(REFERENCES),
@@ -130,3 +132,9 @@ def write_manifest(manifest: dict, bundle_dir: Path):
 def read_manifest(bundle_dir) -> dict:
     """The bundle's manifest; BundleError naming the file when it is missing or not JSON."""
     return read_json(Path(bundle_dir) / MANIFEST, BundleError, "not a klein bundle")
+
+
+def _first(value):
+    """A config number that may be given per axis (`sample_size: [1024, 1024]`): the first, as
+    diffusers reads it."""
+    return value[0] if isinstance(value, (list, tuple)) else value

@@ -157,6 +157,14 @@ pub struct VaeSpec {
     pub batch_norm_eps: f64,
     /// Channel widths of the VAE blocks.
     pub block_out_channels: Vec<usize>,
+    /// The VAE config's `sample_size`: the side in pixels of a tile of tiled decoding and
+    /// encoding. Bundles exported before it was recorded get diffusers' default, 1024.
+    #[serde(default = "default_vae_sample_size")]
+    pub sample_size: usize,
+}
+
+fn default_vae_sample_size() -> usize {
+    1024
 }
 
 /// `latents`: the packed latent layout.

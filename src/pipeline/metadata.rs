@@ -53,6 +53,9 @@ impl Pipeline {
         if let Some(negative) = &g.negative_prompt {
             text.push(("negative_prompt".into(), negative.clone()));
         }
+        if g.vae_tiled {
+            text.push(("vae_tiling".into(), "on".into()));
+        }
         text.extend([
             ("seed".into(), g.seed.to_string()),
             ("steps".into(), g.steps.to_string()),

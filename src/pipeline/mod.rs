@@ -13,7 +13,7 @@
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
-use ndarray::{concatenate, s, Array2, Array3, Array4, ArrayView3, Axis, Ix3, Ix4};
+use ndarray::{concatenate, s, Array2, Array3, Array4, ArrayView3, ArrayView4, Axis, Ix3, Ix4};
 
 mod denoise;
 mod graphs;
@@ -26,7 +26,7 @@ pub mod prompts;
 pub mod request;
 
 pub use denoise::{DenoiseContext, ReferenceTokens};
-pub use options::PipelineOptions;
+pub use options::{PipelineOptions, VaeTiling};
 pub use progress::{Progress, ProgressFn, Stage, Timings};
 pub use prompts::{CacheLookup, PromptCache, PromptEmbeds, PromptMemo};
 pub use request::Request;
@@ -51,6 +51,7 @@ use crate::stages::reference::{
 };
 use crate::stages::schedule::{compute_empirical_mu, schedule, Schedule};
 use crate::stages::tokenize::PromptTokenizer;
+use crate::stages::vae_tiling::{patchify, stitch, unpatchify, TileLayout};
 
 /// The result of [`Pipeline::generate`].
 #[derive(Debug, Clone)]
@@ -63,6 +64,8 @@ pub struct Generation {
     pub seed: u64,
     /// The negative prompt guidance ran with, when the request gave one.
     pub negative_prompt: Option<String>,
+    /// Whether the VAE decoded in tiles ([`VaeTiling`]).
+    pub vae_tiled: bool,
     pub prompt_truncated: bool,
     pub timings: Timings,
 }
@@ -84,6 +87,7 @@ pub struct Pipeline {
     scratch: PathBuf,
     /// Problems that did not stop a stage ([`Pipeline::take_warnings`]).
     warnings: Vec<String>,
+    vae_tiling: VaeTiling,
 }
 
 impl Pipeline {
@@ -100,6 +104,7 @@ impl Pipeline {
             cache_dir,
             prompt_cache_dir,
             loras,
+            vae_tiling,
         } = options;
         request::check_session(&session)?;
         lora::check_specs(&loras)?;
@@ -137,6 +142,7 @@ impl Pipeline {
             loras,
             scratch,
             warnings: Vec::new(),
+            vae_tiling,
         })
     }
 
@@ -360,18 +366,25 @@ impl Pipeline {
             Some(first) => self.bucket_of_size(first.width, first.height)?,
             None => None,
         };
+        let tiled = references
+            .iter()
+            .map(|r| self.vae_tiles(r.width as usize, r.height as usize))
+            .collect::<Result<Vec<bool>>>()?;
+        let layout = tiled
+            .iter()
+            .any(|&t| t)
+            .then(|| self.vae_layout(false))
+            .transpose()?;
         let graph = self.graph(Component::VaeEncoder, bucket, &mut progress)?;
         let (tokens, grids) = timed(&mut progress, Stage::EncodeReferences, |_| {
             let mut packed = Vec::with_capacity(references.len());
             let mut grids = Vec::with_capacity(references.len());
-            for reference in references {
-                let mut out =
-                    graph.run(&[("image", TensorInput::from(reference.pixels.view()))])?;
+            for (reference, &tiled) in references.iter().zip(&tiled) {
                 // [1, 128, h, w]
-                let latents = out
-                    .take("latents")?
-                    .into_dimensionality::<Ix4>()
-                    .map_err(|e| internal("vae latents", e))?;
+                let latents = match layout.filter(|_| tiled) {
+                    Some(layout) => encode_tiles(graph, reference.pixels.view(), layout)?,
+                    None => encode_image(graph, reference.pixels.view())?,
+                };
                 grids.push((latents.dim().2, latents.dim().3));
                 packed.push(pack_latents(latents.view())); // -> [1, h*w, 128]
             }
@@ -429,16 +442,51 @@ impl Pipeline {
         let grid = unpack_latents(latents, lat_h, lat_w)?; // [B, h*w, 128] -> [B, 128, h, w]
         let m = self.manifest.latents.pixel_multiple;
         let bucket = self.bucket_of_size(lat_w as u32 * m, lat_h as u32 * m)?;
+        let tiled = self.vae_tiles(lat_w * m as usize, lat_h * m as usize)?;
+        let layout = tiled.then(|| self.vae_layout(true)).transpose()?;
         let graph = self.graph(Component::VaeDecoder, bucket, &mut progress)?;
         timed(&mut progress, Stage::Decode, |_| {
-            let mut out = graph.run(&[("latents", TensorInput::from(grid.view()))])?;
             // [B, 3, 16h, 16w]
-            let decoded = out
-                .take("image")?
-                .into_dimensionality::<Ix4>()
-                .map_err(|e| internal("decoded image", e))?;
+            let decoded = match layout {
+                Some(layout) => decode_tiles(graph, grid.view(), layout)?,
+                None => decode_latents(graph, grid.view())?,
+            };
             Ok(to_rgb_images(decoded.view()))
         })
+    }
+
+    /// Whether an image (or reference) of `width` x `height` pixels goes through the VAE in
+    /// tiles. Static-shape graphs take their sizes only: `On` is refused there, `Auto` is off.
+    fn vae_tiles(&self, width: usize, height: usize) -> Result<bool> {
+        let tiles = self
+            .vae_tiling
+            .applies(width, height, self.manifest.vae.sample_size);
+        if tiles && self.manifest.static_shapes.is_some() {
+            if self.vae_tiling == VaeTiling::On {
+                return Err(KleinError::Request(
+                    "VAE tiling needs graphs that take any size; this is a static-shape bundle"
+                        .into(),
+                ));
+            }
+            return Ok(false);
+        }
+        Ok(tiles)
+    }
+
+    /// The tiles of the bundle's VAE (`vae.sample_size`) for the decoder or the encoder, checked
+    /// to be slices of what the graph takes: even latent cells (the decoder takes 2x2 patches),
+    /// multiples of the pixel multiple (the encoder's images).
+    fn vae_layout(&self, decoder: bool) -> Result<TileLayout> {
+        let vae = &self.manifest.vae;
+        if decoder {
+            let layout = TileLayout::decoder(vae.sample_size, vae.spatial_factor);
+            layout.check_aligned(vae.patch_size, "decoder")?;
+            Ok(layout)
+        } else {
+            let layout = TileLayout::encoder(vae.sample_size, vae.spatial_factor);
+            layout.check_aligned(self.manifest.latents.pixel_multiple as usize, "encoder")?;
+            Ok(layout)
+        }
     }
 
     /// Runs every stage for `request`. `progress` may cancel between steps and stages.
@@ -550,10 +598,75 @@ impl Pipeline {
             guidance,
             seed: request.seed,
             negative_prompt: request.negative_prompt.clone(),
+            vae_tiled: self.vae_tiles(width as usize, height as usize)?,
             prompt_truncated: embeds.truncated,
             timings: Timings::new(),
         })
     }
+}
+
+/// The whole image through the VAE encoder: `[1, 3, H, W]` -> `[1, 128, H/16, W/16]`.
+fn encode_image(graph: &mut Graph, pixels: ArrayView4<f32>) -> Result<Array4<f32>> {
+    let mut out = graph.run(&[("image", TensorInput::from(pixels))])?;
+    out.take("latents")?
+        .into_dimensionality::<Ix4>()
+        .map_err(|e| internal("vae latents", e))
+}
+
+/// The image through the encoder in tiles ([`crate::stages::vae_tiling`]): each tile's latents,
+/// unpatchified, are blended and joined as diffusers' `_tiled_encode` joins its tiles' moments,
+/// then patchified again. `[1, 3, H, W]` -> `[1, 128, H/16, W/16]`.
+fn encode_tiles(
+    graph: &mut Graph,
+    pixels: ArrayView4<f32>,
+    layout: TileLayout,
+) -> Result<Array4<f32>> {
+    let (_, _, height, width) = pixels.dim();
+    let mut grid = Vec::new();
+    for i in layout.starts(height) {
+        let mut row = Vec::new();
+        for j in layout.starts(width) {
+            let tile = pixels.slice(s![
+                ..,
+                ..,
+                i..(i + layout.tile).min(height),
+                j..(j + layout.tile).min(width)
+            ]);
+            row.push(unpatchify(encode_image(graph, tile)?.view())); // [1, 32, th/8, tw/8]
+        }
+        grid.push(row);
+    }
+    Ok(patchify(stitch(grid, layout.blend, layout.keep)?.view()))
+}
+
+/// The latents through the VAE decoder at once: `[B, 128, h, w]` -> `[B, 3, 16h, 16w]`.
+fn decode_latents(graph: &mut Graph, latents: ArrayView4<f32>) -> Result<Array4<f32>> {
+    let mut out = graph.run(&[("latents", TensorInput::from(latents))])?;
+    out.take("image")?
+        .into_dimensionality::<Ix4>()
+        .map_err(|e| internal("decoded image", e))
+}
+
+/// The latents through the decoder in tiles, as diffusers' `tiled_decode` over `z` (whose tiles
+/// of even cells are these latents' tiles of half as many): `[B, 128, h, w]` -> `[B, 3, 16h, 16w]`.
+fn decode_tiles(
+    graph: &mut Graph,
+    latents: ArrayView4<f32>,
+    layout: TileLayout,
+) -> Result<Array4<f32>> {
+    let (_, _, h, w) = latents.dim();
+    let (zh, zw) = (2 * h, 2 * w); // cells of z
+    let mut grid = Vec::new();
+    for i in layout.starts(zh) {
+        let mut row = Vec::new();
+        for j in layout.starts(zw) {
+            let (bottom, right) = ((i + layout.tile).min(zh), (j + layout.tile).min(zw));
+            let tile = latents.slice(s![.., .., i / 2..bottom / 2, j / 2..right / 2]);
+            row.push(decode_latents(graph, tile)?);
+        }
+        grid.push(row);
+    }
+    stitch(grid, layout.blend, layout.keep)
 }
 
 /// An error of the pipeline's own arithmetic (a shape that cannot happen with a valid bundle).

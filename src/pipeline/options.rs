@@ -22,6 +22,53 @@ pub struct PipelineOptions {
     pub(crate) prompt_cache_dir: Option<PathBuf>,
     /// LoRAs merged into the transformer ([`crate::pipeline::Pipeline::set_loras`]).
     pub(crate) loras: Vec<LoraSpec>,
+    /// Tiled VAE decoding and encoding.
+    pub(crate) vae_tiling: VaeTiling,
+}
+
+/// Tiled VAE decoding and encoding ([`crate::stages::vae_tiling`]), as diffusers'
+/// `vae.enable_tiling()`: an image (or reference) larger than the VAE's tile (`vae.sample_size`,
+/// 1024 px for FLUX.2) goes through the VAE in overlapping tiles, so the decoder's memory is one
+/// tile's. The image differs slightly from an untiled one (blended seams), as in diffusers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum VaeTiling {
+    /// Never tile.
+    Off,
+    /// Tile every image with a side larger than the tile, as diffusers with tiling enabled.
+    On,
+    /// Tile images of more than [`AUTO_TILING_PIXELS`] (and a side larger than the tile):
+    /// the default size and below decode whole, exactly as diffusers without tiling.
+    #[default]
+    Auto,
+}
+
+/// Above this many pixels (1024x1024), [`VaeTiling::Auto`] tiles. The real VAE's mid-block
+/// attention over 1536x1536 pixels holds a 36864 x 36864 float matrix (5.4 GB) when ONNX Runtime
+/// does not fuse it; a 1024x1024 tile holds 1 GB.
+pub const AUTO_TILING_PIXELS: u64 = 1024 * 1024;
+
+impl VaeTiling {
+    /// Whether an image of `width` x `height` pixels goes through the VAE in tiles of `tile` px.
+    pub fn applies(self, width: usize, height: usize, tile: usize) -> bool {
+        let larger = width > tile || height > tile;
+        match self {
+            VaeTiling::Off => false,
+            VaeTiling::On => larger,
+            VaeTiling::Auto => larger && (width * height) as u64 > AUTO_TILING_PIXELS,
+        }
+    }
+}
+
+impl std::str::FromStr for VaeTiling {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "on" => Ok(VaeTiling::On),
+            "off" => Ok(VaeTiling::Off),
+            "auto" => Ok(VaeTiling::Auto),
+            _ => Err(format!("`{s}`: give on, off or auto")),
+        }
+    }
 }
 
 impl Default for PipelineOptions {
@@ -34,6 +81,7 @@ impl Default for PipelineOptions {
             cache_dir: None,
             prompt_cache_dir: None,
             loras: Vec::new(),
+            vae_tiling: VaeTiling::default(),
         }
     }
 }
@@ -43,6 +91,11 @@ impl PipelineOptions {
     /// [`crate::pipeline::Pipeline::set_loras`].
     pub fn with_loras(mut self, loras: Vec<LoraSpec>) -> Self {
         self.loras = loras;
+        self
+    }
+    /// Tiled VAE decoding and encoding (default: [`VaeTiling::Auto`]).
+    pub fn with_vae_tiling(mut self, tiling: VaeTiling) -> Self {
+        self.vae_tiling = tiling;
         self
     }
     /// Runs the graphs on `device` (default: [`Device::Auto`]).

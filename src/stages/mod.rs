@@ -1,6 +1,6 @@
 //! The pure stages of the pipeline, each as diffusers computes it, with no ONNX Runtime: prompt
 //! tokens, seeded noise, latent packing and position ids, the flow-matching schedule, reference
-//! preprocessing, LoRA files, and the output's pixels.
+//! preprocessing, LoRA files, the output's pixels, and the tiles of tiled VAE runs.
 pub mod latents;
 pub mod lora;
 pub mod noise;
@@ -8,3 +8,4 @@ pub mod output;
 pub mod reference;
 pub mod schedule;
 pub mod tokenize;
+pub mod vae_tiling;

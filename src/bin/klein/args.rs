@@ -3,7 +3,7 @@ use std::path::PathBuf;
 
 use clap::{ArgGroup, Args, Parser, Subcommand};
 use klein::limits::MAX_BATCH;
-use klein::pipeline::{LoraSpec, PipelineOptions};
+use klein::pipeline::{LoraSpec, PipelineOptions, VaeTiling};
 use klein::runtime::{
     ComputeUnits, ConvSearch, CoreMlOptions, CudaOptions, Device, RuntimeOptions,
 };
@@ -152,6 +152,9 @@ pub(crate) struct LoadArgs {
     /// the check while no file changes
     #[arg(long)]
     pub(crate) no_verify_hashes: bool,
+    /// Tiled VAE decoding and encoding, as diffusers' vae.enable_tiling(): on (every image larger than the VAE's 1024 px tile), off, or auto (images over 1024x1024 pixels)
+    #[arg(long, value_name = "on|off|auto", default_value = "auto")]
+    pub(crate) vae_tiling: VaeTiling,
     /// ONNX Runtime shared library [default: $ORT_DYLIB_PATH, else the one set up at build time]
     #[arg(long)]
     pub(crate) ort_lib: Option<PathBuf>,
@@ -231,6 +234,7 @@ pub(crate) fn pipeline_options(
         .with_device(device)
         .with_runtime(runtime)
         .with_verify_hashes(!args.no_verify_hashes)
+        .with_vae_tiling(args.vae_tiling)
         .with_loras(loras);
     if let Some(threads) = args.threads {
         options = options.with_threads(threads);
