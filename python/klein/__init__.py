@@ -253,7 +253,9 @@ class Pipeline:
     bundle's files against its manifest (skipped while a stamp in the cache vouches for them).
     ``keep_text_encoder``: keep the text encoder loaded between calls (faster for many prompts; by
     default its memory goes back before the transformer loads, and it loads again on the next call).
-    ``ort_lib``: the ONNX Runtime library (default: the ``onnxruntime`` package's).
+    ``vae_tiling``: ``"auto"`` (tile the VAE above 1024x1024 pixels), ``"on"`` (as diffusers'
+    ``vae.enable_tiling()``) or ``"off"``. ``ort_lib``: the ONNX Runtime library (default: the
+    ``onnxruntime`` package's).
     """
 
     def __init__(
@@ -265,6 +267,7 @@ class Pipeline:
         loras: Sequence[LoraInput] | None = None,
         verify_hashes: bool = True,
         keep_text_encoder: bool = False,
+        vae_tiling: Literal["auto", "on", "off"] = "auto",
         ort_lib: str | os.PathLike[str] | None = None,
     ) -> None:
         if model is None:
@@ -280,6 +283,7 @@ class Pipeline:
             loras=_loras(loras),
             verify_hashes=bool(verify_hashes),
             keep_text_encoder=bool(keep_text_encoder),
+            vae_tiling=str(vae_tiling),
             ort_lib=os.fsdecode(find_ort_library(ort_lib)),
         )
 

@@ -68,6 +68,7 @@ class Pipeline:
         loras: Sequence[str | os.PathLike[str] | tuple[str | os.PathLike[str], float]] = [],
         verify_hashes: bool = True,
         keep_text_encoder: bool = False,
+        vae_tiling: str = "auto",
         ort_lib: str | os.PathLike[str] | None = None,
     ) -> Pipeline: ...
     def generate(

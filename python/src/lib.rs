@@ -17,7 +17,7 @@ use klein::error::chain;
 use klein::limits;
 use klein::pipeline::metadata::variant_name;
 use klein::pipeline::{
-    Generation, LoraSpec, Pipeline, PipelineOptions, Progress, Request, Timings,
+    Generation, LoraSpec, Pipeline, PipelineOptions, Progress, Request, Timings, VaeTiling,
 };
 use klein::runtime::{Device, RuntimeOptions};
 use klein::stages::output::{encode_image, ImageFormat};
@@ -341,7 +341,7 @@ impl PyPipeline {
     /// Loads the bundle at `model` (see `klein.Pipeline`; here every argument is explicit).
     #[new]
     #[allow(clippy::too_many_arguments)] // the keyword arguments of a Python call
-    #[pyo3(signature = (model, *, device = "cpu", threads = None, loras = Vec::new(), verify_hashes = true, keep_text_encoder = false, ort_lib = None))]
+    #[pyo3(signature = (model, *, device = "cpu", threads = None, loras = Vec::new(), verify_hashes = true, keep_text_encoder = false, vae_tiling = "auto", ort_lib = None))]
     fn new(
         py: Python<'_>,
         model: PathBuf,
@@ -350,9 +350,13 @@ impl PyPipeline {
         loras: Vec<LoraArg>,
         verify_hashes: bool,
         keep_text_encoder: bool,
+        vae_tiling: &str,
         ort_lib: Option<PathBuf>,
     ) -> PyResult<Self> {
         let device = Device::from_str(device).map_err(|e| to_py_err(py, &e))?;
+        let vae_tiling = VaeTiling::from_str(vae_tiling).map_err(|message| {
+            to_py_err(py, &KleinError::Request(format!("vae_tiling {message}")))
+        })?;
         let loras: Vec<LoraSpec> = loras.into_iter().map(LoraArg::spec).collect();
         let mut runtime = RuntimeOptions::default();
         if let Some(library) = ort_lib {
@@ -363,6 +367,7 @@ impl PyPipeline {
             .with_runtime(runtime)
             .with_verify_hashes(verify_hashes)
             .with_keep_text_encoder(keep_text_encoder)
+            .with_vae_tiling(vae_tiling)
             .with_loras(loras.clone());
         if let Some(threads) = threads {
             options = options.with_threads(threads);

@@ -261,3 +261,13 @@ def test_negative_prompt_needs_a_base_model(pipe):
     # The tiny model is distilled: no guidance, so a negative prompt would change nothing.
     with pytest.raises(klein.InvalidInputError, match="distilled"):
         pipe("a fox", width=64, height=64, generator=1, negative_prompt="blurry")
+
+
+def test_vae_tiling_is_the_cli_file(tiny_bundle, klein_bin, tmp_path):
+    cli(klein_bin, tiny_bundle, tmp_path / "t.png", "a harbour", "--width", "176", "--height", "112", "--seed", "2",
+        "--vae-tiling", "on")  # fmt: skip
+    tiled = klein.Pipeline(tiny_bundle, vae_tiling="on")
+    out = tiled("a harbour", width=176, height=112, generator=2, output_type="png")
+    assert out.images == [(tmp_path / "t.png").read_bytes()]
+    with pytest.raises(klein.InvalidInputError, match="vae_tiling"):
+        klein.Pipeline(tiny_bundle, vae_tiling="sometimes")
