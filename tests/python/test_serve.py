@@ -6,6 +6,7 @@ timeouts, auth, metrics, graceful shutdown; and every kind of bad request gets a
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 import re
@@ -20,6 +21,7 @@ from pathlib import Path
 import httpx2 as httpx
 import openai
 import pytest
+from PIL import Image
 
 PROMPT = "a red fox in the snow"
 # A long job on the tiny model (~10-20 s at 128x128, 1000 steps), cut short by the tests that use it.
@@ -432,8 +434,19 @@ def test_bad_edit_requests(server: Server, repo: Path):
 
 
 def test_body_limit_and_unknown_routes(klein_bin: Path, tiny_bundle: Path):
-    s = Server(klein_bin, tiny_bundle, "--max-body-mib", "1")
+    s = Server(klein_bin, tiny_bundle, "--max-body-mib", "1", "--max-pixels", str(2 * 64 * 64))
     try:
+        # Pixels per request: two 64x64 images fit, three do not; nor does a reference's size.
+        ok = httpx.post(f"{s.url}/v1/images/generations", json={"prompt": "x", "size": "64x64", "n": 2}, timeout=60)
+        assert ok.status_code == 200, ok.text
+        three = {"prompt": "x", "size": "64x64", "n": 3}
+        err = error_of(httpx.post(f"{s.url}/v1/images/generations", json=three, timeout=60), 400)
+        assert err["param"] == "size" and "--max-pixels" in err["message"]
+        buffer = io.BytesIO()
+        Image.new("RGB", (128, 96), (200, 30, 30)).save(buffer, format="PNG")
+        files = [("prompt", (None, "x")), ("image", ("red.png", buffer.getvalue()))]  # auto size: 128x96
+        err = error_of(httpx.post(f"{s.url}/v1/images/edits", files=files, timeout=60), 400)
+        assert err["param"] == "size"
         big = {"prompt": "x", "refs": [{"data": "A" * (2 << 20)}]}
         assert error_of(httpx.post(f"{s.url}/v1/klein/generate", json=big), 413)["type"] == "payload_too_large"
         files = {"image": ("big.png", b"\0" * (2 << 20))}

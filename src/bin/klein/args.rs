@@ -52,6 +52,9 @@ pub(crate) struct ServeArgs {
     /// Largest request body in MiB (uploaded references, base64 included), 1 to 1024
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub(crate) max_body_mib: u16,
+    /// Most pixels one request may ask for, images x width x height (1 to 335544320) [default: 8388608, eight 1024x1024 images]; more gets 400
+    #[arg(long, default_value_t = 8 << 20, value_parser = clap::value_parser!(u64).range(1..=335_544_320))]
+    pub(crate) max_pixels: u64,
     /// Bearer token every request but /healthz and /readyz must carry [default: $KLEIN_API_KEY; none: no check]. Prefer the variable: a flag shows in the process list
     #[arg(long, value_name = "KEY")]
     pub(crate) api_key: Option<String>,

@@ -101,6 +101,7 @@ pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
             queue: queue.clone(),
             metrics: metrics.clone(),
             loaded: AtomicUsize::new(0),
+            max_pixels: args.max_pixels,
         });
         let state = Arc::new(AppState {
             queue,

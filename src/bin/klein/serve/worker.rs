@@ -19,6 +19,8 @@ use super::metrics::Metrics;
 /// pipelines have loaded their graphs.
 pub(crate) struct Shared {
     pub(crate) jobs: Mutex<Receiver<Job>>,
+    /// `--max-pixels`: images x width x height of one request.
+    pub(crate) max_pixels: u64,
     pub(crate) queue: Arc<Queue>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) loaded: AtomicUsize,
@@ -60,7 +62,7 @@ pub(crate) fn run(mut pipeline: Pipeline, shared: Arc<Shared>) {
             .observe_queue_wait(job.queued_at.elapsed().as_secs_f64());
         let start = Instant::now();
         let result = catch_unwind(AssertUnwindSafe(|| {
-            run_job(&mut pipeline, &job, &bundle_hash)
+            run_job(&mut pipeline, &job, &bundle_hash, shared.max_pixels)
         }))
         .unwrap_or_else(|_| {
             Err(ApiError::new(
@@ -86,7 +88,12 @@ fn cancelled() -> ApiError {
 }
 
 /// One generation: LoRAs, references, the pipeline, the encoded images.
-fn run_job(pipeline: &mut Pipeline, job: &Job, bundle_hash: &str) -> Result<JobOutput, ApiError> {
+fn run_job(
+    pipeline: &mut Pipeline,
+    job: &Job,
+    bundle_hash: &str,
+    max_pixels: u64,
+) -> Result<JobOutput, ApiError> {
     let spec = &job.spec;
     let _ = job.events.send(JobEvent::Started);
     let current: Vec<LoraSpec> = pipeline
@@ -112,6 +119,20 @@ fn run_job(pipeline: &mut Pipeline, job: &Job, bundle_hash: &str) -> Result<JobO
             .decode_reference(&upload.bytes, Path::new(&upload.label))
             .map_err(|e| ApiError::from_klein(&e, Some("image")))?;
         request.references.push(reference);
+    }
+    // The size is known once the references are: `auto` takes the first one's.
+    let (width, height) = pipeline
+        .output_size(&request)
+        .map_err(|e| ApiError::from_klein(&e, Some("size")))?;
+    let pixels = u64::from(width) * u64::from(height) * spec.num_images as u64;
+    if pixels > max_pixels {
+        return Err(ApiError::field(
+            "size",
+            format!(
+                "{} image(s) of {width}x{height} are {pixels} pixels; this server takes at most {max_pixels} per request (--max-pixels)",
+                spec.num_images
+            ),
+        ));
     }
     let mut on_progress = |event: Progress| {
         let event = match event {
