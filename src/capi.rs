@@ -36,7 +36,7 @@ use std::slice;
 use crate::error::KleinError;
 use crate::limits::MAX_LORAS;
 use crate::pipeline::request::check_reference_count;
-use crate::pipeline::{LoraSpec, Pipeline, PipelineOptions, Progress, Request};
+use crate::pipeline::{LoraSpec, Pipeline, PipelineOptions, Progress, Request, VaeTiling};
 use crate::runtime::{CoreMlOptions, CudaOptions, RuntimeOptions};
 
 /// The result of every call.
@@ -82,6 +82,9 @@ pub struct KleinOptions {
     pub coreml_cache_dir: *const c_char,
     /// CUDA: largest size of ONNX Runtime's GPU memory arena in bytes; 0: no limit.
     pub cuda_memory_limit: u64,
+    /// Tiled VAE decoding and encoding: `"auto"` (images over 1024x1024 pixels), `"on"` (as
+    /// diffusers' `vae.enable_tiling()`) or `"off"`; NULL: `"auto"`.
+    pub vae_tiling: *const c_char,
 }
 
 /// What to generate: one image. Zero-initialise, then set what you need.
@@ -480,6 +483,7 @@ unsafe fn pipeline_options(options: &KleinOptions) -> Result<PipelineOptions, Fa
         coreml_units,
         coreml_cache_dir,
         cuda_memory_limit,
+        vae_tiling,
     } = *options;
     let mut result = PipelineOptions::default();
     // SAFETY: the caller's guarantee.
@@ -488,6 +492,13 @@ unsafe fn pipeline_options(options: &KleinOptions) -> Result<PipelineOptions, Fa
     }
     if threads > 0 {
         result = result.with_threads(threads as usize);
+    }
+    // SAFETY: the caller's guarantee.
+    if let Some(tiling) = unsafe { optional_str(vae_tiling, "options.vae_tiling") }? {
+        let tiling = tiling
+            .parse::<VaeTiling>()
+            .map_err(|e| Failure::invalid(format!("options.vae_tiling {e}")))?;
+        result = result.with_vae_tiling(tiling);
     }
     // SAFETY: the caller's guarantee.
     if let Some(library) = unsafe { optional_str(ort_library, "options.ort_library") }? {

@@ -184,6 +184,7 @@ pub(crate) fn cpu_options(library: &CStr, threads: u32) -> KleinOptions {
         coreml_units: ptr::null(),
         coreml_cache_dir: ptr::null(),
         cuda_memory_limit: 0,
+        vae_tiling: ptr::null(),
     }
 }
 
@@ -252,6 +253,15 @@ fn entry_points_check_their_arguments() {
         &["unknown device `tpu`", "cpu, cuda, cuda:N, coreml or auto"],
     );
 
+    let bad_tiling = KleinOptions {
+        vae_tiling: c"sometimes".as_ptr(),
+        ..options
+    };
+    let (status, message) =
+        call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &bad_tiling, &mut pipeline, m) });
+    assert_eq!(status, KLEIN_ERROR_INVALID_ARGUMENT, "{message}");
+    assert_mentions(&message, &["options.vae_tiling", "on, off or auto"]);
+
     let bad_units = KleinOptions {
         coreml_units: c"gpu".as_ptr(),
         ..options
@@ -268,6 +278,7 @@ fn entry_points_check_their_arguments() {
         coreml_units: c"cpu-gpu".as_ptr(),
         coreml_cache_dir: cache_c.as_ptr(),
         cuda_memory_limit: 1 << 30,
+        vae_tiling: c"on".as_ptr(),
         ..options
     };
     let mut other: *mut KleinPipeline = ptr::null_mut();
