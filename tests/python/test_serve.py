@@ -16,6 +16,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx2 as httpx
@@ -518,3 +519,27 @@ def test_bad_command_lines_exit_2(klein_bin: Path, tiny_bundle: Path, tmp_path: 
         r = subprocess.run([str(klein_bin), "serve", "--port", "0", *args], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2, (args, r.stderr)
         assert needle in r.stderr, (args, r.stderr)
+
+
+def test_one_pipeline_per_device(klein_bin: Path, tiny_bundle: Path, tmp_path: Path):
+    """Two pipelines (cpu, and auto, which is the CPU here) share the queue: both run at once, and
+    each answer is the CLI's file."""
+    s = Server(klein_bin, tiny_bundle, "--device", "cpu", "--device", "auto", "--threads", "1")
+    try:
+        assert httpx.get(f"{s.url}/readyz").json()["pipelines"] == 2
+        bodies = [{"prompt": PROMPT, "size": "64x64", "seed": seed, "steps": 3} for seed in range(4)]
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(
+                pool.map(lambda b: httpx.post(f"{s.url}/v1/images/generations", json=b, timeout=120), bodies)
+            )
+        for seed, answer in enumerate(answers):
+            assert answer.status_code == 200, answer.text
+            got = base64.b64decode(answer.json()["data"][0]["b64_json"])
+            args = ["--width", "64", "--height", "64", "--seed", str(seed), "--steps", "3"]
+            (tmp_path / str(seed)).mkdir()
+            assert [got] == cli_png(klein_bin, tiny_bundle, tmp_path / str(seed), PROMPT, *args)
+        # Both pipelines took work.
+        jobs = [s.metric(f'klein_pipeline_jobs_total{{pipeline="{i}"}}') for i in (0, 1)]
+        assert sum(jobs) == 4 and min(jobs) >= 1, jobs
+    finally:
+        assert s.stop() == 0

@@ -66,6 +66,8 @@ pub(crate) struct Metrics {
     job_seconds: Mutex<Histogram>,
     images: AtomicU64,
     abandoned: AtomicU64,
+    /// Generations each pipeline ran (by its index: the order of `--device`).
+    pipeline_jobs: Mutex<BTreeMap<usize, u64>>,
 }
 
 /// Gauges read from the queue when `/metrics` is rendered.
@@ -110,6 +112,11 @@ impl Metrics {
         }
         lock(&self.job_seconds).observe(seconds);
         self.images.fetch_add(images as u64, Ordering::Relaxed);
+    }
+
+    /// A job pipeline `index` took.
+    pub(crate) fn count_pipeline_job(&self, index: usize) {
+        *lock(&self.pipeline_jobs).entry(index).or_default() += 1;
     }
 
     /// Mean seconds of a generation so far (for Retry-After).
@@ -166,6 +173,10 @@ impl Metrics {
             let _ = writeln!(out, "klein_errors_total{{kind=\"{kind}\"}} {n}");
         }
         let _ = writeln!(out, "# HELP klein_abandoned_total Generations cancelled because their client went away or timed out.\n# TYPE klein_abandoned_total counter\nklein_abandoned_total {}", self.abandoned.load(Ordering::Relaxed));
+        let _ = writeln!(out, "# HELP klein_pipeline_jobs_total Jobs each pipeline ran (the order of --device).\n# TYPE klein_pipeline_jobs_total counter");
+        for (index, n) in lock(&self.pipeline_jobs).iter() {
+            let _ = writeln!(out, "klein_pipeline_jobs_total{{pipeline=\"{index}\"}} {n}");
+        }
         let _ = writeln!(out, "# HELP klein_images_total Images generated.\n# TYPE klein_images_total counter\nklein_images_total {}", self.images.load(Ordering::Relaxed));
 
         let _ = writeln!(out, "# HELP klein_request_seconds HTTP request latency by route.\n# TYPE klein_request_seconds histogram");

@@ -122,7 +122,7 @@ pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 let shared = shared.clone();
                 std::thread::Builder::new()
                     .name(format!("klein-pipeline-{i}"))
-                    .spawn(move || worker::run(pipeline, shared))
+                    .spawn(move || worker::run(i, pipeline, shared))
             })
             .collect::<Result<_, _>>()
             .context("starting the pipeline threads")?;

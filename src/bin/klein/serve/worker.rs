@@ -26,10 +26,11 @@ pub(crate) struct Shared {
     pub(crate) loaded: AtomicUsize,
 }
 
-/// Loads every graph of `pipeline`, then runs jobs until the queue is closed and empty.
+/// Loads every graph of `pipeline` (the `index`-th of `--device`), then runs jobs until the
+/// queue is closed and empty.
 /// A pipeline whose graphs cannot load ends the process: a server that can never be ready
 /// should not look alive.
-pub(crate) fn run(mut pipeline: Pipeline, shared: Arc<Shared>) {
+pub(crate) fn run(index: usize, mut pipeline: Pipeline, shared: Arc<Shared>) {
     if let Err(error) = pipeline.load_all_graphs() {
         eprintln!(
             "klein serve: error: loading the graphs: {}",
@@ -57,6 +58,7 @@ pub(crate) fn run(mut pipeline: Pipeline, shared: Arc<Shared>) {
             continue;
         }
         shared.queue.running.fetch_add(1, Ordering::SeqCst);
+        shared.metrics.count_pipeline_job(index);
         shared
             .metrics
             .observe_queue_wait(job.queued_at.elapsed().as_secs_f64());
