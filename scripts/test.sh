@@ -21,5 +21,5 @@ ruff check export
 ruff format --check export
 ruff check --config export/pyproject.toml python tests/python deploy
 ruff format --config export/pyproject.toml --check python tests/python deploy
-python -m pytest -q export/tests
-python -m pytest -q tests/python
+python -m pytest -q --durations=10 export/tests
+python -m pytest -q --durations=5 tests/python
