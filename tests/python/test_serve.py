@@ -238,7 +238,11 @@ def test_stream_reports_every_step_then_the_cli_image(
     finished = [d["stage"] for n, d in events if n == "stage" and d["state"] == "finished"]
     assert finished == ["encode prompt", "denoise", "decode"]
     done = events[-1][1]
-    assert done["id"] == events[0][1]["id"]
+    assert done["id"] == events[0][1]["id"] and done["id"].startswith("klein-")
+    # The server's ids are its own: a client may not take one, nor send a malformed one.
+    for bad in ("klein-0000000000000001", "has space", "x" * 129):
+        r = httpx.post(f"{server.url}/v1/klein/generate", json={"prompt": "x"}, headers={"X-Request-Id": bad})
+        assert error_of(r, 400)["param"] == "X-Request-Id"
     got = base64.b64decode(done["images"][0])
     assert [got] == cli_png(
         klein_bin, tiny_bundle, tmp_path, PROMPT, "--width", "64", "--height", "64", "--seed", "21", "--steps", "3"
@@ -369,7 +373,7 @@ BAD_JSON = [
     ({"prompt": "x", "loras": ["../../etc/passwd"]}, "loras", 400),
     ({"prompt": "x", "loras": ["/abs/style.safetensors:0.5"]}, "loras", 400),
     ({"prompt": "x" * 70000}, None, 400),  # over the prompt bound: the library's message
-    ({"prompt": "x", "size": "4096x4096"}, None, 400),  # over the token budget: the library's message
+    ({"prompt": "x", "size": "2304x2304"}, None, 400),  # over the token budget: the library's message
 ]
 
 

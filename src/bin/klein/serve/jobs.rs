@@ -4,6 +4,7 @@
 //! by `DELETE /v1/klein/jobs/{id}`, or by the timeout; a cancelled job that has not started is
 //! skipped, and one that runs stops at the next step or stage.
 use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
@@ -83,6 +84,8 @@ pub(crate) struct Queue {
     pub(crate) running: AtomicUsize,
     workers: usize,
     next_id: AtomicU64,
+    /// Randomly keyed at start: hashes the counter into job ids.
+    id_hasher: std::collections::hash_map::RandomState,
     jobs: Mutex<HashMap<String, Arc<AtomicBool>>>,
     metrics: Arc<Metrics>,
 }
@@ -103,6 +106,7 @@ impl Queue {
             running: AtomicUsize::new(0),
             workers,
             next_id: AtomicU64::new(1),
+            id_hasher: std::collections::hash_map::RandomState::new(),
             jobs: Mutex::new(HashMap::new()),
             metrics,
         };
@@ -116,7 +120,12 @@ impl Queue {
         spec: JobSpec,
         id: Option<String>,
     ) -> Result<Submitted, ApiError> {
-        let id = id.unwrap_or_else(|| self.next_id.fetch_add(1, Ordering::Relaxed).to_string());
+        // Ids the server makes are not guessable from one another (any client with the key may
+        // cancel a job by id) and live in their own namespace (`klein-`, refused from clients).
+        let id = id.unwrap_or_else(|| {
+            let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+            format!("klein-{:016x}", self.id_hasher.hash_one(n))
+        });
         let cancel = Arc::new(AtomicBool::new(false));
         {
             let mut jobs = lock(&self.jobs);

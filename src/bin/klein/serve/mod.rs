@@ -402,7 +402,7 @@ fn field_error(error: serde_path_to_error::Error<serde_json::Error>) -> ApiError
     }
 }
 
-/// The client's `X-Request-Id` (1-128 of `A-Z a-z 0-9 . _ -`), the id
+/// The client's `X-Request-Id` (1-128 of `A-Z a-z 0-9 . _ -`, not `klein-...`), the id
 /// `DELETE /v1/klein/jobs/{id}` cancels.
 fn request_id(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     let Some(value) = headers.get("x-request-id") else {
@@ -412,11 +412,12 @@ fn request_id(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     let valid = (1..=128).contains(&id.len())
         && id
             .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        && !id.starts_with("klein-");
     if !valid {
         return Err(ApiError::field(
             "X-Request-Id",
-            "X-Request-Id: give 1 to 128 characters of A-Z, a-z, 0-9, '.', '_', '-'",
+            "X-Request-Id: give 1 to 128 characters of A-Z, a-z, 0-9, '.', '_', '-', not starting with klein- (the server's own ids)",
         ));
     }
     Ok(Some(id.to_string()))
