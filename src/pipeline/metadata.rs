@@ -44,9 +44,10 @@ impl Pipeline {
     ) -> Vec<(String, String)> {
         let manifest = self.manifest();
         let loras: Vec<String> = self
-            .loras()
+            .loras
+            .specs()
             .iter()
-            .map(|l| format!("{}:{}", l.path.display(), l.scale))
+            .map(|l| format!("{}:{}", l.path().display(), l.scale()))
             .collect();
         let g = generation;
         let mut text: Vec<(String, String)> = vec![("prompt".into(), prompt.into())];

@@ -55,12 +55,11 @@ pub(crate) struct AppState {
 }
 
 pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let mut devices = args.devices.clone();
-    devices.dedup();
-    if devices.len() != args.devices.len() {
+    let devices = &args.devices;
+    if (1..devices.len()).any(|i| devices[..i].contains(&devices[i])) {
         return Err(UsageError("a --device is given twice; give each device once".into()).into());
     }
-    for &device in &devices {
+    for &device in devices {
         check_device_flags(&args.load, device).map_err(UsageError)?;
     }
     let api_key = args

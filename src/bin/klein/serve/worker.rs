@@ -8,7 +8,7 @@ use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use klein::pipeline::{LoraSpec, Pipeline, Progress, Request};
+use klein::pipeline::{Pipeline, Progress, Request};
 use klein::stages::output::encode_image;
 
 use super::error::{ApiError, ErrorKind};
@@ -98,16 +98,10 @@ fn run_job(
 ) -> Result<JobOutput, ApiError> {
     let spec = &job.spec;
     let _ = job.events.send(JobEvent::Started);
-    let current: Vec<LoraSpec> = pipeline
-        .loras()
-        .iter()
-        .map(|l| LoraSpec::new(&l.path, l.scale))
-        .collect();
-    if current != spec.loras {
-        pipeline
-            .set_loras(&spec.loras)
-            .map_err(|e| ApiError::from_klein(&e, Some("loras")))?;
-    }
+    // Unchanged LoRAs cost nothing: set_loras keeps the loaded transformer then.
+    pipeline
+        .set_loras(&spec.loras)
+        .map_err(|e| ApiError::from_klein(&e, Some("loras")))?;
     let mut request = Request::new(spec.prompt.clone())
         .with_seed(spec.seed)
         .with_num_images(spec.num_images);
