@@ -40,13 +40,11 @@ class _Graph:
         return self.entry
 
 
-@pytest.fixture(scope="module")
-def base(tiny_checkpoint, tiny_bundle, tmp_path_factory):
+def make_base(tiny_checkpoint: Path, tiny_bundle: Path, root: Path):
     """The session's tiny checkpoint made base: its model_index says `is_distilled: false` (all
     diffusers reads of it), and the bundle's manifest is the one the exporter's `build_manifest`
     writes for that checkpoint. The graphs are the same: distillation changes weights, not the
     architecture, so exporting again (100 s) would test nothing more."""
-    root = tmp_path_factory.mktemp("base")
     ckpt = Path(shutil.copytree(tiny_checkpoint, root / "ckpt"))
     index = json.loads((ckpt / "model_index.json").read_text())
     (ckpt / "model_index.json").write_text(json.dumps({**index, "is_distilled": False}))
@@ -58,6 +56,11 @@ def base(tiny_checkpoint, tiny_bundle, tmp_path_factory):
     pipe = Flux2KleinPipeline.from_pretrained(str(ckpt), dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     return pipe, bundle
+
+
+@pytest.fixture(scope="module")
+def base(tiny_checkpoint, tiny_bundle, tmp_path_factory):
+    return make_base(tiny_checkpoint, tiny_bundle, tmp_path_factory.mktemp("base"))
 
 
 def klein(bundle: Path, out: Path, *args: str) -> subprocess.CompletedProcess:

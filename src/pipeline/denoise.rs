@@ -4,6 +4,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use ndarray::{concatenate, s, Array1, Array2, Array3, Axis, Ix3};
 
+use super::inpaint::Blend;
 use super::progress::{notify, timed, Progress, ProgressFn, Stage};
 use super::prompts::PromptEmbeds;
 use super::request::{check_token_budget, request_error};
@@ -53,11 +54,18 @@ pub struct DenoiseContext {
     /// Static-shape bundles: the bucket of the output's size.
     bucket: Option<usize>,
     schedule: Schedule,
+    /// Inpainting: the mask's blend after every step.
+    blend: Option<Blend>,
 }
 
 impl DenoiseContext {
     pub fn schedule(&self) -> &Schedule {
         &self.schedule
+    }
+
+    pub(crate) fn with_blend(mut self, blend: Blend) -> Self {
+        self.blend = Some(blend);
+        self
     }
 }
 
@@ -121,10 +129,12 @@ impl Pipeline {
             image_tokens,
             bucket,
             schedule,
+            blend: None,
         })
     }
 
-    /// Stage 6, one Euler step `step` (0-based) on packed latents `[B, h*w, 128]`, in place.
+    /// Stage 6, one Euler step `step` (0-based) on packed latents `[B, h*w, 128]`, in place (then,
+    /// when inpainting, the mask's blend).
     pub fn denoise_step(
         &mut self,
         latents: &mut Array3<f32>,
@@ -181,6 +191,9 @@ impl Pipeline {
         }
         let dt = ctx.schedule.dt(step);
         latents.zip_mut_with(&velocity, |x, &v| *x += dt * v);
+        if let Some(blend) = &ctx.blend {
+            blend.after_step(latents, step, &ctx.schedule);
+        }
         Ok(())
     }
 

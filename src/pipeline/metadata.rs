@@ -54,6 +54,10 @@ impl Pipeline {
         if let Some(negative) = &g.negative_prompt {
             text.push(("negative_prompt".into(), negative.clone()));
         }
+        if let Some(strength) = g.strength {
+            text.push(("strength".into(), strength.to_string()));
+            text.push(("mask".into(), if g.masked { "yes" } else { "no" }.into()));
+        }
         if g.vae_tiled {
             text.push(("vae_tiling".into(), "on".into()));
         }

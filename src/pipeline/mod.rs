@@ -17,6 +17,7 @@ use ndarray::{concatenate, s, Array2, Array3, Array4, ArrayView3, ArrayView4, Ax
 
 mod denoise;
 mod graphs;
+mod inpaint;
 pub mod lora;
 mod lora_merge;
 pub mod metadata;
@@ -29,10 +30,11 @@ pub use denoise::{DenoiseContext, ReferenceTokens};
 pub use options::{PipelineOptions, VaeTiling};
 pub use progress::{Progress, ProgressFn, Stage, Timings};
 pub use prompts::{CacheLookup, PromptCache, PromptEmbeds, PromptMemo};
-pub use request::Request;
+pub use request::{Inpaint, Request};
 
 pub use graphs::Placement;
 use graphs::{GraphSource, LoadedGraphs};
+use inpaint::Blend;
 use lora::LoraSet;
 pub use lora::{LoraSpec, LoraSummary, ModuleSummary};
 use progress::timed;
@@ -66,6 +68,9 @@ pub struct Generation {
     pub negative_prompt: Option<String>,
     /// Whether the VAE decoded in tiles ([`VaeTiling`]).
     pub vae_tiled: bool,
+    /// Inpainting and img2img: the strength, and whether a mask limited the repaint.
+    pub strength: Option<f64>,
+    pub masked: bool,
     pub prompt_truncated: bool,
     pub timings: Timings,
 }
@@ -530,6 +535,7 @@ impl Pipeline {
             height,
             lat_h,
             lat_w,
+            first_step,
         } = plan;
         let noise = match &request.initial_latents {
             Some(latents) => latents.clone(),
@@ -556,15 +562,21 @@ impl Pipeline {
             self.release_text_encoder();
         }
 
-        // 3. References.
-        let references = if request.references.is_empty() {
+        // 3. References: the inpainting source first, then the references.
+        let conditioning: Vec<ReferenceImage> = request.conditioning_images().cloned().collect();
+        let references = if conditioning.is_empty() {
             ReferenceTokens::none(self.manifest.latents.channels)
         } else {
-            self.encode_references(&request.references, Some(&mut *progress))?
+            self.encode_references(&conditioning, Some(&mut *progress))?
         };
+        drop(conditioning);
 
-        // 4-6. Latents, schedule, denoising.
+        // 4-6. Latents, schedule (from the strength's first step when inpainting), denoising.
         let schedule = self.schedule(steps, lat_h, lat_w)?;
+        let schedule = match first_step {
+            Some(first) => schedule.starting_at(first),
+            None => schedule,
+        };
         let negative = negative.as_ref().map(|n| (n, guidance));
         // Static graphs take one image per call: image i denoises row i of the batch's noise,
         // as it would in one batched call.
@@ -575,7 +587,7 @@ impl Pipeline {
         let mut images = Vec::with_capacity(batch);
         for first in (0..batch).step_by(chunk) {
             let rows = s![first..(first + chunk).min(batch), .., .., ..];
-            let ctx = self.denoise_context(
+            let mut ctx = self.denoise_context(
                 noise.slice(rows).dim().0,
                 lat_h,
                 lat_w,
@@ -584,7 +596,21 @@ impl Pipeline {
                 &references,
                 schedule.clone(),
             )?;
-            let packed = pack_latents(noise.slice(rows)); // [B, 128, h, w] -> [B, h*w, 128]
+            let mut packed = pack_latents(noise.slice(rows)); // [B, 128, h, w] -> [B, h*w, 128]
+            if let Some(inpaint) = &request.inpaint {
+                let blend = Blend::new(
+                    references.tokens.view(),
+                    packed.clone(),
+                    inpaint.mask.as_ref(),
+                    lat_h,
+                    lat_w,
+                );
+                // As diffusers: given latents are the start itself, the seed's noise is mixed.
+                if request.initial_latents.is_none() {
+                    packed = blend.initial_latents(&schedule);
+                }
+                ctx = ctx.with_blend(blend);
+            }
             let latents = self.denoise(packed, &ctx, Some(&mut *progress))?;
 
             // 7. Decode.
@@ -598,6 +624,8 @@ impl Pipeline {
             guidance,
             seed: request.seed,
             negative_prompt: request.negative_prompt.clone(),
+            strength: request.inpaint.as_ref().map(|i| i.strength),
+            masked: request.inpaint.as_ref().is_some_and(|i| i.mask.is_some()),
             vae_tiled: self.vae_tiles(width as usize, height as usize)?,
             prompt_truncated: embeds.truncated,
             timings: Timings::new(),

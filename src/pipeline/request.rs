@@ -10,7 +10,35 @@ use crate::limits::{
     MAX_STEPS, MAX_THREADS,
 };
 use crate::runtime::SessionConfig;
+use crate::stages::inpaint::first_step;
+use crate::stages::mask::Mask;
 use crate::stages::reference::ReferenceImage;
+
+/// Inpainting and img2img, as diffusers' `Flux2KleinInpaintPipeline`: the output starts from the
+/// source image's latents noised to `strength`, the source is the transformer's first reference,
+/// and after every step the tokens the mask keeps are put back on the source's noising path.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Inpaint {
+    /// The source image ([`super::Pipeline::load_source`]); the output has its size.
+    pub image: ReferenceImage,
+    /// Where to repaint ([`super::Pipeline::load_mask`], at the source's size); `None`: img2img,
+    /// everything is repainted (a white mask).
+    pub mask: Option<Mask>,
+    /// In (0, 1]: the share of the schedule that runs
+    /// ([`crate::stages::inpaint::DEFAULT_STRENGTH`] says why 1.0 is klein's default).
+    pub strength: f64,
+}
+
+impl Inpaint {
+    pub fn new(image: ReferenceImage, mask: Option<Mask>, strength: f64) -> Self {
+        Inpaint {
+            image,
+            mask,
+            strength,
+        }
+    }
+}
 
 /// What to generate.
 #[derive(Debug, Clone, Default)]
@@ -38,6 +66,9 @@ pub struct Request {
     /// Embeddings of `prompt` from [`super::Pipeline::encode_prompt`], reused instead of running
     /// the text encoder again (one prompt, many seeds). `[1, max_sequence_length, embed_dim]`.
     pub prompt_embeds: Option<PromptEmbeds>,
+    /// Inpainting or img2img from a source image ([`Inpaint`]); `references` are then its
+    /// `image_reference`s, after the source.
+    pub inpaint: Option<Inpaint>,
 }
 
 impl Request {
@@ -85,6 +116,20 @@ impl Request {
         self.prompt_embeds = Some(embeds);
         self
     }
+    pub fn with_inpaint(mut self, inpaint: Inpaint) -> Self {
+        self.inpaint = Some(inpaint);
+        self
+    }
+
+    /// Every image the VAE encodes for the transformer, in order: the source (inpainting and
+    /// img2img), then the references.
+    pub(crate) fn conditioning_images(&self) -> impl Iterator<Item = &ReferenceImage> {
+        self.inpaint
+            .as_ref()
+            .map(|i| &i.image)
+            .into_iter()
+            .chain(&self.references)
+    }
 }
 
 impl Request {
@@ -108,7 +153,7 @@ impl Request {
         if let Some(negative) = &self.negative_prompt {
             check_prompt(negative)?;
         }
-        check_reference_count(self.references.len())?;
+        check_reference_count(self.conditioning_images().count())?;
         for (what, value) in [("width", self.width), ("height", self.height)] {
             if let Some(value) = value.filter(|&v| v == 0 || v > MAX_SIDE) {
                 return Err(request_error(format!(
@@ -154,6 +199,8 @@ pub(crate) struct Plan {
     /// The output's latent grid.
     pub lat_h: usize,
     pub lat_w: usize,
+    /// Inpainting and img2img: the first of the schedule's steps that runs (`get_timesteps`).
+    pub first_step: Option<usize>,
 }
 
 impl Plan {
@@ -169,16 +216,22 @@ impl Plan {
         let (width, height) = output_size(manifest, request)?;
         let m = manifest.latents.pixel_multiple;
         let (lat_h, lat_w) = ((height / m) as usize, (width / m) as usize);
+        let first_step = match &request.inpaint {
+            Some(inpaint) => Some(check_inpaint(inpaint, request, steps)?),
+            None => None,
+        };
         let ref_tokens: usize = request
-            .references
-            .iter()
+            .conditioning_images()
             .map(|r| (r.width / m * (r.height / m)) as usize)
             .sum();
-        check_token_budget(lat_h * lat_w, ref_tokens, request.references.len())?;
+        check_token_budget(
+            lat_h * lat_w,
+            ref_tokens,
+            request.conditioning_images().count(),
+        )?;
         if let Some(shapes) = &manifest.static_shapes {
             let sizes: Vec<(u32, u32)> = request
-                .references
-                .iter()
+                .conditioning_images()
                 .map(|r| (r.width, r.height))
                 .collect();
             shapes
@@ -232,8 +285,54 @@ impl Plan {
             height,
             lat_h,
             lat_w,
+            first_step,
         })
     }
+}
+
+/// Inpainting's own checks; gives the first step that runs. The output is the source's size (as
+/// diffusers, which ignores `height` and `width` there: klein refuses a different one instead);
+/// the mask must be at the source's size, and with several references all must have one size
+/// (diffusers crops the others to the first's).
+fn check_inpaint(inpaint: &Inpaint, request: &Request, steps: usize) -> Result<usize> {
+    let source = &inpaint.image;
+    for (what, given, size) in [
+        ("width", request.width, source.width),
+        ("height", request.height, source.height),
+    ] {
+        if given.is_some_and(|g| g != size) {
+            return Err(request_error(format!(
+                "{what} {} was given, but inpainting and img2img make an image of the source \
+                 image's size ({}x{}); leave the size out or resize the source",
+                given.unwrap_or_default(),
+                source.width,
+                source.height
+            )));
+        }
+    }
+    if let Some(mask) = &inpaint.mask {
+        if (mask.width, mask.height) != (source.width, source.height) {
+            return Err(request_error(format!(
+                "the mask is {}x{} and the source image {}x{}: load the mask for this source \
+                 (Pipeline::load_mask resizes it)",
+                mask.width, mask.height, source.width, source.height
+            )));
+        }
+    }
+    if let Some(first) = request.references.first() {
+        if let Some(other) = request
+            .references
+            .iter()
+            .find(|r| (r.width, r.height) != (first.width, first.height))
+        {
+            return Err(request_error(format!(
+                "with a source image, every reference must have one size after preprocessing \
+                 (diffusers' inpaint pipeline crops them all to the first's): {}x{} and {}x{}",
+                first.width, first.height, other.width, other.height
+            )));
+        }
+    }
+    first_step(steps, inpaint.strength)
 }
 
 /// A prompt must be at most [`MAX_PROMPT_BYTES`] long.
@@ -274,7 +373,7 @@ pub(crate) fn check_session(session: &SessionConfig) -> Result<()> {
 /// Output size in pixels for a request: explicit, else the first reference's, else the bundle's
 /// default; floored to the latent multiple (16), as the reference pipeline does.
 pub(crate) fn output_size(manifest: &Manifest, request: &Request) -> Result<(u32, u32)> {
-    let first = request.references.first();
+    let first = request.conditioning_images().next();
     let width = request
         .width
         .or(first.map(|r| r.width))

@@ -176,6 +176,22 @@ impl Schedule {
         self.timesteps[step] / self.num_train_timesteps
     }
 
+    /// The schedule from step `first` on, as `get_timesteps` leaves the scheduler for a strength
+    /// below 1 (`timesteps[first:]` and `set_begin_index(first)`: the steps index the sigmas from
+    /// there). `first` must be below [`Schedule::num_steps`].
+    pub fn starting_at(&self, first: usize) -> Schedule {
+        Schedule {
+            sigmas: self.sigmas[first..].to_vec(),
+            timesteps: self.timesteps[first..].to_vec(),
+            num_train_timesteps: self.num_train_timesteps,
+        }
+    }
+
+    /// `scheduler.sigmas[i]`: the noise level before step `i` (`i = num_steps` is the final 0).
+    pub fn sigma(&self, i: usize) -> f32 {
+        self.sigmas[i]
+    }
+
     /// `dt = sigma_next - sigma` of `FlowMatchEulerDiscreteScheduler.step` at step `i` (f32,
     /// negative); the step is `x + dt * v`.
     pub fn dt(&self, step: usize) -> f32 {

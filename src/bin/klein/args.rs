@@ -74,7 +74,7 @@ pub(crate) struct ServeArgs {
 pub(crate) struct GenerateArgs {
     /// The prompt (may be empty); or --prompts for many
     pub(crate) prompt: Option<String>,
-    /// JSON Lines file, one image per line: {"prompt": "...", "seed": 7, "width": 512, "height": 512, "steps": 4, "guidance": 1.0, "refs": ["a.png"], "loras": ["style.safetensors:0.8"], "name": "fox"} (only "prompt" is required; refs and loras are relative to the file; a line without "loras" takes --lora). Other options apply to every line that does not set them
+    /// JSON Lines file, one image per line: {"prompt": "...", "seed": 7, "width": 512, "height": 512, "steps": 4, "guidance": 1.0, "refs": ["a.png"], "image": "src.png", "mask": "mask.png", "strength": 0.75, "loras": ["style.safetensors:0.8"], "name": "fox"} (only "prompt" is required; refs, image, mask and loras are relative to the file; a line without "loras" takes --lora). Other options apply to every line that does not set them
     #[arg(
         long,
         value_name = "FILE",
@@ -91,7 +91,7 @@ pub(crate) struct GenerateArgs {
         conflicts_with = "prompt"
     )]
     pub(crate) out_dir: Option<PathBuf>,
-    /// Output width in pixels, floored to a multiple of 16: 16 to 4096, and (width/16) x (height/16) plus the references' tokens at most 20480 (2288x2288 fits alone) [default: first reference's width, else the bundle's]
+    /// Output width in pixels, floored to a multiple of 16: 16 to 4096, and (width/16) x (height/16) plus the references' tokens at most 20480 (2288x2288 fits alone) [default: --image's width, else the first reference's, else the bundle's]
     #[arg(long)]
     pub(crate) width: Option<u32>,
     /// Output height in pixels, floored to a multiple of 16: 16 to 4096, within the same token budget as --width [default: first reference's height, else the bundle's]
@@ -112,6 +112,15 @@ pub(crate) struct GenerateArgs {
     /// Reference image (repeatable, at most 10): one to edit, several to compose
     #[arg(long = "ref", value_name = "IMAGE")]
     pub(crate) refs: Vec<PathBuf>,
+    /// Source image to inpaint (with --mask) or to transform (img2img, without): the output has its size, floored to multiples of 16; --ref images are then extra references
+    #[arg(long, value_name = "IMAGE")]
+    pub(crate) image: Option<PathBuf>,
+    /// Inpainting mask for --image, any size (resized to the source's): white is repainted, black kept (binarised at half grey, as diffusers)
+    #[arg(long, value_name = "IMAGE", requires = "image")]
+    pub(crate) mask: Option<PathBuf>,
+    /// How much of --image is repainted, above 0 to 1: the share of the steps that run, from the source noised to that level [default: 1.0; diffusers' 0.8 runs the same 4 steps]
+    #[arg(long, requires = "image")]
+    pub(crate) strength: Option<f64>,
     /// LoRA to merge into the transformer, FILE or FILE:SCALE (repeatable, at most 16; scale -100 to 100, default 1; may be negative): diffusers/PEFT, BFL/ai-toolkit, kohya and LoKr (BFL, LyCORIS) .safetensors files
     #[arg(long = "lora", value_name = "FILE[:SCALE]", value_parser = parse_lora)]
     pub(crate) loras: Vec<LoraSpec>,

@@ -441,13 +441,32 @@ impl BatchJob<'_> {
             &format!("line {}: ", line.line),
         );
         let refs: Vec<String> = line.refs.iter().map(|r| r.display().to_string()).collect();
-        let text = pipeline.image_metadata(&generation, &line.prompt, &refs, self.bundle_hash);
+        let mut text = pipeline.image_metadata(&generation, &line.prompt, &refs, self.bundle_hash);
+        let (image, mask, _) = self.inpaint_files(args);
+        text.extend(crate::inpaint_metadata(image, mask));
         let image = generation
             .images
             .first()
             .context("the pipeline returned no image")?;
         write_atomic(self.output, &encode_png(image, &text)?)?;
         Ok(())
+    }
+
+    /// The line's source image, mask and strength: with its own image, its own mask and strength;
+    /// else each from the line, else from the command line.
+    fn inpaint_files<'b>(
+        &'b self,
+        args: &'b GenerateArgs,
+    ) -> (Option<&'b Path>, Option<&'b Path>, Option<f64>) {
+        let line = self.line;
+        match &line.image {
+            Some(image) => (Some(image), line.mask.as_deref(), line.strength),
+            None => (
+                args.image.as_deref(),
+                line.mask.as_deref().or(args.mask.as_deref()),
+                line.strength.or(args.strength),
+            ),
+        }
     }
 
     /// The request of the line (its values, else the command line's, references loaded) and its
@@ -469,8 +488,18 @@ impl BatchJob<'_> {
             .or_else(|| args.negative_prompt.clone());
         // Every number, then the references from their headers, before any is decoded.
         request.check_bounds()?;
+        let (image, mask, strength) = self.inpaint_files(args);
+        request.inpaint = crate::load_inpaint(pipeline, image, mask, strength)?;
+        let source_size = request
+            .inpaint
+            .as_ref()
+            .map(|i| (i.image.width, i.image.height));
         let refs: Vec<&Path> = line.refs.iter().map(PathBuf::as_path).collect();
-        pipeline.check_reference_files(&refs, request.width, request.height)?;
+        pipeline.check_reference_files(
+            &refs,
+            request.width.or(source_size.map(|s| s.0)),
+            request.height.or(source_size.map(|s| s.1)),
+        )?;
         for path in refs {
             request.references.push(pipeline.load_reference(path)?);
         }

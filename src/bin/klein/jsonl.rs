@@ -5,10 +5,13 @@
 //! ```json
 //! {"prompt": "a red fox", "seed": 7, "width": 768, "height": 512, "steps": 4, "guidance": 1.0,
 //!  "refs": ["refs/fox.png"], "loras": ["style.safetensors:0.8"], "name": "fox"}
+//! {"prompt": "a red hat", "image": "photo.png", "mask": "hat.png", "strength": 0.75}
 //! ```
 //!
 //! Only `prompt` is required; unknown keys are refused (a typo such as `"sead"` would otherwise be
-//! silently ignored). `refs` and `loras` are relative to the directory of the file; a line without
+//! silently ignored). `image`, `mask` and `strength` inpaint (as `--image`, `--mask`,
+//! `--strength`; a line without `image` takes the command line's). `refs`, `image`, `mask` and
+//! `loras` are relative to the directory of the file; a line without
 //! `loras` takes the command line's `--lora`s, `"loras": []` none. `name` is the output file
 //! stem; by default the line number, zero-padded to four digits (`0007`). A line that cannot be
 //! used is reported as a [`LineError`], and the others still run.
@@ -37,6 +40,10 @@ pub(crate) struct BatchLine {
     pub negative_prompt: Option<String>,
     /// Reference images, resolved against the file's directory.
     pub refs: Vec<PathBuf>,
+    /// Inpainting and img2img: the source, its mask and the strength (paths resolved).
+    pub image: Option<PathBuf>,
+    pub mask: Option<PathBuf>,
+    pub strength: Option<f64>,
     /// LoRAs of this line, resolved against the file's directory (`None`: the command line's).
     pub loras: Option<Vec<LoraSpec>>,
 }
@@ -67,6 +74,9 @@ struct LineJson {
     negative_prompt: Option<String>,
     #[serde(default)]
     refs: Vec<PathBuf>,
+    image: Option<PathBuf>,
+    mask: Option<PathBuf>,
+    strength: Option<f64>,
     /// `FILE` or `FILE:SCALE` each.
     loras: Option<Vec<String>>,
     name: Option<String>,
@@ -148,6 +158,9 @@ pub(crate) fn parse_batch(
             guidance: json.guidance,
             negative_prompt: json.negative_prompt,
             refs: json.refs.iter().map(|r| base_dir.join(r)).collect(),
+            image: json.image.map(|p| base_dir.join(p)),
+            mask: json.mask.map(|p| base_dir.join(p)),
+            strength: json.strength,
             loras: json.loras.map(|loras| {
                 loras
                     .iter()

@@ -8,7 +8,8 @@ use clap::Parser;
 use klein::bundle::Manifest;
 use klein::fsutil::{remove_pending_temp_files, write_all_atomic};
 use klein::pipeline::request::check_reference_count;
-use klein::pipeline::{Pipeline, Request};
+use klein::pipeline::{Inpaint, Pipeline, Request};
+use klein::stages::inpaint::DEFAULT_STRENGTH;
 use klein::stages::output::encode_image;
 use klein::KleinError;
 
@@ -87,6 +88,41 @@ fn generate(args: GenerateArgs) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// The source image, its mask and the strength of an inpainting or img2img request (`None`
+/// without a source image).
+pub(crate) fn load_inpaint(
+    pipeline: &Pipeline,
+    image: Option<&Path>,
+    mask: Option<&Path>,
+    strength: Option<f64>,
+) -> anyhow::Result<Option<Inpaint>> {
+    let Some(image) = image else {
+        if mask.is_some() || strength.is_some() {
+            return Err(
+                UsageError("a mask and a strength need a source image (--image)".into()).into(),
+            );
+        }
+        return Ok(None);
+    };
+    let source = pipeline.load_source(image)?;
+    let mask = mask
+        .map(|path| pipeline.load_mask(path, &source))
+        .transpose()?;
+    Ok(Some(Inpaint::new(
+        source,
+        mask,
+        strength.unwrap_or(DEFAULT_STRENGTH),
+    )))
+}
+
+/// The files an inpainting request read, for the image's text.
+pub(crate) fn inpaint_metadata(image: Option<&Path>, mask: Option<&Path>) -> Vec<(String, String)> {
+    [("image", image), ("mask_image", mask)]
+        .into_iter()
+        .filter_map(|(key, path)| path.map(|p| (key.to_string(), p.display().to_string())))
+        .collect()
+}
+
 /// `klein generate PROMPT -o FILE`: one prompt, `--num-images` images.
 fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
     let model = default_model(args.load.model.clone())?;
@@ -111,8 +147,22 @@ fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
         &model,
         pipeline_options(&args.load, args.device, args.loras.clone()),
     )?;
+    request.inpaint = load_inpaint(
+        &pipeline,
+        args.image.as_deref(),
+        args.mask.as_deref(),
+        args.strength,
+    )?;
     let refs: Vec<&Path> = args.refs.iter().map(PathBuf::as_path).collect();
-    pipeline.check_reference_files(&refs, args.width, args.height)?;
+    let source_size = request
+        .inpaint
+        .as_ref()
+        .map(|i| (i.image.width, i.image.height));
+    pipeline.check_reference_files(
+        &refs,
+        args.width.or(source_size.map(|s| s.0)),
+        args.height.or(source_size.map(|s| s.1)),
+    )?;
     for path in &args.refs {
         request.references.push(pipeline.load_reference(path)?);
     }
@@ -131,7 +181,11 @@ fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
     reporter.report(&mut pipeline, &generation, args.timings, "");
     reporter.say(format!("device: {device}"));
     let refs: Vec<String> = args.refs.iter().map(|r| r.display().to_string()).collect();
-    let text = pipeline.image_metadata(&generation, prompt, &refs, &pipeline.bundle_sha256()?);
+    let mut text = pipeline.image_metadata(&generation, prompt, &refs, &pipeline.bundle_sha256()?);
+    text.extend(inpaint_metadata(
+        args.image.as_deref(),
+        args.mask.as_deref(),
+    ));
     // Every image of the command, or none: a failure leaves earlier outputs as they were.
     let encoded = generation
         .images

@@ -203,6 +203,56 @@ pub fn processed_size(
     Ok((crop_w, crop_h))
 }
 
+/// The source image of `Flux2KleinInpaintPipeline` (step 2 of its `__call__`), which is resized,
+/// not cropped: above `max_area` pixels, Pillow's LANCZOS to `(int(w*s), int(h*s))` with
+/// `s = sqrt(max_area / (w*h))`; then LANCZOS again to both sides floored to `pixel_multiple`
+/// (Pillow returns a copy when the size is unchanged, as [`resize::resize_lanczos`] does); then
+/// `x / 255 * 2 - 1`. diffusers checks no minimum side or aspect ratio here; klein refuses only
+/// what floors to nothing.
+pub fn preprocess_source(
+    rgb: &RgbImage,
+    max_area: u64,
+    pixel_multiple: u32,
+    label: &Path,
+) -> Result<ReferenceImage> {
+    let fail = image_error(label);
+    let (width, height) = rgb.dimensions();
+    let rgb = if u64::from(width) * u64::from(height) > max_area {
+        let (w, h) = target_area_size(width, height, max_area);
+        Cow::Owned(resize::resize_lanczos(rgb, w.max(1), h.max(1)))
+    } else {
+        Cow::Borrowed(rgb)
+    };
+    let (full_w, full_h) = rgb.dimensions();
+    let multiple = pixel_multiple.max(1);
+    let (out_w, out_h) = (full_w / multiple * multiple, full_h / multiple * multiple);
+    if out_w == 0 || out_h == 0 {
+        return Err(fail(format!(
+            "the source image is {width}x{height}: both sides must be at least {multiple} px"
+        )));
+    }
+    let rgb = resize::resize_lanczos(&rgb, out_w, out_h);
+    Ok(ReferenceImage {
+        width: out_w,
+        height: out_h,
+        pixels: to_pixels(&rgb, 0, 0, out_w, out_h),
+    })
+}
+
+/// `Image.resize((width, height), LANCZOS)` of Pillow on an RGB8 image, bit for bit.
+pub(crate) fn resize_like_pillow(rgb: &RgbImage, width: u32, height: u32) -> RgbImage {
+    resize::resize_lanczos(rgb, width, height)
+}
+
+/// The `width` x `height` window at (`left`, `top`) of `rgb` as the VAE takes it:
+/// `[H, W, 3]` uint8 -> `[1, 3, H, W]` float32; numpy `x / 255.0` then torch `2 * x - 1`.
+fn to_pixels(rgb: &RgbImage, left: u32, top: u32, width: u32, height: u32) -> Array4<f32> {
+    Array4::from_shape_fn((1, 3, height as usize, width as usize), |(_, c, y, x)| {
+        let value = rgb.get_pixel(left + x as u32, top + y as u32)[c];
+        2.0 * (f32::from(value) / 255.0) - 1.0
+    })
+}
+
 /// Steps 2-5 of the module doc on an RGB8 image.
 fn preprocess_rgb(
     rgb: &RgbImage,
@@ -241,15 +291,10 @@ fn preprocess_rgb(
     // `_resize_and_crop` of Flux2ImageProcessor: a centre crop, no resize.
     let left = (full_w - crop_w) / 2;
     let top = (full_h - crop_h) / 2;
-    // [H, W, 3] uint8 (cropped) -> [1, 3, H, W] float32; numpy `x / 255.0` then torch `2 * x - 1`.
-    let pixels = Array4::from_shape_fn((1, 3, crop_h as usize, crop_w as usize), |(_, c, y, x)| {
-        let value = rgb.get_pixel(left + x as u32, top + y as u32)[c];
-        2.0 * (f32::from(value) / 255.0) - 1.0
-    });
     Ok(ReferenceImage {
         width: crop_w,
         height: crop_h,
-        pixels,
+        pixels: to_pixels(&rgb, left, top, crop_w, crop_h),
     })
 }
 

@@ -1,0 +1,126 @@
+//! Inpainting and img2img inputs ([`Pipeline::load_source`], [`Pipeline::load_mask`]) and the
+//! per-step blend ([`Blend`]) of diffusers' `Flux2KleinInpaintPipeline`.
+use std::path::Path;
+
+use ndarray::{s, Array1, Array3, ArrayView3};
+
+use super::Pipeline;
+use crate::error::Result;
+use crate::stages::inpaint::{blend, scale_noise};
+use crate::stages::mask::{preprocess_mask, Mask};
+use crate::stages::reference::{
+    decode_image, decode_image_bytes, preprocess_source, ReferenceImage,
+};
+use crate::stages::schedule::Schedule;
+
+impl Pipeline {
+    /// Reads and preprocesses an inpainting or img2img source image: above the references'
+    /// `max_area` resized down, then resized (not cropped) to sides that are multiples of 16
+    /// ([`preprocess_source`]).
+    pub fn load_source(&self, path: &Path) -> Result<ReferenceImage> {
+        self.source_from(&decode_image(path)?, path)
+    }
+
+    /// [`Self::load_source`] of a file's bytes held in memory; `label` names it in errors.
+    pub fn decode_source(&self, bytes: &[u8], label: &Path) -> Result<ReferenceImage> {
+        self.source_from(&decode_image_bytes(bytes, label)?, label)
+    }
+
+    fn source_from(&self, rgb: &image::RgbImage, label: &Path) -> Result<ReferenceImage> {
+        preprocess_source(
+            rgb,
+            self.manifest.references.limits.max_area,
+            self.manifest.latents.pixel_multiple,
+            label,
+        )
+    }
+
+    /// Reads a mask image (white repaints, black keeps; any size, resized to the source's) for
+    /// `source` ([`preprocess_mask`]).
+    pub fn load_mask(&self, path: &Path, source: &ReferenceImage) -> Result<Mask> {
+        Ok(preprocess_mask(
+            &decode_image(path)?,
+            source.width,
+            source.height,
+        ))
+    }
+
+    /// [`Self::load_mask`] of a file's bytes held in memory; `label` names it in errors.
+    pub fn decode_mask(&self, bytes: &[u8], label: &Path, source: &ReferenceImage) -> Result<Mask> {
+        Ok(preprocess_mask(
+            &decode_image_bytes(bytes, label)?,
+            source.width,
+            source.height,
+        ))
+    }
+}
+
+/// What inpainting adds to the denoising loop: the source latents, the noise they are mixed with,
+/// and the mask's weight per token (`None`: img2img, where the blend keeps every denoised token
+/// and is skipped).
+#[derive(Debug, Clone)]
+pub(crate) struct Blend {
+    /// `[1, h*w, 128]` packed source latents.
+    image: Array3<f32>,
+    /// `[B, h*w, 128]` packed noise of this batch.
+    noise: Array3<f32>,
+    /// `[h*w]`: 1 repaints, 0 keeps.
+    mask: Option<Array1<f32>>,
+}
+
+impl Blend {
+    /// From the reference tokens (`[1, N, 128]`, the source's `h*w` first) and the batch's packed
+    /// noise `[B, h*w, 128]`.
+    pub fn new(
+        reference_tokens: ArrayView3<f32>,
+        noise: Array3<f32>,
+        mask: Option<&Mask>,
+        lat_h: usize,
+        lat_w: usize,
+    ) -> Blend {
+        let image = reference_tokens
+            .slice(s![.., ..lat_h * lat_w, ..])
+            .to_owned();
+        let mask = mask
+            .filter(|m| !m.repaints_everything())
+            .map(|m| m.latent_weights(lat_h, lat_w));
+        Blend { image, noise, mask }
+    }
+
+    /// The latents the first step takes: the source noised to the schedule's first sigma
+    /// (`prepare_latents`: `scale_noise(image_latents, timesteps[0], noise)`).
+    pub fn initial_latents(&self, schedule: &Schedule) -> Array3<f32> {
+        let mut latents = Array3::zeros(self.noise.raw_dim());
+        scale_noise(
+            latents.view_mut(),
+            self.image.view(),
+            self.noise.view(),
+            schedule.sigma(0),
+        );
+        latents
+    }
+
+    /// After step `step` of `schedule`: the kept tokens become the source noised to the next
+    /// sigma (the source itself after the last step).
+    pub fn after_step(&self, latents: &mut Array3<f32>, step: usize, schedule: &Schedule) {
+        let Some(mask) = &self.mask else {
+            return;
+        };
+        let proper = if step + 1 < schedule.num_steps() {
+            let mut noised = Array3::zeros(self.noise.raw_dim());
+            scale_noise(
+                noised.view_mut(),
+                self.image.view(),
+                self.noise.view(),
+                schedule.sigma(step + 1),
+            );
+            noised
+        } else {
+            self.image
+                .broadcast(self.noise.raw_dim())
+                .unwrap_or_else(|| unreachable!("[1, N, C] broadcasts to [B, N, C]"))
+                .to_owned()
+        };
+        blend(latents.view_mut(), proper.view(), mask.view());
+    }
+}
