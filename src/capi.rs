@@ -36,8 +36,9 @@ use std::slice;
 use crate::error::KleinError;
 use crate::limits::MAX_LORAS;
 use crate::pipeline::request::check_reference_count;
-use crate::pipeline::{LoraSpec, Pipeline, PipelineOptions, Progress, Request, VaeTiling};
+use crate::pipeline::{Inpaint, LoraSpec, Pipeline, PipelineOptions, Progress, Request, VaeTiling};
 use crate::runtime::{CoreMlOptions, CudaOptions, RuntimeOptions};
+use crate::stages::inpaint::DEFAULT_STRENGTH;
 
 /// The result of every call.
 #[repr(i32)]
@@ -112,6 +113,14 @@ pub struct KleinRequest {
     /// What guidance steers away from (base models with guidance above 1); NULL: the empty
     /// prompt, as diffusers. Refused (`KLEIN_ERROR_USER`) on distilled models.
     pub negative_prompt: *const c_char,
+    /// Inpainting and img2img: the source image (PNG, JPEG, WebP); the output has its size, and
+    /// `width`/`height` must be 0 or that size. NULL: generate from noise.
+    pub image_path: *const c_char,
+    /// The inpainting mask for `image_path` (white repaints, black keeps; any size); NULL with an
+    /// image: img2img, everything repainted.
+    pub mask_path: *const c_char,
+    /// With an image: above 0 to 1, the share of the steps that run; 0: klein's default, 1.0.
+    pub strength: f64,
 }
 
 /// Called after each denoising step `step` (1-based) of `total`, on the thread that called
@@ -541,6 +550,9 @@ unsafe fn to_request(
         reference_paths,
         reference_count,
         negative_prompt,
+        image_path,
+        mask_path,
+        strength,
     } = *request;
     // SAFETY: the caller's guarantee.
     let prompt = unsafe { required_str(prompt, "request.prompt") }?;
@@ -574,8 +586,41 @@ unsafe fn to_request(
         let path = unsafe { required_str(path, &format!("request.reference_paths[{i}]")) }?;
         files.push(Path::new(path));
     }
+    result.inpaint = if image_path.is_null() {
+        if !mask_path.is_null() || strength != 0.0 {
+            return Err(Failure::invalid(
+                "request.mask_path and request.strength need request.image_path",
+            ));
+        }
+        None
+    } else {
+        // SAFETY: the caller's guarantee.
+        let image = unsafe { required_str(image_path, "request.image_path") }?;
+        let source = pipeline.load_source(Path::new(image))?;
+        let mask = if mask_path.is_null() {
+            None
+        } else {
+            // SAFETY: the caller's guarantee.
+            let mask = unsafe { required_str(mask_path, "request.mask_path") }?;
+            Some(pipeline.load_mask(Path::new(mask), &source)?)
+        };
+        let strength = if strength == 0.0 {
+            DEFAULT_STRENGTH
+        } else {
+            strength
+        };
+        Some(Inpaint::new(source, mask, strength))
+    };
+    let source_size = result
+        .inpaint
+        .as_ref()
+        .map(|i| (i.image.width, i.image.height));
     // From their headers, before any is decoded.
-    pipeline.check_reference_files(&files, result.width, result.height)?;
+    pipeline.check_reference_files(
+        &files,
+        result.width.or(source_size.map(|s| s.0)),
+        result.height.or(source_size.map(|s| s.1)),
+    )?;
     for path in files {
         result.references.push(pipeline.load_reference(path)?);
     }

@@ -10,7 +10,9 @@ The call mirrors diffusers' ``Flux2KleinPipeline``: ``image`` (references to edi
 images, file paths, or files' bytes as ``klein.EncodedImage``), ``height``, ``width``,
 ``num_inference_steps``, ``guidance_scale``, ``generator`` (a seed, or a ``torch.Generator`` whose
 ``initial_seed()`` is used), ``num_images_per_prompt`` and ``output_type`` (``"pil"``, ``"np"`` or
-``"png"``: the bytes of the file ``klein generate`` writes for the same options). Generation runs in
+``"png"``: the bytes of the file ``klein generate`` writes for the same options). ``pipe.inpaint``
+mirrors ``Flux2KleinInpaintPipeline``: ``image`` (the source), ``mask_image``, ``image_reference``
+and ``strength``. Generation runs in
 Rust with the GIL released; one pipeline serves one call at a time (calls from other threads wait
 their turn), so use one pipeline per thread for parallel work.
 
@@ -311,6 +313,85 @@ class Pipeline:
         total)`` runs after every denoising step; returning ``False`` raises ``CancelledError``,
         and so does Ctrl-C (``KeyboardInterrupt``) between steps. With ``return_dict=False``, the
         tuple ``(images,)`` as diffusers."""
+        return self._run(
+            prompt,
+            references=_references(image),
+            inpaint={},
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            negative_prompt=negative_prompt,
+            generator=generator,
+            num_images_per_prompt=num_images_per_prompt,
+            output_type=output_type,
+            callback=callback,
+            return_dict=return_dict,
+        )
+
+    def inpaint(
+        self,
+        prompt: str,
+        *,
+        image: ImageInput,
+        mask_image: ImageInput | None = None,
+        image_reference: ImageInput | Sequence[ImageInput] | None = None,
+        strength: float | None = None,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        negative_prompt: str | None = None,
+        generator: Any = None,
+        num_images_per_prompt: int = 1,
+        output_type: Literal["pil", "np", "png"] = "pil",
+        callback: Callable[[int, int], bool | None] | None = None,
+        return_dict: bool = True,
+    ) -> KleinPipelineOutput | tuple[Any]:
+        """Inpainting and img2img, as diffusers' ``Flux2KleinInpaintPipeline``: ``image`` is the
+        source (the output has its size, floored to multiples of 16), ``mask_image`` where to
+        repaint (white; black is kept; None: img2img, everything repainted), ``image_reference``
+        extra references, ``strength`` in (0, 1] the share of the steps that run (default 1.0,
+        where diffusers' is 0.8: at 4 steps both run the same schedule). The other arguments are
+        ``__call__``'s."""
+        sources, masks = _references(image), _references(mask_image)
+        if len(sources) != 1 or len(masks) > 1:
+            raise InvalidInputError("invalid request: inpaint takes one source image and at most one mask_image")
+        return self._run(
+            prompt,
+            references=_references(image_reference),
+            inpaint={
+                "source": sources[0],
+                "mask": masks[0] if masks else None,
+                "strength": _number("strength", strength),
+            },
+            height=None,
+            width=None,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            negative_prompt=negative_prompt,
+            generator=generator,
+            num_images_per_prompt=num_images_per_prompt,
+            output_type=output_type,
+            callback=callback,
+            return_dict=return_dict,
+        )
+
+    def _run(
+        self,
+        prompt: str,
+        *,
+        references: list[str | tuple[bytes, str]],
+        inpaint: dict[str, Any],
+        height: int | None,
+        width: int | None,
+        num_inference_steps: int | None,
+        guidance_scale: float | None,
+        negative_prompt: str | None,
+        generator: Any,
+        num_images_per_prompt: int,
+        output_type: str,
+        callback: Callable[[int, int], bool | None] | None,
+        return_dict: bool,
+    ) -> KleinPipelineOutput | tuple[Any]:
         if not isinstance(prompt, str):
             raise InvalidInputError(f"invalid request: prompt must be a string, not {type(prompt).__name__}")
         if output_type not in _OUTPUT_TYPES:
@@ -322,7 +403,8 @@ class Pipeline:
         count = _count("num_images_per_prompt", num_images_per_prompt, optional=False)
         generation = self._native.generate(
             prompt,
-            references=_references(image),
+            references=references,
+            **inpaint,
             width=_count("width", width),
             height=_count("height", height),
             steps=_count("num_inference_steps", num_inference_steps),
@@ -334,12 +416,12 @@ class Pipeline:
             callback=callback,
         )
         for message in generation.warnings:
-            warnings.warn(message, KleinWarning, stacklevel=2)
+            warnings.warn(message, KleinWarning, stacklevel=3)
         if generation.prompt_truncated:
             warnings.warn(
                 "the prompt is longer than the text encoder reads and was truncated, as diffusers does",
                 KleinWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         size = (generation.width, generation.height)
         images: list[Image.Image] | np.ndarray | list[bytes]

@@ -85,6 +85,9 @@ class Pipeline:
         num_images: int = 1,
         png: bool = False,
         callback: Callable[[int, int], object] | None = None,
+        source: str | tuple[bytes, str] | None = None,
+        mask: str | tuple[bytes, str] | None = None,
+        strength: float | None = None,
     ) -> Generation: ...
     def set_loras(self, loras: Sequence[str | os.PathLike[str] | tuple[str | os.PathLike[str], float]]) -> None: ...
     @property

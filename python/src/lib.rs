@@ -17,9 +17,10 @@ use klein::error::chain;
 use klein::limits;
 use klein::pipeline::metadata::variant_name;
 use klein::pipeline::{
-    Generation, LoraSpec, Pipeline, PipelineOptions, Progress, Request, Timings, VaeTiling,
+    Generation, Inpaint, LoraSpec, Pipeline, PipelineOptions, Progress, Request, Timings, VaeTiling,
 };
 use klein::runtime::{Device, RuntimeOptions};
+use klein::stages::inpaint::DEFAULT_STRENGTH;
 use klein::stages::output::{encode_image, ImageFormat};
 use klein::KleinError;
 use pyo3::prelude::*;
@@ -150,6 +151,40 @@ impl From<ReferenceArg<'_>> for Reference {
     }
 }
 
+/// An inpainting or img2img request's inputs, copied out of Python's objects.
+struct InpaintArgs {
+    source: Reference,
+    mask: Option<Reference>,
+    strength: f64,
+}
+
+impl Reference {
+    fn label(&self) -> &str {
+        match self {
+            Reference::Path(path) => path,
+            Reference::Encoded(_, label) => label,
+        }
+    }
+}
+
+impl InpaintArgs {
+    /// The source and mask decoded and preprocessed for `pipeline`.
+    fn load(&self, pipeline: &Pipeline) -> klein::Result<Inpaint> {
+        let source = match &self.source {
+            Reference::Path(path) => pipeline.load_source(Path::new(path))?,
+            Reference::Encoded(bytes, label) => pipeline.decode_source(bytes, Path::new(label))?,
+        };
+        let mask = match &self.mask {
+            None => None,
+            Some(Reference::Path(path)) => Some(pipeline.load_mask(Path::new(path), &source)?),
+            Some(Reference::Encoded(bytes, label)) => {
+                Some(pipeline.decode_mask(bytes, Path::new(label), &source)?)
+            }
+        };
+        Ok(Inpaint::new(source, mask, self.strength))
+    }
+}
+
 /// The bundle's model, read once at load (its manifest does not change).
 #[derive(Clone)]
 struct ModelInfo {
@@ -253,6 +288,7 @@ impl PyPipeline {
         &self,
         request: Request,
         references: Vec<Reference>,
+        inpaint: Option<InpaintArgs>,
         png: bool,
         callback: Option<Py<PyAny>>,
     ) -> Result<Made, Failure> {
@@ -260,6 +296,13 @@ impl PyPipeline {
         let mut pipeline = lock(&self.pipeline);
         let pipeline = &mut *pipeline;
         let mut labels = Vec::with_capacity(references.len());
+        if let Some(inpaint) = &inpaint {
+            request.inpaint = Some(inpaint.load(pipeline).map_err(Failure::Klein)?);
+        }
+        let source_size = request
+            .inpaint
+            .as_ref()
+            .map(|i| (i.image.width, i.image.height));
         // Paths only (as the CLI): every file checked from its header before any is decoded.
         let paths: Vec<&Path> = references
             .iter()
@@ -270,7 +313,11 @@ impl PyPipeline {
             .collect();
         if paths.len() == references.len() {
             pipeline
-                .check_reference_files(&paths, request.width, request.height)
+                .check_reference_files(
+                    &paths,
+                    request.width.or(source_size.map(|s| s.0)),
+                    request.height.or(source_size.map(|s| s.1)),
+                )
                 .map_err(Failure::Klein)?;
         }
         for reference in &references {
@@ -315,7 +362,13 @@ impl PyPipeline {
         };
         let png = if png {
             let hash = pipeline.bundle_sha256().map_err(Failure::Klein)?;
-            let text = pipeline.image_metadata(&generation, &request.prompt, &labels, &hash);
+            let mut text = pipeline.image_metadata(&generation, &request.prompt, &labels, &hash);
+            if let Some(inpaint) = &inpaint {
+                text.push(("image".into(), inpaint.source.label().to_string()));
+                if let Some(mask) = &inpaint.mask {
+                    text.push(("mask_image".into(), mask.label().to_string()));
+                }
+            }
             let files = generation
                 .images
                 .iter()
@@ -403,8 +456,9 @@ impl PyPipeline {
 
     /// Generates `num_images` images for `prompt` with the GIL released. `references`: paths
     /// (labelled by the string as given) or `(file bytes, label)` pairs. `callback(step, total)`
-    /// runs after every denoising step; returning `False` cancels.
-    #[pyo3(signature = (prompt, *, references = Vec::new(), width = None, height = None, steps = None, guidance = None, negative_prompt = None, seed = 0, num_images = 1, png = false, callback = None))]
+    /// runs after every denoising step; returning `False` cancels. `source` (and `mask`, a path
+    /// or a pair as a reference) inpaints with `strength` (default 1.0).
+    #[pyo3(signature = (prompt, *, references = Vec::new(), width = None, height = None, steps = None, guidance = None, negative_prompt = None, seed = 0, num_images = 1, png = false, callback = None, source = None, mask = None, strength = None))]
     #[allow(clippy::too_many_arguments)] // the keyword arguments of a Python call
     fn generate(
         &self,
@@ -420,7 +474,24 @@ impl PyPipeline {
         num_images: usize,
         png: bool,
         callback: Option<Py<PyAny>>,
+        source: Option<ReferenceArg<'_>>,
+        mask: Option<ReferenceArg<'_>>,
+        strength: Option<f64>,
     ) -> PyResult<PyGeneration> {
+        let inpaint = match source {
+            Some(source) => Some(InpaintArgs {
+                source: source.into(),
+                mask: mask.map(Reference::from),
+                strength: strength.unwrap_or(DEFAULT_STRENGTH),
+            }),
+            None if mask.is_some() || strength.is_some() => {
+                return Err(to_py_err(
+                    py,
+                    &KleinError::Request("a mask and a strength need a source image".into()),
+                ))
+            }
+            None => None,
+        };
         let mut request = Request::new(prompt)
             .with_seed(seed)
             .with_num_images(num_images);
@@ -435,7 +506,7 @@ impl PyPipeline {
             .map_err(|e| to_py_err(py, &e))?;
         let references: Vec<Reference> = references.into_iter().map(Reference::from).collect();
         let made = py
-            .detach(|| self.run_generation(request, references, png, callback))
+            .detach(|| self.run_generation(request, references, inpaint, png, callback))
             .map_err(|failure| match failure {
                 Failure::Klein(error) => to_py_err(py, &error),
                 Failure::Python(raised) => raised,

@@ -11,7 +11,7 @@ use klein::capi::{
     klein_generate, klein_output_size, klein_pipeline_free, klein_pipeline_load, klein_string_free,
     KleinOptions, KleinPipeline, KleinRequest, KleinStatus,
 };
-use klein::pipeline::Request;
+use klein::pipeline::{Inpaint, Request};
 
 use crate::util::{assert_mentions, ort_library, repo, temp_dir, tiny_pipeline};
 
@@ -311,6 +311,9 @@ fn entry_points_check_their_arguments() {
         reference_paths: ptr::null(),
         reference_count: 0,
         negative_prompt: std::ptr::null(),
+        image_path: std::ptr::null(),
+        mask_path: std::ptr::null(),
+        strength: 0.0,
     };
     let (mut width, mut height) = (0u32, 0u32);
     let (status, message) =
@@ -384,6 +387,9 @@ fn entry_points_check_their_arguments() {
         reference_paths: missing.as_ptr(),
         reference_count: 1,
         negative_prompt: std::ptr::null(),
+        image_path: std::ptr::null(),
+        mask_path: std::ptr::null(),
+        strength: 0.0,
         ..request
     };
     let (status, message) = call(|m| generate(&with_missing_ref, &mut small, &mut w, &mut h, m));
@@ -421,6 +427,9 @@ fn c_requests_carry_num_images_and_guidance() {
         reference_paths: ptr::null(),
         reference_count: 0,
         negative_prompt: std::ptr::null(),
+        image_path: std::ptr::null(),
+        mask_path: std::ptr::null(),
+        strength: 0.0,
     };
     let generate = |request: &KleinRequest, buffer: &mut [u8], m| unsafe {
         generate_into(pipeline, request, buffer, m)
@@ -464,5 +473,91 @@ fn c_requests_carry_num_images_and_guidance() {
         &message,
         &["guidance 1000000000 must be a number between 0 and 100"],
     );
+    unsafe { klein_pipeline_free(pipeline) };
+}
+
+/// An inpainting request (`image_path`, `mask_path`, `strength`) gives the Rust API's image; the
+/// output size is the source's; a mask without an image and a strength above 1 are refused.
+#[test]
+fn c_requests_inpaint_as_the_rust_api() {
+    use KleinStatus::*;
+    let dir = temp_dir("capi-inpaint");
+    let source = dir.join("source.png");
+    let mask = dir.join("mask.png");
+    image::RgbImage::from_fn(72, 52, |x, y| {
+        image::Rgb([(x * 3) as u8, (y * 4) as u8, 90])
+    })
+    .save(&source)
+    .unwrap();
+    image::RgbImage::from_fn(30, 20, |x, _| image::Rgb([if x < 15 { 255 } else { 0 }; 3]))
+        .save(&mask)
+        .unwrap();
+    let (c_source, c_mask) = (
+        CString::new(source.to_str().unwrap()).unwrap(),
+        CString::new(mask.to_str().unwrap()).unwrap(),
+    );
+    let (bundle, library) = c_paths();
+    let options = cpu_options(&library, 1);
+    let mut pipeline: *mut KleinPipeline = ptr::null_mut();
+    // SAFETY (every call): valid pointers, NUL-terminated strings, a live pipeline.
+    let (status, message) =
+        call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &options, &mut pipeline, m) });
+    assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
+    let request = KleinRequest {
+        prompt: c"a hat".as_ptr(),
+        seed: 3,
+        width: 0,
+        height: 0,
+        steps: 4,
+        guidance: 0.0,
+        num_images: 1,
+        reference_paths: ptr::null(),
+        reference_count: 0,
+        negative_prompt: ptr::null(),
+        image_path: c_source.as_ptr(),
+        mask_path: c_mask.as_ptr(),
+        strength: 0.75,
+    };
+    let (mut width, mut height) = (0u32, 0u32);
+    let (status, message) =
+        call(|m| unsafe { klein_output_size(pipeline, &request, &mut width, &mut height, m) });
+    assert_eq!(
+        (status, message.as_str(), width, height),
+        (KLEIN_OK, "", 64, 48)
+    );
+    let mut rgba = vec![0u8; 64 * 48 * 4];
+    let (status, message) = call(|m| unsafe { generate_into(pipeline, &request, &mut rgba, m) });
+    assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
+
+    let mut rust = tiny_pipeline();
+    let src = rust.load_source(&source).unwrap();
+    let mask_image = rust.load_mask(&mask, &src).unwrap();
+    let want = rust
+        .generate(
+            &Request::new("a hat")
+                .with_seed(3)
+                .with_steps(4)
+                .with_inpaint(Inpaint::new(src, Some(mask_image), 0.75)),
+            None,
+        )
+        .unwrap();
+    let rgb: Vec<u8> = rgba.chunks_exact(4).flat_map(|p| p[..3].to_vec()).collect();
+    assert_eq!(rgb, want.images[0].pixels, "the Rust API's inpainted image");
+    assert_eq!((want.strength, want.masked), (Some(0.75), true));
+
+    let no_image = KleinRequest {
+        image_path: ptr::null(),
+        ..request
+    };
+    let (status, message) = call(|m| unsafe { generate_into(pipeline, &no_image, &mut rgba, m) });
+    assert_eq!(status, KLEIN_ERROR_INVALID_ARGUMENT, "{message}");
+    assert_mentions(&message, &["request.image_path"]);
+    let too_strong = KleinRequest {
+        strength: 1.5,
+        ..request
+    };
+    let (status, message) = call(|m| unsafe { generate_into(pipeline, &too_strong, &mut rgba, m) });
+    assert_eq!(status, KLEIN_ERROR_USER, "{message}");
+    assert_mentions(&message, &["strength 1.5 must be above 0 and at most 1"]);
     unsafe { klein_pipeline_free(pipeline) };
 }

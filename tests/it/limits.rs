@@ -179,6 +179,9 @@ fn the_c_api_refuses_numbers_past_their_bounds() {
         reference_paths: ptr::null(),
         reference_count: 0,
         negative_prompt: std::ptr::null(),
+        image_path: std::ptr::null(),
+        mask_path: std::ptr::null(),
+        strength: 0.0,
     };
     let mut buffer = vec![0u8; 64 * 64 * 4];
     let (status, message) = call(|m| unsafe { generate_into(pipeline, &request, &mut buffer, m) });

@@ -521,6 +521,9 @@ fn c_api_sets_loras() {
         reference_paths: ptr::null(),
         reference_count: 0,
         negative_prompt: std::ptr::null(),
+        image_path: std::ptr::null(),
+        mask_path: std::ptr::null(),
+        strength: 0.0,
     };
     let path = CString::new(lora.to_str().unwrap()).unwrap();
     let paths = [path.as_ptr()];

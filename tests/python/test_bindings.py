@@ -271,3 +271,31 @@ def test_vae_tiling_is_the_cli_file(tiny_bundle, klein_bin, tmp_path):
     assert out.images == [(tmp_path / "t.png").read_bytes()]
     with pytest.raises(klein.InvalidInputError, match="vae_tiling"):
         klein.Pipeline(tiny_bundle, vae_tiling="sometimes")
+
+
+def test_inpaint_is_the_cli_file(pipe, klein_bin, tiny_bundle, tmp_path):
+    """`pipe.inpaint` (source and mask as paths, then as PIL images) gives `klein generate --image
+    --mask --strength`'s file; without a mask it is img2img."""
+    source, mask = tmp_path / "source.png", tmp_path / "mask.png"
+    synthetic().resize((100, 72)).save(source)
+    black_left = Image.new("RGB", (50, 36), "white")
+    black_left.paste((0, 0, 0), (0, 0, 20, 36))
+    black_left.save(mask)
+    args = ["--image", str(source), "--mask", str(mask), "--strength", "0.75", "--seed", "9"]
+    cli(klein_bin, tiny_bundle, tmp_path / "k.png", "a hat", *args)
+    out = pipe.inpaint("a hat", image=str(source), mask_image=str(mask), strength=0.75, generator=9, output_type="png")
+    assert out.images == [(tmp_path / "k.png").read_bytes()]
+    assert (out.width, out.height) == (96, 64)
+    text = Image.open(io.BytesIO(out.images[0])).text
+    assert (text["strength"], text["mask"], text["image"]) == ("0.75", "yes", str(source))
+    pil = pipe.inpaint("a hat", image=Image.open(source), mask_image=black_left, strength=0.75, generator=9)
+    assert np.array_equal(np.asarray(pil.images[0]), pixels(out.images[0]))
+
+    cli(klein_bin, tiny_bundle, tmp_path / "i.png", "a hat", "--image", str(source), "--seed", "9")
+    img2img = pipe.inpaint("a hat", image=str(source), generator=9, output_type="png")
+    assert img2img.images == [(tmp_path / "i.png").read_bytes()]
+    assert img2img.images != out.images
+    with pytest.raises(klein.InvalidInputError, match="strength 2 must be above 0"):
+        pipe.inpaint("a hat", image=str(source), strength=2, generator=9)
+    with pytest.raises(klein.InvalidInputError, match="one source image"):
+        pipe.inpaint("a hat", image=[str(source), str(source)])
