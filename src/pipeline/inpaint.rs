@@ -45,6 +45,11 @@ impl Pipeline {
         ))
     }
 
+    /// A mask already decoded to RGB (white repaints), for `source`.
+    pub fn prepare_mask(&self, rgb: &image::RgbImage, source: &ReferenceImage) -> Mask {
+        preprocess_mask(rgb, source.width, source.height)
+    }
+
     /// [`Self::load_mask`] of a file's bytes held in memory; `label` names it in errors.
     pub fn decode_mask(&self, bytes: &[u8], label: &Path, source: &ReferenceImage) -> Result<Mask> {
         Ok(preprocess_mask(

@@ -150,6 +150,46 @@ def test_openai_edits_with_references(server: Server, klein_bin: Path, tiny_bund
     assert got == want
 
 
+def test_inpainting_on_both_apis_gives_the_cli_file(server: Server, klein_bin: Path, tiny_bundle: Path, tmp_path: Path):
+    """OpenAI's edits with a mask (transparent where to edit) and the native route's image, mask
+    (white repaints) and strength both give `klein generate --image --mask --strength`'s file."""
+    from PIL import Image
+
+    cli_dir = tmp_path / "cli"
+    cli_dir.mkdir()
+    source = Image.linear_gradient("L").resize((100, 72)).convert("RGB")
+    source.save(cli_dir / "source.png")
+    white = Image.new("RGB", (50, 36), "black")
+    white.paste((255, 255, 255), (10, 5, 40, 30))
+    white.save(cli_dir / "mask.png")
+    transparent = Image.new("RGBA", (50, 36), (9, 9, 9, 255))
+    transparent.paste((0, 0, 0, 0), (10, 5, 40, 30))
+    transparent.save(tmp_path / "mask.png")
+    args = ("a hat", "--image", "source.png", "--mask", "mask.png", "--seed", "4", "--strength", "0.75")
+    (want,) = cli_png(klein_bin, tiny_bundle, cli_dir, *args, cwd=cli_dir)
+    assert Image.open(io.BytesIO(want)).size == (96, 64)
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    with open(cli_dir / "source.png", "rb") as image, open(tmp_path / "mask.png", "rb") as mask:
+        result = client.images.edit(image=image, mask=mask, prompt="a hat", extra_body={"seed": 4, "strength": 0.75})
+    assert base64.b64decode(result.data[0].b64_json) == want
+
+    def b64(path: Path) -> str:
+        return base64.b64encode(path.read_bytes()).decode()
+
+    body = {
+        "prompt": "a hat",
+        "seed": 4,
+        "strength": 0.75,
+        "image": {"name": "source.png", "data": b64(cli_dir / "source.png")},
+        "mask": {"name": "mask.png", "data": b64(cli_dir / "mask.png")},
+    }
+    r = httpx.post(f"{server.url}/v1/klein/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert base64.b64decode(r.json()["images"][0]) == want
+    assert (r.json()["metadata"]["strength"], r.json()["metadata"]["mask"]) == ("0.75", "yes")
+
+
 def test_curl_gets_the_cli_image(server: Server, klein_bin: Path, tiny_bundle: Path, tmp_path: Path):
     body = json.dumps({"prompt": PROMPT, "size": "48x64", "seed": 3})
     out = subprocess.run(
@@ -404,6 +444,10 @@ BAD_NATIVE = [
     ({"prompt": "x", "refs": [{"data": base64.b64encode(b"GIF89a not an image").decode()}]}, "image"),
     ({"prompt": "x", "refs": [{"data": base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 40).decode()}]}, "image"),
     ({"prompt": "x", "refs": [{"data": ""}] * 11}, "refs"),
+    ({"prompt": "x", "strength": 0.5}, "image"),
+    ({"prompt": "x", "image": {"data": "AAAA"}, "strength": 0}, "strength"),
+    ({"prompt": "x", "image": {"data": "not base64!"}}, "image.data"),
+    ({"prompt": "x", "image": {"data": base64.b64encode(b"GIF89a not an image").decode()}}, "image"),
     ({"prompt": "x", "width": 8}, "width"),
     ({"prompt": "x", "height": 5000}, "height"),
     ({"prompt": "x", "num_images": 99}, "num_images"),
@@ -424,7 +468,9 @@ def test_bad_edit_requests(server: Server, repo: Path):
     cases = [
         # (multipart parts, field the error must name)
         ([("prompt", (None, "x"))], "image"),  # no image
-        ([("prompt", (None, "x")), image, ("mask", ("m.png", png))], "mask"),
+        ([("prompt", (None, "x")), image, ("mask", ("m.png", png))], "mask"),  # no alpha channel
+        ([("prompt", (None, "x")), image, ("strength", (None, "1.5"))], "strength"),
+        ([("prompt", (None, "x")), image, ("strength", (None, "much"))], "strength"),
         ([("prompt", (None, "x")), ("colour", (None, "red")), image], "colour"),
         ([("prompt", (None, "x")), ("n", (None, "two")), image], "n"),
         ([("prompt", (None, "x")), ("image", ("a.txt", b"plain text"))], "image"),

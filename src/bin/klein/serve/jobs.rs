@@ -24,6 +24,23 @@ pub(crate) struct Upload {
     pub(crate) bytes: Vec<u8>,
 }
 
+/// How a mask upload marks what to repaint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MaskKind {
+    /// White repaints, black keeps (`klein generate --mask`, diffusers).
+    White,
+    /// OpenAI's edits API: fully transparent pixels (alpha 0) are edited.
+    Transparent,
+}
+
+/// Inpainting or img2img: the source image, its mask, the strength (default: klein's).
+#[derive(Debug, Clone)]
+pub(crate) struct InpaintUpload {
+    pub(crate) source: Upload,
+    pub(crate) mask: Option<(Upload, MaskKind)>,
+    pub(crate) strength: Option<f64>,
+}
+
 /// One generation, every option resolved but the pipeline's defaults.
 #[derive(Debug, Clone)]
 pub(crate) struct JobSpec {
@@ -36,6 +53,7 @@ pub(crate) struct JobSpec {
     pub(crate) seed: u64,
     pub(crate) num_images: usize,
     pub(crate) references: Vec<Upload>,
+    pub(crate) inpaint: Option<InpaintUpload>,
     pub(crate) loras: Vec<LoraSpec>,
     pub(crate) format: ImageFormat,
 }

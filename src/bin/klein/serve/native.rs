@@ -17,11 +17,11 @@ use klein::stages::output::ImageFormat;
 use serde::Deserialize;
 
 use super::error::{ApiError, ErrorKind};
-use super::jobs::{JobEvent, JobHandle, JobOutput, JobSpec, Upload};
+use super::jobs::{InpaintUpload, JobEvent, JobHandle, JobOutput, JobSpec, MaskKind, Upload};
 use super::openai::check_negative_prompt;
 use super::params::{
-    check_count, check_guidance, check_side, check_steps, format_name, image_format,
-    seed_or_random, NATIVE_FORMAT_FIELDS,
+    check_count, check_guidance, check_side, check_steps, check_strength, format_name,
+    image_format, seed_or_random, NATIVE_FORMAT_FIELDS,
 };
 use super::{parse_json, request_id, run_to_end, AppState};
 
@@ -39,6 +39,10 @@ struct NativeBody {
     /// Reference images, base64 of PNG, JPEG or WebP files.
     #[serde(default)]
     refs: Vec<RefBody>,
+    /// Inpainting and img2img: the source image, the mask (white repaints), the strength.
+    image: Option<RefBody>,
+    mask: Option<RefBody>,
+    strength: Option<f64>,
     /// LoRAs offered by the server, `NAME` or `NAME:SCALE`.
     #[serde(default)]
     loras: Vec<String>,
@@ -67,24 +71,29 @@ fn spec_from(state: &AppState, body: NativeBody) -> Result<(JobSpec, ImageFormat
     }
     klein::pipeline::request::check_reference_count(body.refs.len())
         .map_err(|e| ApiError::from_klein(&e, Some("refs")))?;
-    let b64 = base64::engine::general_purpose::STANDARD;
     let references = body
         .refs
         .into_iter()
         .enumerate()
-        .map(|(i, r)| {
-            let bytes = b64.decode(r.data.trim()).map_err(|e| {
-                ApiError::field(
-                    &format!("refs[{i}].data"),
-                    format!("refs[{i}].data is not base64: {e}"),
-                )
-            })?;
-            Ok(Upload {
-                label: r.name.unwrap_or_else(|| format!("image-{i}")),
-                bytes,
-            })
-        })
+        .map(|(i, r)| upload(r, &format!("refs[{i}]"), format!("image-{i}")))
         .collect::<Result<Vec<_>, ApiError>>()?;
+    let inpaint = match body.image {
+        Some(image) => Some(InpaintUpload {
+            source: upload(image, "image", "image".into())?,
+            mask: body
+                .mask
+                .map(|m| upload(m, "mask", "mask".into()).map(|m| (m, MaskKind::White)))
+                .transpose()?,
+            strength: check_strength(body.strength)?,
+        }),
+        None if body.mask.is_some() || body.strength.is_some() => {
+            return Err(ApiError::field(
+                "image",
+                "mask and strength need a source image (the image field)",
+            ))
+        }
+        None => None,
+    };
     let format = image_format(body.format.as_deref(), body.quality, NATIVE_FORMAT_FIELDS)?;
     let spec = JobSpec {
         prompt: body.prompt,
@@ -96,10 +105,26 @@ fn spec_from(state: &AppState, body: NativeBody) -> Result<(JobSpec, ImageFormat
         seed: seed_or_random(body.seed),
         num_images: check_count("num_images", body.num_images.unwrap_or(1))?,
         references,
+        inpaint,
         loras: state.loras.resolve_all(&body.loras)?,
         format,
     };
     Ok((spec, format))
+}
+
+/// A base64 file of the body; `field` names it in errors, `default_label` when it has no name.
+fn upload(body: RefBody, field: &str, default_label: String) -> Result<Upload, ApiError> {
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let bytes = b64.decode(body.data.trim()).map_err(|e| {
+        ApiError::field(
+            &format!("{field}.data"),
+            format!("{field}.data is not base64: {e}"),
+        )
+    })?;
+    Ok(Upload {
+        label: body.name.unwrap_or(default_label),
+        bytes,
+    })
 }
 
 /// The answer: images (base64) and everything stored in them.

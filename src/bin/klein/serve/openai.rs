@@ -13,10 +13,10 @@ use base64::Engine;
 use serde::Deserialize;
 
 use super::error::{ApiError, ErrorKind};
-use super::jobs::{JobOutput, JobSpec, Upload};
+use super::jobs::{InpaintUpload, JobOutput, JobSpec, MaskKind, Upload};
 use super::params::{
-    check_count, check_guidance, check_response_format, check_steps, image_format, parse_size,
-    seed_or_random, OPENAI_FORMAT_FIELDS,
+    check_count, check_guidance, check_response_format, check_steps, check_strength, image_format,
+    parse_size, seed_or_random, OPENAI_FORMAT_FIELDS,
 };
 use super::{parse_json, request_id, run_to_end, AppState};
 
@@ -77,6 +77,7 @@ fn spec_from(
         seed: seed_or_random(body.seed),
         num_images: check_count("n", body.n.unwrap_or(1))?,
         references,
+        inpaint: None,
         loras: state.loras.resolve_all(&body.loras.unwrap_or_default())?,
         format: image_format(
             body.output_format.as_deref(),
@@ -172,6 +173,8 @@ pub(crate) async fn edits(
     let mut body = serde_json::Map::new();
     let mut loras = Vec::new();
     let mut references = Vec::new();
+    let mut mask = None;
+    let mut strength = None;
     while let Some(field) = form.next_field().await.map_err(multipart_error)? {
         let name = field.name().unwrap_or_default().to_string();
         match name.as_str() {
@@ -184,10 +187,16 @@ pub(crate) async fn edits(
                 references.push(Upload { label, bytes: bytes.to_vec() });
             }
             "mask" => {
-                return Err(ApiError::field(
-                    "mask",
-                    "inpainting (mask) is not supported by this klein version; send image[] references without a mask",
-                ))
+                let label = field.file_name().unwrap_or("mask").to_string();
+                let bytes = field.bytes().await.map_err(multipart_error)?;
+                mask = Some(Upload { label, bytes: bytes.to_vec() });
+            }
+            "strength" => {
+                let value = field.text().await.map_err(multipart_error)?;
+                let parsed = value.trim().parse::<f64>().map_err(|_| {
+                    ApiError::field("strength", format!("strength `{value}`: give a number"))
+                })?;
+                strength = check_strength(Some(parsed))?;
             }
             "loras" | "loras[]" => loras.push(field.text().await.map_err(multipart_error)?),
             text if TEXT_FIELDS.contains(&text) => {
@@ -197,7 +206,7 @@ pub(crate) async fn edits(
             other => {
                 return Err(ApiError::field(
                     other,
-                    format!("unknown field `{other}`; the form takes image[] (files), prompt, n, size, response_format, output_format, output_compression, seed, steps, guidance, loras"),
+                    format!("unknown field `{other}`; the form takes image[] (files), mask (a PNG, transparent where to edit), prompt, n, size, response_format, output_format, output_compression, seed, steps, guidance, strength, loras"),
                 ))
             }
         }
@@ -214,7 +223,14 @@ pub(crate) async fn edits(
         body.insert("loras".into(), serde_json::json!(loras));
     }
     let body: GenerationsBody = super::parse_value(serde_json::Value::Object(body))?;
-    let spec = spec_from(&state, body, references)?;
+    // With a mask (or a strength), the first image is the one edited, the others references.
+    let inpaint = (mask.is_some() || strength.is_some()).then(|| InpaintUpload {
+        source: references.remove(0),
+        mask: mask.map(|m| (m, MaskKind::Transparent)),
+        strength,
+    });
+    let mut spec = spec_from(&state, body, references)?;
+    spec.inpaint = inpaint;
     let (_, output) = run_to_end(&state, spec, id).await?;
     Ok(Json(answer(&output)))
 }

@@ -8,11 +8,12 @@ use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use klein::pipeline::{Pipeline, Progress, Request};
+use klein::pipeline::{Inpaint, Pipeline, Progress, Request};
+use klein::stages::inpaint::DEFAULT_STRENGTH;
 use klein::stages::output::encode_image;
 
 use super::error::{ApiError, ErrorKind};
-use super::jobs::{lock, Job, JobEvent, JobOutput, Queue};
+use super::jobs::{lock, InpaintUpload, Job, JobEvent, JobOutput, MaskKind, Queue, Upload};
 use super::metrics::Metrics;
 
 /// What every worker shares: the queue's receiver, its counts, the metrics, and how many
@@ -89,6 +90,59 @@ fn cancelled() -> ApiError {
     ApiError::new(ErrorKind::Cancelled, "cancelled before it finished")
 }
 
+/// The source image and mask of an inpainting job, decoded for `pipeline`.
+fn load_inpaint(pipeline: &Pipeline, upload: &InpaintUpload) -> Result<Inpaint, ApiError> {
+    let source = pipeline
+        .decode_source(&upload.source.bytes, Path::new(&upload.source.label))
+        .map_err(|e| ApiError::from_klein(&e, Some("image")))?;
+    let mask = match &upload.mask {
+        None => None,
+        Some((mask, MaskKind::White)) => Some(
+            pipeline
+                .decode_mask(&mask.bytes, Path::new(&mask.label), &source)
+                .map_err(|e| ApiError::from_klein(&e, Some("mask")))?,
+        ),
+        Some((mask, MaskKind::Transparent)) => {
+            Some(pipeline.prepare_mask(&transparent_to_white(mask)?, &source))
+        }
+    };
+    Ok(Inpaint::new(
+        source,
+        mask,
+        upload.strength.unwrap_or(DEFAULT_STRENGTH),
+    ))
+}
+
+/// OpenAI's mask (edit where alpha is 0) as klein's (white repaints): a PNG with an alpha
+/// channel, refused without one, and before decoding when larger than klein decodes.
+fn transparent_to_white(mask: &Upload) -> Result<image::RgbImage, ApiError> {
+    let label = Path::new(&mask.label);
+    klein::stages::reference::read_header_bytes(&mask.bytes, label)
+        .map_err(|e| ApiError::from_klein(&e, Some("mask")))?;
+    let decoded = image::load_from_memory(&mask.bytes).map_err(|e| {
+        ApiError::field(
+            "mask",
+            format!("mask {}: not a readable image: {e}", mask.label),
+        )
+    })?;
+    if !decoded.color().has_alpha() {
+        return Err(ApiError::field(
+            "mask",
+            format!(
+                "mask {}: OpenAI's mask is a PNG with an alpha channel (fully transparent pixels \
+                 are edited); this one has none",
+                mask.label
+            ),
+        ));
+    }
+    let rgba = decoded.to_rgba8();
+    Ok(image::RgbImage::from_fn(
+        rgba.width(),
+        rgba.height(),
+        |x, y| image::Rgb([if rgba.get_pixel(x, y)[3] == 0 { 255 } else { 0 }; 3]),
+    ))
+}
+
 /// One generation: LoRAs, references, the pipeline, the encoded images.
 fn run_job(
     pipeline: &mut Pipeline,
@@ -110,6 +164,9 @@ fn run_job(
     request.steps = spec.steps;
     request.guidance = spec.guidance;
     request.negative_prompt = spec.negative_prompt.clone();
+    if let Some(inpaint) = &spec.inpaint {
+        request.inpaint = Some(load_inpaint(pipeline, inpaint)?);
+    }
     for upload in &spec.references {
         let reference = pipeline
             .decode_reference(&upload.bytes, Path::new(&upload.label))
@@ -152,7 +209,13 @@ fn run_job(
             e => ApiError::from_klein(&e, None),
         })?;
     let labels: Vec<String> = spec.references.iter().map(|u| u.label.clone()).collect();
-    let metadata = pipeline.image_metadata(&generation, &spec.prompt, &labels, bundle_hash);
+    let mut metadata = pipeline.image_metadata(&generation, &spec.prompt, &labels, bundle_hash);
+    if let Some(inpaint) = &spec.inpaint {
+        metadata.push(("image".into(), inpaint.source.label.clone()));
+        if let Some((mask, _)) = &inpaint.mask {
+            metadata.push(("mask_image".into(), mask.label.clone()));
+        }
+    }
     let images = generation
         .images
         .iter()
