@@ -6,6 +6,8 @@
 //!   the Lanczos resize to 1 MP (1254x836), the centre crop to multiples of 16, the float conversion.
 //! - `output/encode_png_1024x1024`: [`klein::stages::output::encode_png`] of a 1024x1024 RGB image with the
 //!   CLI's kind of text metadata.
+//! - `preview/1x4096x128`: a step preview of a 1024x1024 image ([`klein::stages::preview::preview_image`]:
+//!   128 x 3 multiply-adds per token, 4096 tokens, into a 128x128 RGB image).
 //!
 //! `cargo bench --bench stages` (add `-- --quick` for a short run; `-- reference` for one group).
 //! The inputs are deterministic: a smooth pattern with xorshift noise, so that PNG compression and
@@ -18,6 +20,7 @@ use image::DynamicImage;
 use klein::stages::latents::{pack_latents, unpack_latents};
 use klein::stages::noise::randn;
 use klein::stages::output::{encode_png, RgbImage};
+use klein::stages::preview::{preview_image, PreviewSpec};
 use klein::stages::reference::{preprocess_reference, ReferenceLimits};
 use ndarray::{Array3, Array4};
 
@@ -128,5 +131,21 @@ fn output(c: &mut Criterion) {
     });
 }
 
-criterion_group!(stages, noise, latents, reference, output);
+fn preview(c: &mut Criterion) {
+    let tokens = randn(7, &[GRID * GRID, CHANNELS])
+        .into_dimensionality::<ndarray::Ix2>()
+        .unwrap();
+    let spec = PreviewSpec {
+        weights: (0..CHANNELS)
+            .map(|k| [k as f32 * 1e-3, -(k as f32) * 1e-3, 0.01])
+            .collect(),
+        bias: vec![[0.5; 3]; 4],
+        fit_rmse: 0.0,
+    };
+    c.bench_function("preview/1x4096x128", |b| {
+        b.iter(|| preview_image(black_box(tokens.view()), GRID, GRID, &spec))
+    });
+}
+
+criterion_group!(stages, noise, latents, reference, output, preview);
 criterion_main!(stages);

@@ -121,7 +121,29 @@ pub struct KleinRequest {
     pub mask_path: *const c_char,
     /// With an image: above 0 to 1, the share of the steps that run; 0: klein's default, 1.0.
     pub strength: f64,
+    /// Step previews: `preview` is called every `preview_every` steps (and after the last) for
+    /// each image; 0 or a NULL `preview`: none. Refused (`KLEIN_ERROR_USER`) for a bundle without
+    /// a preview map.
+    pub preview_every: u32,
+    pub preview: KleinPreviewFn,
+    pub preview_user_data: *mut c_void,
 }
+
+/// Called with a step preview of image `image` (0-based in the batch) after step `step` of
+/// `total`: `width * height * 3` RGB bytes, row-major, valid during the call only (1/8 of the
+/// output's side; the model's current estimate of the image). Return 0 to go on, non-zero to
+/// cancel, as the progress callback. It must not unwind out of the call.
+pub type KleinPreviewFn = Option<
+    unsafe extern "C" fn(
+        user_data: *mut c_void,
+        step: u32,
+        total: u32,
+        image: u32,
+        rgb: *const u8,
+        width: u32,
+        height: u32,
+    ) -> i32,
+>;
 
 /// Called after each denoising step `step` (1-based) of `total`, on the thread that called
 /// `klein_generate`. Return 0 to go on, non-zero to cancel: the call then returns
@@ -240,6 +262,7 @@ pub unsafe extern "C" fn klein_generate(
         let pipeline = &mut unsafe { pipeline.as_mut() }
             .ok_or_else(|| Failure::invalid("pipeline is NULL"))?
             .pipeline;
+        let request_ptr = request;
         let request = unsafe { to_request(pipeline, request) }?;
         let (width, height) = pipeline.output_size(&request)?;
         if let Some(out) = unsafe { out_width.as_mut() } {
@@ -263,12 +286,34 @@ pub unsafe extern "C" fn klein_generate(
             return Err(Failure::invalid("rgba_out is NULL"));
         }
 
-        let mut on_progress = |event: Progress| match (progress, event) {
-            (Some(callback), Progress::Step { step, total }) => {
+        // SAFETY: the caller's guarantee (read again for the preview callback).
+        let (preview, preview_data) = unsafe { request_preview(request_ptr) };
+        let mut on_progress = |event: Progress| match (progress, preview, event) {
+            (Some(callback), _, Progress::Step { step, total }) => {
                 match unsafe { callback(user_data, saturate(step), saturate(total)) } {
                     0 => ControlFlow::Continue(()),
                     _ => ControlFlow::Break(()),
                 }
+            }
+            (_, Some(callback), Progress::Preview(p)) => {
+                for (i, image) in p.images.iter().enumerate() {
+                    // SAFETY: the caller's guarantee; the pixels outlive the call.
+                    let answer = unsafe {
+                        callback(
+                            preview_data,
+                            saturate(p.step),
+                            saturate(p.total),
+                            saturate(p.first_image + i),
+                            image.pixels.as_ptr(),
+                            image.width,
+                            image.height,
+                        )
+                    };
+                    if answer != 0 {
+                        return ControlFlow::Break(());
+                    }
+                }
+                ControlFlow::Continue(())
             }
             _ => ControlFlow::Continue(()),
         };
@@ -553,6 +598,9 @@ unsafe fn to_request(
         image_path,
         mask_path,
         strength,
+        preview_every,
+        preview,
+        preview_user_data: _,
     } = *request;
     // SAFETY: the caller's guarantee.
     let prompt = unsafe { required_str(prompt, "request.prompt") }?;
@@ -562,6 +610,8 @@ unsafe fn to_request(
     result.steps = (steps != 0).then_some(steps as usize);
     result.guidance = (guidance != 0.0).then_some(guidance);
     result.num_images = num_images.max(1) as usize;
+    result.preview_every =
+        (preview_every != 0 && preview.is_some()).then_some(preview_every as usize);
     if !negative_prompt.is_null() {
         // SAFETY: the caller's guarantee.
         let negative = unsafe { required_str(negative_prompt, "request.negative_prompt") }?;
@@ -625,6 +675,18 @@ unsafe fn to_request(
         result.references.push(pipeline.load_reference(path)?);
     }
     Ok(result)
+}
+
+/// The preview callback of a request and its user data (none for a NULL request).
+///
+/// # Safety
+/// `request` is NULL or points to a readable [`KleinRequest`].
+unsafe fn request_preview(request: *const KleinRequest) -> (KleinPreviewFn, *mut c_void) {
+    // SAFETY: the caller's guarantee.
+    match unsafe { request.as_ref() } {
+        Some(r) if r.preview_every != 0 => (r.preview, r.preview_user_data),
+        _ => (None, ptr::null_mut()),
+    }
 }
 
 /// Bytes of `count` `width x height` RGBA images (at most 16 x 4096 x 4096 x 4: no overflow).

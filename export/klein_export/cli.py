@@ -60,6 +60,14 @@ def _lora_map(args):
     return 0
 
 
+def _preview(args):
+    from .preview import add_preview
+
+    preview = add_preview(args.checkpoint, args.bundle)
+    print(f"{args.bundle}: step-preview map written to manifest.json (fit RMSE {preview['fit_rmse']})")
+    return 0
+
+
 def _quantize(args):
     from .quantize import quantize_copy
 
@@ -203,6 +211,15 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--checkpoint", required=True, help="the checkpoint the bundle was exported from")
     m.add_argument("--bundle", required=True, help="an fp32 or fp16 bundle with dynamic shapes (updated in place)")
     m.set_defaults(func=_lora_map)
+
+    pv = sub.add_parser(
+        "preview",
+        help="fit the step-preview map (latents to RGB) on the checkpoint's VAE and write it into a bundle "
+        "exported without one",
+    )
+    pv.add_argument("--checkpoint", required=True, help="the checkpoint the bundle was exported from")
+    pv.add_argument("--bundle", required=True, help="the bundle (its manifest.json is updated in place)")
+    pv.set_defaults(func=_preview)
 
     q = sub.add_parser("quantize", help="bundle -> a copy with weight-only quantized graphs (no re-export)")
     q.add_argument("--bundle", required=True, help="bundle to quantize (left unchanged)")

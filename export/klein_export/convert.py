@@ -25,6 +25,7 @@ from .lora_merge import merge_loras
 from .manifest import HIDDEN_LAYERS, build_manifest, bundle_files, write_manifest
 from .onnx_export import export_graph
 from .precision import check_precision, to_float16
+from .preview import fit_preview
 from .quantize import QuantizationConfig, quantize_bundle
 from .static_shapes import check_refs, make_static, parse_buckets
 from .tokenizer_facts import tokenizer_facts
@@ -184,6 +185,7 @@ def convert(
             seconds = time.perf_counter() - start
             log(f"exported {label} ({precision}) in {seconds:.1f} s (peak RSS {child_peak_mb:.0f} MB)")
         manifest = build_manifest(ckpt, facts, graphs, name or out.name, variant)
+        manifest["preview"] = fit_preview(ckpt.load_vae())
         if loras:
             manifest["model"]["loras"] = [lora.to_json() for lora in loras]
         if buckets is not None:

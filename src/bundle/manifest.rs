@@ -24,6 +24,7 @@ use super::lora_targets::{self, LoraTarget};
 use crate::error::{KleinError, Result};
 use crate::limits::{MAX_SIDE, MAX_TIME_OFFSET_SCALE};
 use crate::runtime::Dtype;
+use crate::stages::preview::PreviewSpec;
 use crate::stages::reference::ReferenceLimits;
 use crate::stages::schedule::{EmpiricalMu, ShiftConfig};
 use crate::stages::tokenize::TokenizerSpec;
@@ -62,6 +63,10 @@ pub struct Manifest {
     /// the usual dynamic bundles.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub static_shapes: Option<StaticShapes>,
+    /// The step-preview map (latents to RGB) fitted on the VAE; absent in bundles exported before
+    /// previews existed (`klein-export preview` adds it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preview: Option<PreviewSpec>,
     /// Every file of the bundle (relative path) with its size and SHA-256.
     pub files: BTreeMap<String, FileEntry>,
     /// What wrote the bundle.
@@ -541,6 +546,10 @@ impl Manifest {
         if let Some(targets) = &self.graphs.transformer.lora_targets {
             let size = |file: &str| self.files.get(file).map(|entry| entry.bytes);
             problems.extend(lora_targets::problems(targets, size));
+        }
+        if let Some(preview) = &self.preview {
+            let cells = vae.patch_size.saturating_mul(vae.patch_size);
+            problems.extend(preview.problems(self.latents.channels, cells));
         }
         if let Some(shapes) = &self.static_shapes {
             problems.extend(shapes.problems(

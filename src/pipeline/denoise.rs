@@ -1,19 +1,33 @@
 //! Stage 6: the transformer's inputs besides the latents ([`DenoiseContext`]), one Euler step, and
 //! the flow-matching loop.
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use ndarray::{concatenate, s, Array1, Array2, Array3, Axis, Ix3};
 
 use super::inpaint::Blend;
-use super::progress::{notify, timed, Progress, ProgressFn, Stage};
+use super::progress::{notify, timed, Progress, ProgressFn, Stage, StepPreview};
 use super::prompts::PromptEmbeds;
 use super::request::{check_token_budget, request_error};
 use super::{internal, Pipeline};
 use crate::bundle::Component;
+use crate::bundle::Manifest;
+use crate::error::KleinError;
 use crate::error::Result;
 use crate::runtime::TensorInput;
 use crate::stages::latents::{prepare_latent_ids, prepare_text_ids};
+use crate::stages::output::RgbImage;
+use crate::stages::preview::preview_image;
 use crate::stages::schedule::Schedule;
+
+/// The error of a preview asked of a bundle without a preview map.
+pub(crate) fn no_preview_map(manifest: &Manifest) -> KleinError {
+    request_error(format!(
+        "bundle {} has no step-preview map (exported before previews existed): add one with \
+         `klein-export preview --checkpoint CHECKPOINT --bundle BUNDLE`",
+        manifest.model.name
+    ))
+}
 
 /// Reference tokens `[1, N, 128]` (all references packed, in order) and their ids `[N, 4]`.
 #[derive(Debug, Clone)]
@@ -49,13 +63,17 @@ pub struct DenoiseContext {
     img_ids: Array2<i64>,
     /// `[B, N, 128]` reference tokens, appended after the latents at every step.
     ref_tokens: Array3<f32>,
-    /// The output's latent grid, `image_tokens = lat_h * lat_w`.
+    /// The output's latent grid `(lat_h, lat_w)`, and `image_tokens = lat_h * lat_w`.
+    grid: (usize, usize),
     image_tokens: usize,
     /// Static-shape bundles: the bucket of the output's size.
     bucket: Option<usize>,
     schedule: Schedule,
     /// Inpainting: the mask's blend after every step.
     blend: Option<Blend>,
+    /// A preview every this many steps (and after the last), of the images from this index of
+    /// the batch on.
+    previews: Option<(usize, usize)>,
 }
 
 impl DenoiseContext {
@@ -65,6 +83,13 @@ impl DenoiseContext {
 
     pub(crate) fn with_blend(mut self, blend: Blend) -> Self {
         self.blend = Some(blend);
+        self
+    }
+
+    /// Previews every `every` steps (and after the last) of the images from `first_image` of
+    /// the request's batch on ([`Progress::Preview`]).
+    pub fn with_previews(mut self, every: usize, first_image: usize) -> Self {
+        self.previews = Some((every.max(1), first_image));
         self
     }
 }
@@ -126,10 +151,12 @@ impl Pipeline {
             negative,
             img_ids,
             ref_tokens,
+            grid: (lat_h, lat_w),
             image_tokens,
             bucket,
             schedule,
             blend: None,
+            previews: None,
         })
     }
 
@@ -197,6 +224,32 @@ impl Pipeline {
         Ok(())
     }
 
+    /// The preview of each image after step `step`, from the latents before (`x_t`) and after it:
+    /// the clean-image estimate `x0 = x_t - sigma_t * v`, with `v = (after - x_t) / dt` (which
+    /// also holds for inpainting's kept tokens, whose estimate is the source itself).
+    fn previews(
+        &self,
+        mut before: Array3<f32>,
+        after: &Array3<f32>,
+        step: usize,
+        ctx: &DenoiseContext,
+    ) -> Result<Vec<RgbImage>> {
+        let spec = self
+            .manifest
+            .preview
+            .as_ref()
+            .ok_or_else(|| no_preview_map(&self.manifest))?;
+        let sigma = ctx.schedule.sigma(step);
+        let scale = -sigma / ctx.schedule.dt(step);
+        // [B, h*w, 128]: x0 = x_t + (x_next - x_t) * (-sigma / dt)
+        before.zip_mut_with(after, |x, &next| *x += (next - *x) * scale);
+        let (lat_h, lat_w) = ctx.grid;
+        Ok(before
+            .outer_iter()
+            .map(|tokens| preview_image(tokens, lat_h, lat_w, spec))
+            .collect())
+    }
+
     /// Stage 6: the Euler flow-matching loop over every step of the context's schedule.
     pub fn denoise(
         &mut self,
@@ -208,6 +261,10 @@ impl Pipeline {
         timed(&mut progress, Stage::Denoise, |progress| {
             let total = ctx.schedule.num_steps();
             for step in 0..total {
+                let preview = ctx
+                    .previews
+                    .filter(|&(every, _)| (step + 1) % every == 0 || step + 1 == total);
+                let before = preview.map(|_| latents.clone());
                 self.denoise_step(&mut latents, step, ctx, progress.as_deref_mut())?;
                 notify(
                     progress,
@@ -216,6 +273,16 @@ impl Pipeline {
                         total,
                     },
                 )?;
+                if let (Some(before), Some((_, first_image))) = (before, preview) {
+                    let images = self.previews(before, &latents, step, ctx)?;
+                    let event = StepPreview {
+                        step: step + 1,
+                        total,
+                        images,
+                        first_image,
+                    };
+                    notify(progress, Progress::Preview(Arc::new(event)))?;
+                }
             }
             Ok(latents)
         })

@@ -28,7 +28,7 @@ pub mod request;
 
 pub use denoise::{DenoiseContext, ReferenceTokens};
 pub use options::{PipelineOptions, VaeTiling};
-pub use progress::{Progress, ProgressFn, Stage, Timings};
+pub use progress::{Progress, ProgressFn, Stage, StepPreview, Timings};
 pub use prompts::{CacheLookup, PromptCache, PromptEmbeds, PromptMemo};
 pub use request::{Inpaint, Request};
 
@@ -610,6 +610,9 @@ impl Pipeline {
                     packed = blend.initial_latents(&schedule);
                 }
                 ctx = ctx.with_blend(blend);
+            }
+            if let Some(every) = request.preview_every {
+                ctx = ctx.with_previews(every, first);
             }
             let latents = self.denoise(packed, &ctx, Some(&mut *progress))?;
 

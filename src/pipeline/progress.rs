@@ -1,8 +1,10 @@
 //! Progress events: what the pipeline reports to the caller's callback, which may cancel.
 use std::ops::ControlFlow;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{KleinError, Result};
+use crate::stages::output::RgbImage;
 
 /// The pipeline stages, as reported to the progress callback and in [`Timings`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -34,7 +36,8 @@ impl Stage {
 
 /// Progress events. The callback returns `ControlFlow::Break(())` to cancel (checked between steps
 /// and stages); the stage then ends with [`KleinError::Cancelled`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Progress {
     StageStarted(Stage),
     StageFinished(Stage, Duration),
@@ -43,6 +46,22 @@ pub enum Progress {
         step: usize,
         total: usize,
     },
+    /// After the step of the same number, when the request asks for previews
+    /// ([`crate::pipeline::Request::preview_every`]).
+    Preview(Arc<StepPreview>),
+}
+
+/// A preview of the images being denoised: the model's current estimate of each, at 1/8 of the
+/// output's side ([`crate::stages::preview`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepPreview {
+    /// The step (1-based) after which it was made, of `total`.
+    pub step: usize,
+    pub total: usize,
+    /// One per image of the batch (in a batch split into calls, those of the current call).
+    pub images: Vec<RgbImage>,
+    /// Index in the batch of `images[0]`.
+    pub first_image: usize,
 }
 
 /// Seconds spent per stage, in the order they ran.

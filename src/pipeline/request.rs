@@ -69,6 +69,9 @@ pub struct Request {
     /// Inpainting or img2img from a source image ([`Inpaint`]); `references` are then its
     /// `image_reference`s, after the source.
     pub inpaint: Option<Inpaint>,
+    /// A [`super::Progress::Preview`] every this many steps, and after the last (the bundle's
+    /// manifest must have a `preview` map).
+    pub preview_every: Option<usize>,
 }
 
 impl Request {
@@ -118,6 +121,10 @@ impl Request {
     }
     pub fn with_inpaint(mut self, inpaint: Inpaint) -> Self {
         self.inpaint = Some(inpaint);
+        self
+    }
+    pub fn with_previews(mut self, every: usize) -> Self {
+        self.preview_every = Some(every);
         self
     }
 
@@ -216,6 +223,17 @@ impl Plan {
         let (width, height) = output_size(manifest, request)?;
         let m = manifest.latents.pixel_multiple;
         let (lat_h, lat_w) = ((height / m) as usize, (width / m) as usize);
+        match request.preview_every {
+            Some(0) => {
+                return Err(request_error(
+                    "preview_every must be at least 1 step".into(),
+                ))
+            }
+            Some(_) if manifest.preview.is_none() => {
+                return Err(super::denoise::no_preview_map(manifest))
+            }
+            _ => {}
+        }
         let first_step = match &request.inpaint {
             Some(inpaint) => Some(check_inpaint(inpaint, request, steps)?),
             None => None,

@@ -26,8 +26,9 @@ fn cancelled_generation_leaves_pipeline_usable() {
         let mut pipeline = tiny_pipeline();
         let mut events = Vec::new();
         let mut callback = |event: Progress| {
+            let stop = event == cancel_at;
             events.push(event);
-            if event == cancel_at {
+            if stop {
                 ControlFlow::Break(())
             } else {
                 ControlFlow::Continue(())

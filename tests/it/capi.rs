@@ -314,6 +314,9 @@ fn entry_points_check_their_arguments() {
         image_path: std::ptr::null(),
         mask_path: std::ptr::null(),
         strength: 0.0,
+        preview_every: 0,
+        preview: None,
+        preview_user_data: std::ptr::null_mut(),
     };
     let (mut width, mut height) = (0u32, 0u32);
     let (status, message) =
@@ -430,6 +433,9 @@ fn c_requests_carry_num_images_and_guidance() {
         image_path: std::ptr::null(),
         mask_path: std::ptr::null(),
         strength: 0.0,
+        preview_every: 0,
+        preview: None,
+        preview_user_data: std::ptr::null_mut(),
     };
     let generate = |request: &KleinRequest, buffer: &mut [u8], m| unsafe {
         generate_into(pipeline, request, buffer, m)
@@ -517,6 +523,9 @@ fn c_requests_inpaint_as_the_rust_api() {
         image_path: c_source.as_ptr(),
         mask_path: c_mask.as_ptr(),
         strength: 0.75,
+        preview_every: 0,
+        preview: None,
+        preview_user_data: std::ptr::null_mut(),
     };
     let (mut width, mut height) = (0u32, 0u32);
     let (status, message) =
@@ -559,5 +568,76 @@ fn c_requests_inpaint_as_the_rust_api() {
     let (status, message) = call(|m| unsafe { generate_into(pipeline, &too_strong, &mut rgba, m) });
     assert_eq!(status, KLEIN_ERROR_USER, "{message}");
     assert_mentions(&message, &["strength 1.5 must be above 0 and at most 1"]);
+    unsafe { klein_pipeline_free(pipeline) };
+}
+
+/// Records each preview call: (step, total, image, width, height, first RGB byte).
+unsafe extern "C" fn record_preview(
+    user_data: *mut std::ffi::c_void,
+    step: u32,
+    total: u32,
+    image: u32,
+    rgb: *const u8,
+    width: u32,
+    height: u32,
+) -> i32 {
+    // SAFETY: the test passes a `Vec` as user data and the library `width * height * 3` bytes.
+    let calls = unsafe { &mut *user_data.cast::<Vec<(u32, u32, u32, u32, u32, usize)>>() };
+    let pixels = unsafe { std::slice::from_raw_parts(rgb, (width * height * 3) as usize) };
+    calls.push((step, total, image, width, height, pixels.len()));
+    0
+}
+
+/// `preview_every` with a preview callback: called every 2 of 4 steps for both images of the
+/// batch, with 1/8-size RGB; the images are those made without previews.
+#[test]
+fn c_requests_get_step_previews() {
+    use KleinStatus::*;
+    let (bundle, library) = c_paths();
+    let options = cpu_options(&library, 1);
+    let mut pipeline: *mut KleinPipeline = ptr::null_mut();
+    // SAFETY (every call): valid pointers, NUL-terminated strings, a live pipeline.
+    let (status, message) =
+        call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &options, &mut pipeline, m) });
+    assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
+    let mut calls: Vec<(u32, u32, u32, u32, u32, usize)> = Vec::new();
+    let request = KleinRequest {
+        prompt: c"an owl".as_ptr(),
+        seed: 8,
+        width: 64,
+        height: 32,
+        steps: 4,
+        guidance: 0.0,
+        num_images: 2,
+        reference_paths: ptr::null(),
+        reference_count: 0,
+        negative_prompt: ptr::null(),
+        image_path: ptr::null(),
+        mask_path: ptr::null(),
+        strength: 0.0,
+        preview_every: 2,
+        preview: Some(record_preview),
+        preview_user_data: (&mut calls as *mut Vec<_>).cast(),
+    };
+    let mut with = vec![0u8; 2 * 64 * 32 * 4];
+    let (status, message) = call(|m| unsafe { generate_into(pipeline, &request, &mut with, m) });
+    assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
+    assert_eq!(
+        calls,
+        vec![
+            (2, 4, 0, 8, 4, 96),
+            (2, 4, 1, 8, 4, 96),
+            (4, 4, 0, 8, 4, 96),
+            (4, 4, 1, 8, 4, 96)
+        ]
+    );
+    let plain = KleinRequest {
+        preview_every: 0,
+        ..request
+    };
+    let mut without = vec![0u8; 2 * 64 * 32 * 4];
+    let (status, message) = call(|m| unsafe { generate_into(pipeline, &plain, &mut without, m) });
+    assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
+    assert_eq!(with, without);
     unsafe { klein_pipeline_free(pipeline) };
 }

@@ -182,6 +182,9 @@ fn the_c_api_refuses_numbers_past_their_bounds() {
         image_path: std::ptr::null(),
         mask_path: std::ptr::null(),
         strength: 0.0,
+        preview_every: 0,
+        preview: None,
+        preview_user_data: std::ptr::null_mut(),
     };
     let mut buffer = vec![0u8; 64 * 64 * 4];
     let (status, message) = call(|m| unsafe { generate_into(pipeline, &request, &mut buffer, m) });

@@ -524,6 +524,9 @@ fn c_api_sets_loras() {
         image_path: std::ptr::null(),
         mask_path: std::ptr::null(),
         strength: 0.0,
+        preview_every: 0,
+        preview: None,
+        preview_user_data: std::ptr::null_mut(),
     };
     let path = CString::new(lora.to_str().unwrap()).unwrap();
     let paths = [path.as_ptr()];

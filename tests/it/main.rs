@@ -18,6 +18,7 @@ mod limits;
 mod lora;
 mod manifest;
 mod outputs;
+mod previews;
 mod prompt_cache;
 mod runtime;
 mod threads;

@@ -136,6 +136,12 @@ pub(crate) struct GenerateArgs {
     /// JPEG quality of a .jpg/.jpeg output, 1 to 100
     #[arg(long, default_value_t = 90, value_parser = clap::value_parser!(u8).range(1..=100))]
     pub(crate) quality: u8,
+    /// Write a preview of the image being denoised to this PNG file after every --preview-every steps (1/8 of the output's side, the model's current estimate mapped linearly from the latents; with --num-images N, FILE-1.png ... FILE-N.png; replaced atomically)
+    #[arg(long, value_name = "FILE")]
+    pub(crate) preview: Option<PathBuf>,
+    /// Steps between previews (and one after the last step)
+    #[arg(long, default_value_t = 1, requires = "preview", value_parser = clap::value_parser!(u16).range(1..))]
+    pub(crate) preview_every: u16,
     /// Print nothing on stderr but errors and warnings
     #[arg(long, short)]
     pub(crate) quiet: bool,

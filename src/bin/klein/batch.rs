@@ -190,7 +190,7 @@ pub(crate) fn generate_batch(
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    let reporter = Reporter::new(args.quiet);
+    let reporter = Reporter::new(args.quiet).with_previews(crate::preview_files(args, 1)?);
     let mut run = BatchRun {
         prompts,
         out_dir,
@@ -486,6 +486,10 @@ impl BatchJob<'_> {
             .negative_prompt
             .clone()
             .or_else(|| args.negative_prompt.clone());
+        request.preview_every = args
+            .preview
+            .is_some()
+            .then_some(usize::from(args.preview_every));
         // Every number, then the references from their headers, before any is decoded.
         request.check_bounds()?;
         let (image, mask, strength) = self.inpaint_files(args);

@@ -10,7 +10,7 @@ use klein::fsutil::{remove_pending_temp_files, write_all_atomic};
 use klein::pipeline::request::check_reference_count;
 use klein::pipeline::{Inpaint, Pipeline, Request};
 use klein::stages::inpaint::DEFAULT_STRENGTH;
-use klein::stages::output::encode_image;
+use klein::stages::output::{encode_image, ImageFormat};
 use klein::KleinError;
 
 mod args;
@@ -115,6 +115,22 @@ pub(crate) fn load_inpaint(
     )))
 }
 
+/// The `--preview` files for `n` images (as `-o` names outputs), PNG only; none without it.
+pub(crate) fn preview_files(args: &GenerateArgs, n: usize) -> anyhow::Result<Vec<PathBuf>> {
+    let Some(path) = &args.preview else {
+        return Ok(Vec::new());
+    };
+    let (paths, format) = output_files(path, n, args.quality)?;
+    if format != ImageFormat::Png {
+        return Err(UsageError(format!(
+            "--preview {}: previews are PNG files; give a .png name",
+            path.display()
+        ))
+        .into());
+    }
+    Ok(paths)
+}
+
 /// The files an inpainting request read, for the image's text.
 pub(crate) fn inpaint_metadata(image: Option<&Path>, mask: Option<&Path>) -> Vec<(String, String)> {
     [("image", image), ("mask_image", mask)]
@@ -128,7 +144,8 @@ fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
     let model = default_model(args.load.model.clone())?;
     let (paths, format) = output_files(&args.output, usize::from(args.num_images), args.quality)?;
     let seed = args.seed.unwrap_or_else(random_seed);
-    let reporter = Reporter::new(args.quiet);
+    let previews = preview_files(args, usize::from(args.num_images))?;
+    let reporter = Reporter::new(args.quiet).with_previews(previews);
 
     let mut request = Request::new(prompt)
         .with_seed(seed)
@@ -138,6 +155,10 @@ fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
     request.steps = args.steps;
     request.guidance = args.guidance;
     request.negative_prompt = args.negative_prompt.clone();
+    request.preview_every = args
+        .preview
+        .is_some()
+        .then_some(usize::from(args.preview_every));
     // Every number the user gave, before anything is read or loaded.
     request.check_bounds()?;
     check_reference_count(args.refs.len())?;

@@ -1,14 +1,23 @@
 //! What the command line tells the user on stderr: progress, warnings, timings.
+use std::cell::Cell;
 use std::io::IsTerminal;
 use std::ops::ControlFlow;
+use std::path::PathBuf;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use klein::pipeline::{Generation, LoraSummary, Pipeline, Progress};
+use klein::fsutil::write_all_atomic;
+use klein::pipeline::{Generation, LoraSummary, Pipeline, Progress, StepPreview};
+use klein::stages::output::{encode_image, ImageFormat};
 
-/// Progress on stderr: a bar when stderr is a terminal and --quiet is not given.
+/// Progress on stderr: a bar when stderr is a terminal and --quiet is not given; step previews
+/// written to `--preview` files.
 pub(crate) struct Reporter {
     bar: ProgressBar,
     quiet: bool,
+    /// The preview file of each image of a generation (`--preview`).
+    previews: Vec<PathBuf>,
+    /// Whether a preview could not be written (said once; the generation goes on).
+    preview_failed: Cell<bool>,
 }
 
 impl Reporter {
@@ -21,7 +30,39 @@ impl Reporter {
                     .unwrap_or_else(|_| ProgressStyle::default_bar()),
             );
         }
-        Reporter { bar, quiet }
+        Reporter {
+            bar,
+            quiet,
+            previews: Vec::new(),
+            preview_failed: Cell::new(false),
+        }
+    }
+
+    /// Writes the previews of image `i` to `paths[i]`.
+    pub(crate) fn with_previews(mut self, paths: Vec<PathBuf>) -> Reporter {
+        self.previews = paths;
+        self
+    }
+
+    /// Each preview image as a PNG over its file, atomically (a viewer never sees half a file).
+    fn write_previews(&self, preview: &StepPreview) {
+        for (i, image) in preview.images.iter().enumerate() {
+            let Some(path) = self.previews.get(preview.first_image + i) else {
+                continue;
+            };
+            let text = [(
+                "step".to_string(),
+                format!("{}/{}", preview.step, preview.total),
+            )];
+            let written = encode_image(image, ImageFormat::Png, &text)
+                .and_then(|png| write_all_atomic(&[(path.as_path(), png.as_slice())]));
+            if let Err(error) = written {
+                if !self.preview_failed.replace(true) {
+                    self.bar
+                        .suspend(|| eprintln!("klein: warning: preview not written: {error}"));
+                }
+            }
+        }
     }
 
     /// A line on stderr, unless --quiet.
@@ -50,6 +91,8 @@ impl Reporter {
                     bar.set_position(step as u64);
                 }
                 Progress::StageFinished(..) => bar.set_position(bar.length().unwrap_or(1)),
+                Progress::Preview(preview) => self.write_previews(&preview),
+                _ => {}
             }
             ControlFlow::Continue(())
         }

@@ -194,6 +194,7 @@ fn run_job(
                 JobEvent::StageFinished(stage.label(), elapsed.as_secs_f64())
             }
             Progress::Step { step, total } => JobEvent::Step { step, total },
+            _ => return ControlFlow::Continue(()),
         };
         let _ = job.events.send(event);
         if job.cancel.load(Ordering::SeqCst) {
