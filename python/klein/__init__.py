@@ -224,6 +224,19 @@ def _references(image: Any) -> list[str | tuple[bytes, str]]:
     return references
 
 
+def _preview_callback(preview: Any) -> Callable[[int, int, list[tuple[bytes, int, int]]], Any] | None:
+    """The native preview callback for ``preview(step, total, images)``, which takes PIL images."""
+    if preview is None:
+        return None
+    if not callable(preview):
+        raise InvalidInputError("invalid request: preview must be callable(step, total, images)")
+
+    def native(step: int, total: int, images: list[tuple[bytes, int, int]]) -> Any:
+        return preview(step, total, [Image.frombytes("RGB", (w, h), raw) for raw, w, h in images])
+
+    return native
+
+
 def _loras(loras: Any) -> list[str | tuple[str, float]]:
     if loras is None:
         return []
@@ -303,6 +316,8 @@ class Pipeline:
         num_images_per_prompt: int = 1,
         output_type: Literal["pil", "np", "png"] = "pil",
         callback: Callable[[int, int], bool | None] | None = None,
+        preview: Callable[[int, int, list[Image.Image]], bool | None] | None = None,
+        preview_every: int = 1,
         return_dict: bool = True,
     ) -> KleinPipelineOutput | tuple[Any]:
         """Generates ``num_images_per_prompt`` images of ``prompt``, from the references in
@@ -311,8 +326,10 @@ class Pipeline:
         what guidance steers away from, base models with guidance above 1 only (default: empty, as
         diffusers). ``callback(step,
         total)`` runs after every denoising step; returning ``False`` raises ``CancelledError``,
-        and so does Ctrl-C (``KeyboardInterrupt``) between steps. With ``return_dict=False``, the
-        tuple ``(images,)`` as diffusers."""
+        and so does Ctrl-C (``KeyboardInterrupt``) between steps. ``preview(step, total, images)``
+        gets PIL previews of the images being made (1/8 of their side, the model's current
+        estimate) every ``preview_every`` steps and after the last; returning ``False`` cancels.
+        With ``return_dict=False``, the tuple ``(images,)`` as diffusers."""
         return self._run(
             prompt,
             references=_references(image),
@@ -326,6 +343,8 @@ class Pipeline:
             num_images_per_prompt=num_images_per_prompt,
             output_type=output_type,
             callback=callback,
+            preview=preview,
+            preview_every=preview_every,
             return_dict=return_dict,
         )
 
@@ -344,6 +363,8 @@ class Pipeline:
         num_images_per_prompt: int = 1,
         output_type: Literal["pil", "np", "png"] = "pil",
         callback: Callable[[int, int], bool | None] | None = None,
+        preview: Callable[[int, int, list[Image.Image]], bool | None] | None = None,
+        preview_every: int = 1,
         return_dict: bool = True,
     ) -> KleinPipelineOutput | tuple[Any]:
         """Inpainting and img2img, as diffusers' ``Flux2KleinInpaintPipeline``: ``image`` is the
@@ -372,6 +393,8 @@ class Pipeline:
             num_images_per_prompt=num_images_per_prompt,
             output_type=output_type,
             callback=callback,
+            preview=preview,
+            preview_every=preview_every,
             return_dict=return_dict,
         )
 
@@ -390,6 +413,8 @@ class Pipeline:
         num_images_per_prompt: int,
         output_type: str,
         callback: Callable[[int, int], bool | None] | None,
+        preview: Callable[[int, int, list[Image.Image]], bool | None] | None,
+        preview_every: int,
         return_dict: bool,
     ) -> KleinPipelineOutput | tuple[Any]:
         if not isinstance(prompt, str):
@@ -414,6 +439,8 @@ class Pipeline:
             num_images=count,
             png=output_type == "png",
             callback=callback,
+            preview_every=_count("preview_every", preview_every, optional=False) if preview else None,
+            preview=_preview_callback(preview),
         )
         for message in generation.warnings:
             warnings.warn(message, KleinWarning, stacklevel=3)

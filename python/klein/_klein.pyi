@@ -88,6 +88,8 @@ class Pipeline:
         source: str | tuple[bytes, str] | None = None,
         mask: str | tuple[bytes, str] | None = None,
         strength: float | None = None,
+        preview_every: int | None = None,
+        preview: Callable[[int, int, list[tuple[bytes, int, int]]], object] | None = None,
     ) -> Generation: ...
     def set_loras(self, loras: Sequence[str | os.PathLike[str] | tuple[str | os.PathLike[str], float]]) -> None: ...
     @property

@@ -291,6 +291,7 @@ impl PyPipeline {
         inpaint: Option<InpaintArgs>,
         png: bool,
         callback: Option<Py<PyAny>>,
+        preview: Option<Py<PyAny>>,
     ) -> Result<Made, Failure> {
         let mut request = request;
         let mut pipeline = lock(&self.pipeline);
@@ -339,10 +340,21 @@ impl PyPipeline {
                     python_error = Some(interrupt);
                     return ControlFlow::Break(());
                 }
-                let (Progress::Step { step, total }, Some(callback)) = (event, &callback) else {
-                    return ControlFlow::Continue(());
+                let called = match (event, &callback, &preview) {
+                    (Progress::Step { step, total }, Some(callback), _) => {
+                        callback.call1(py, (step, total))
+                    }
+                    (Progress::Preview(p), _, Some(preview)) => {
+                        let images: Vec<(Py<PyBytes>, u32, u32)> = p
+                            .images
+                            .iter()
+                            .map(|i| (PyBytes::new(py, &i.pixels).unbind(), i.width, i.height))
+                            .collect();
+                        preview.call1(py, (p.step, p.total, images))
+                    }
+                    _ => return ControlFlow::Continue(()),
                 };
-                match callback.call1(py, (step, total)) {
+                match called {
                     Ok(answer) if answer.bind(py).is(PyBool::new(py, false)) => {
                         ControlFlow::Break(())
                     }
@@ -457,8 +469,9 @@ impl PyPipeline {
     /// Generates `num_images` images for `prompt` with the GIL released. `references`: paths
     /// (labelled by the string as given) or `(file bytes, label)` pairs. `callback(step, total)`
     /// runs after every denoising step; returning `False` cancels. `source` (and `mask`, a path
-    /// or a pair as a reference) inpaints with `strength` (default 1.0).
-    #[pyo3(signature = (prompt, *, references = Vec::new(), width = None, height = None, steps = None, guidance = None, negative_prompt = None, seed = 0, num_images = 1, png = false, callback = None, source = None, mask = None, strength = None))]
+    /// or a pair as a reference) inpaints with `strength` (default 1.0). `preview(step, total,
+    /// [(rgb, width, height)])` gets step previews every `preview_every` steps (default 1).
+    #[pyo3(signature = (prompt, *, references = Vec::new(), width = None, height = None, steps = None, guidance = None, negative_prompt = None, seed = 0, num_images = 1, png = false, callback = None, source = None, mask = None, strength = None, preview_every = None, preview = None))]
     #[allow(clippy::too_many_arguments)] // the keyword arguments of a Python call
     fn generate(
         &self,
@@ -477,6 +490,8 @@ impl PyPipeline {
         source: Option<ReferenceArg<'_>>,
         mask: Option<ReferenceArg<'_>>,
         strength: Option<f64>,
+        preview_every: Option<usize>,
+        preview: Option<Py<PyAny>>,
     ) -> PyResult<PyGeneration> {
         let inpaint = match source {
             Some(source) => Some(InpaintArgs {
@@ -500,13 +515,14 @@ impl PyPipeline {
         request.steps = steps;
         request.guidance = guidance;
         request.negative_prompt = negative_prompt;
+        request.preview_every = preview.as_ref().and(preview_every.or(Some(1)));
         // Every number given, before a file is read or a graph loaded.
         request.check_bounds().map_err(|e| to_py_err(py, &e))?;
         klein::pipeline::request::check_reference_count(references.len())
             .map_err(|e| to_py_err(py, &e))?;
         let references: Vec<Reference> = references.into_iter().map(Reference::from).collect();
         let made = py
-            .detach(|| self.run_generation(request, references, inpaint, png, callback))
+            .detach(|| self.run_generation(request, references, inpaint, png, callback, preview))
             .map_err(|failure| match failure {
                 Failure::Klein(error) => to_py_err(py, &error),
                 Failure::Python(raised) => raised,

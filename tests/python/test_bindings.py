@@ -299,3 +299,42 @@ def test_inpaint_is_the_cli_file(pipe, klein_bin, tiny_bundle, tmp_path):
         pipe.inpaint("a hat", image=str(source), strength=2, generator=9)
     with pytest.raises(klein.InvalidInputError, match="one source image"):
         pipe.inpaint("a hat", image=[str(source), str(source)])
+
+
+def test_previews_are_the_cli_preview_files(pipe, klein_bin, tiny_bundle, tmp_path):
+    """`preview=` gets PIL previews every `preview_every` steps and after the last, the last one
+    equal to the file `klein generate --preview` leaves; returning False cancels."""
+    seen = []
+    out = pipe(
+        "an owl",
+        width=64,
+        height=48,
+        generator=6,
+        num_inference_steps=5,
+        preview_every=2,
+        preview=lambda step, total, images: seen.append((step, total, images)),
+    )
+    assert [(s, t) for s, t, _ in seen] == [(2, 5), (4, 5), (5, 5)]
+    assert all(len(images) == 1 and images[0].size == (8, 6) for _, _, images in seen)
+    cli(
+        klein_bin,
+        tiny_bundle,
+        tmp_path / "o.png",
+        "an owl",
+        "--width",
+        "64",
+        "--height",
+        "48",
+        "--seed",
+        "6",
+        "--steps",
+        "5",
+        "--preview",
+        str(tmp_path / "p.png"),
+        "--preview-every",
+        "2",
+    )
+    assert np.array_equal(np.asarray(seen[-1][2][0]), np.asarray(Image.open(tmp_path / "p.png")))
+    assert np.array_equal(np.asarray(out.images[0]), np.asarray(Image.open(tmp_path / "o.png")))
+    with pytest.raises(klein.CancelledError):
+        pipe("an owl", width=64, height=48, generator=6, preview=lambda *_: False)

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx2 as httpx
+import numpy as np
 import openai
 import pytest
 from PIL import Image
@@ -153,8 +154,6 @@ def test_openai_edits_with_references(server: Server, klein_bin: Path, tiny_bund
 def test_inpainting_on_both_apis_gives_the_cli_file(server: Server, klein_bin: Path, tiny_bundle: Path, tmp_path: Path):
     """OpenAI's edits with a mask (transparent where to edit) and the native route's image, mask
     (white repaints) and strength both give `klein generate --image --mask --strength`'s file."""
-    from PIL import Image
-
     cli_dir = tmp_path / "cli"
     cli_dir.mkdir()
     source = Image.linear_gradient("L").resize((100, 72)).convert("RGB")
@@ -287,6 +286,29 @@ def test_stream_reports_every_step_then_the_cli_image(
     assert [got] == cli_png(
         klein_bin, tiny_bundle, tmp_path, PROMPT, "--width", "64", "--height", "64", "--seed", "21", "--steps", "3"
     )
+
+
+def test_stream_sends_step_previews(server: Server, klein_bin: Path, tiny_bundle: Path, tmp_path: Path):
+    """`preview_every` 2 of 5 steps: `preview` events after steps 2, 4 and 5, each a 1/8-size PNG
+    of both images, byte-equal to what `klein generate --preview` writes after the last step; the
+    images themselves are unchanged."""
+    body = {"prompt": PROMPT, "width": 64, "height": 48, "seed": 3, "steps": 5, "num_images": 2, "preview_every": 2}
+    events = list(stream(server, body))
+    previews = [d for n, d in events if n == "preview"]
+    assert [(p["step"], p["total"]) for p in previews] == [(2, 5), (4, 5), (5, 5)]
+    for p in previews:
+        assert [Image.open(io.BytesIO(base64.b64decode(i))).size for i in p["images"]] == [(8, 6), (8, 6)]
+    args = ("--width", "64", "--height", "48", "--seed", "3", "--steps", "5", "--num-images", "2")
+    subprocess.run(
+        [str(klein_bin), "generate", "--model", str(tiny_bundle), "-q", "-o", str(tmp_path / "o.png"), PROMPT, *args]
+        + ["--preview", str(tmp_path / "p.png"), "--preview-every", "2"],
+        check=True,
+    )
+    for i, image in enumerate(previews[-1]["images"]):
+        got = np.asarray(Image.open(io.BytesIO(base64.b64decode(image))))
+        assert np.array_equal(got, np.asarray(Image.open(tmp_path / f"p-{i + 1}.png")))
+    done = events[-1][1]
+    assert [base64.b64decode(i) for i in done["images"]] == [(tmp_path / f"o-{i}.png").read_bytes() for i in (1, 2)]
 
 
 def test_a_client_that_goes_away_cancels_its_generation(server: Server):
@@ -445,6 +467,7 @@ BAD_NATIVE = [
     ({"prompt": "x", "refs": [{"data": base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 40).decode()}]}, "image"),
     ({"prompt": "x", "refs": [{"data": ""}] * 11}, "refs"),
     ({"prompt": "x", "strength": 0.5}, "image"),
+    ({"prompt": "x", "preview_every": 0}, "preview_every"),
     ({"prompt": "x", "image": {"data": "AAAA"}, "strength": 0}, "strength"),
     ({"prompt": "x", "image": {"data": "not base64!"}}, "image.data"),
     ({"prompt": "x", "image": {"data": base64.b64encode(b"GIF89a not an image").decode()}}, "image"),

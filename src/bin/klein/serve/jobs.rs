@@ -54,6 +54,8 @@ pub(crate) struct JobSpec {
     pub(crate) num_images: usize,
     pub(crate) references: Vec<Upload>,
     pub(crate) inpaint: Option<InpaintUpload>,
+    /// Step previews every this many steps (the stream sends them).
+    pub(crate) preview_every: Option<usize>,
     pub(crate) loras: Vec<LoraSpec>,
     pub(crate) format: ImageFormat,
 }
@@ -80,7 +82,16 @@ pub(crate) enum JobEvent {
     Started,
     StageStarted(&'static str),
     StageFinished(&'static str, f64),
-    Step { step: usize, total: usize },
+    Step {
+        step: usize,
+        total: usize,
+    },
+    /// A step preview: one PNG per image of the batch.
+    Preview {
+        step: usize,
+        total: usize,
+        images: Vec<Vec<u8>>,
+    },
     Done(Result<JobOutput, ApiError>),
 }
 

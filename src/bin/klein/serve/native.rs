@@ -43,6 +43,8 @@ struct NativeBody {
     image: Option<RefBody>,
     mask: Option<RefBody>,
     strength: Option<f64>,
+    /// Step previews every this many steps: `preview` events on the stream (1/8-size PNGs).
+    preview_every: Option<u64>,
     /// LoRAs offered by the server, `NAME` or `NAME:SCALE`.
     #[serde(default)]
     loras: Vec<String>,
@@ -106,6 +108,18 @@ fn spec_from(state: &AppState, body: NativeBody) -> Result<(JobSpec, ImageFormat
         num_images: check_count("num_images", body.num_images.unwrap_or(1))?,
         references,
         inpaint,
+        preview_every: match body.preview_every {
+            Some(n) if n == 0 || n > klein::limits::MAX_STEPS as u64 => {
+                return Err(ApiError::field(
+                    "preview_every",
+                    format!(
+                        "preview_every {n}: give 1 to {} steps",
+                        klein::limits::MAX_STEPS
+                    ),
+                ))
+            }
+            other => other.map(|n| n as usize),
+        },
         loras: state.loras.resolve_all(&body.loras)?,
         format,
     };
@@ -230,6 +244,18 @@ pub(crate) async fn generate_stream(
             ),
             Ok(Some(JobEvent::Step { step, total })) => {
                 event("step", &serde_json::json!({ "step": step, "total": total }))
+            }
+            Ok(Some(JobEvent::Preview {
+                step,
+                total,
+                images,
+            })) => {
+                let b64 = base64::engine::general_purpose::STANDARD;
+                let images: Vec<String> = images.iter().map(|png| b64.encode(png)).collect();
+                event(
+                    "preview",
+                    &serde_json::json!({ "step": step, "total": total, "images": images }),
+                )
             }
         };
         Some((Ok(event), s))

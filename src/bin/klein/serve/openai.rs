@@ -78,6 +78,7 @@ fn spec_from(
         num_images: check_count("n", body.n.unwrap_or(1))?,
         references,
         inpaint: None,
+        preview_every: None,
         loras: state.loras.resolve_all(&body.loras.unwrap_or_default())?,
         format: image_format(
             body.output_format.as_deref(),

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use klein::pipeline::{Inpaint, Pipeline, Progress, Request};
 use klein::stages::inpaint::DEFAULT_STRENGTH;
-use klein::stages::output::encode_image;
+use klein::stages::output::{encode_image, ImageFormat};
 
 use super::error::{ApiError, ErrorKind};
 use super::jobs::{lock, InpaintUpload, Job, JobEvent, JobOutput, MaskKind, Queue, Upload};
@@ -164,6 +164,7 @@ fn run_job(
     request.steps = spec.steps;
     request.guidance = spec.guidance;
     request.negative_prompt = spec.negative_prompt.clone();
+    request.preview_every = spec.preview_every;
     if let Some(inpaint) = &spec.inpaint {
         request.inpaint = Some(load_inpaint(pipeline, inpaint)?);
     }
@@ -194,6 +195,15 @@ fn run_job(
                 JobEvent::StageFinished(stage.label(), elapsed.as_secs_f64())
             }
             Progress::Step { step, total } => JobEvent::Step { step, total },
+            Progress::Preview(preview) => JobEvent::Preview {
+                step: preview.step,
+                total: preview.total,
+                images: preview
+                    .images
+                    .iter()
+                    .filter_map(|image| encode_image(image, ImageFormat::Png, &[]).ok())
+                    .collect(),
+            },
             _ => return ControlFlow::Continue(()),
         };
         let _ = job.events.send(event);
