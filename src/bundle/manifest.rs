@@ -318,6 +318,90 @@ pub struct TensorSpec {
     pub shape: Vec<DimSpec>,
 }
 
+impl GraphSpec {
+    /// The fixed size of axis `axis` of the input or output `name` (negative: from the end), if
+    /// the contract fixes it.
+    fn fixed_dim(&self, name: &str, axis: isize) -> Option<u64> {
+        let tensor = self
+            .inputs
+            .iter()
+            .chain(&self.outputs)
+            .find(|t| t.name == name)?;
+        let index = if axis < 0 {
+            tensor.shape.len().checked_sub(axis.unsigned_abs())?
+        } else {
+            axis as usize
+        };
+        match tensor.shape.get(index)? {
+            DimSpec::Fixed(n) => Some(*n),
+            DimSpec::Named(_) => None,
+        }
+    }
+}
+
+impl Manifest {
+    /// The graphs' fixed widths against the architecture the manifest states: a manifest that
+    /// names one model's widths over another model's graphs (a 4B manifest on 9B graphs) would load
+    /// and run, with prompt caches and LoRAs checked against the wrong numbers.
+    fn graph_width_problems(&self) -> Vec<String> {
+        let g = &self.graphs;
+        let checks = [
+            (
+                "text_encoder",
+                &g.text_encoder,
+                "prompt_embeds",
+                -1,
+                self.text_encoder.embed_dim,
+                "text_encoder.embed_dim",
+            ),
+            (
+                "transformer",
+                &g.transformer,
+                "prompt_embeds",
+                -1,
+                self.transformer.joint_attention_dim,
+                "transformer.joint_attention_dim",
+            ),
+            (
+                "transformer",
+                &g.transformer,
+                "latents",
+                -1,
+                self.latents.channels,
+                "latents.channels",
+            ),
+            (
+                "vae_decoder",
+                &g.vae_decoder,
+                "latents",
+                1,
+                self.latents.channels,
+                "latents.channels",
+            ),
+            (
+                "vae_encoder",
+                &g.vae_encoder,
+                "latents",
+                1,
+                self.latents.channels,
+                "latents.channels",
+            ),
+        ];
+        checks
+            .into_iter()
+            .filter_map(|(graph, spec, tensor, axis, want, what)| {
+                let got = spec.fixed_dim(tensor, axis)?;
+                (got != want as u64).then(|| {
+                    format!(
+                        "graphs.{graph} `{tensor}` is {got} wide but {what} is {want}: the \
+                         manifest does not describe these graphs (another model's widths?)"
+                    )
+                })
+            })
+            .collect()
+    }
+}
+
 /// One dimension of a [`TensorSpec`] shape.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]
@@ -547,6 +631,7 @@ impl Manifest {
             let size = |file: &str| self.files.get(file).map(|entry| entry.bytes);
             problems.extend(lora_targets::problems(targets, size));
         }
+        problems.extend(self.graph_width_problems());
         if let Some(preview) = &self.preview {
             let cells = vae.patch_size.saturating_mul(vae.patch_size);
             problems.extend(preview.problems(self.latents.channels, cells));

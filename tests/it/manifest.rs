@@ -433,3 +433,22 @@ fn an_unusable_cache_directory_means_hashing_every_time() {
         }
     }
 }
+
+/// A manifest stating the 9B's widths over graphs that declare the 4B's (as a 4B manifest copied
+/// onto 9B graphs would be): refused, naming each graph that disagrees.
+#[test]
+fn graph_widths_must_match_the_stated_architecture() {
+    let dir = bundle("widths", |m| {
+        m["text_encoder"]["hidden_size"] = json!(4096);
+        m["text_encoder"]["embed_dim"] = json!(12288);
+        m["transformer"]["joint_attention_dim"] = json!(12288);
+    });
+    let (_, reason) = load_error(&dir);
+    assert_mentions(
+        &reason,
+        &[
+            "graphs.text_encoder `prompt_embeds` is 7680 wide but text_encoder.embed_dim is 12288",
+            "graphs.transformer `prompt_embeds` is 7680 wide but transformer.joint_attention_dim is 12288",
+        ],
+    );
+}
