@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .manifest import read_manifest
+from .errors import BundleError
+from .manifest import MANIFEST, architecture_differences, read_manifest
 from .ort_pipeline import bundle_image, latent_ids, prompt_feeds, run_graph, text_ids
 from .tolerances import image_bar, psnr
 
@@ -44,8 +45,20 @@ def _difference(component, case, got, want) -> Difference:
     return Difference(component, case, max_abs, max_abs / scale, rms_err / rms)
 
 
+def check_same_model(bundle, reference):
+    """BundleError unless the two bundles' manifests describe the same architecture (widths, depths,
+    text encoder out layers, VAE): one's inputs would not fit the other's graphs."""
+    differences = architecture_differences(read_manifest(bundle), read_manifest(reference))
+    if differences:
+        raise BundleError(
+            f"{reference}: not a reference bundle of the model of {bundle} ({bundle}/{MANIFEST} vs "
+            f"{reference}/{MANIFEST}: {'; '.join(differences)}): compare bundles of the same checkpoint"
+        )
+
+
 def component_differences(bundle, reference, width=512, height=512, seed=0):
     """Yields one Difference per component: `bundle` against `reference` on the same inputs."""
+    check_same_model(bundle, reference)
     graphs, manifest = read_manifest(bundle)["graphs"], read_manifest(reference)
     multiple, channels = manifest["latents"]["pixel_multiple"], manifest["latents"]["channels"]
 
@@ -97,6 +110,7 @@ class ImageDifference:
 def image_difference(bundle, reference, width=512, height=512, seed=0, steps=None) -> ImageDifference:
     """The final image of `bundle` against `reference`'s, same prompt, seed and size, with verify's
     PSNR bar for `bundle` (tolerances.image_bar)."""
+    check_same_model(bundle, reference)
     threshold, scheme = image_bar(read_manifest(bundle)["graphs"])
     got = bundle_image(bundle, PROMPT, seed, width, height, steps)
     want = bundle_image(reference, PROMPT, seed, width, height, steps)

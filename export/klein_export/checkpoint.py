@@ -11,6 +11,12 @@ import torch
 from .errors import CheckpointError
 from .jsonfile import read_json
 
+# Flux2KleinPipeline's `text_encoder_out_layers` default: the hidden layers whose outputs are
+# concatenated into the prompt embeddings. A checkpoint that needs others records them in
+# model_index.json under OUT_LAYERS_KEY (the pipeline's own argument name).
+DEFAULT_OUT_LAYERS = (9, 18, 27)
+OUT_LAYERS_KEY = "text_encoder_out_layers"
+
 EXPECTED_CLASSES = {
     "text_encoder": ("Qwen3ForCausalLM",),
     "transformer": ("Flux2Transformer2DModel",),
@@ -58,6 +64,40 @@ class Checkpoint:
                 f"{self.root / 'tokenizer' / 'tokenizer.json'}: missing (a fast tokenizer file is required)"
             )
         self._check_scheduler()
+        self.text_encoder_out_layers = self._out_layers()
+
+    def _out_layers(self) -> tuple:
+        """The hidden layers the pipeline concatenates, checked against the text encoder's depth and
+        the transformer's `joint_attention_dim` (which must be their number x the hidden size)."""
+        index = self.root / "model_index.json"
+        layers = self.model_index.get(OUT_LAYERS_KEY, list(DEFAULT_OUT_LAYERS))
+        if (
+            not isinstance(layers, list)
+            or not layers
+            or not all(isinstance(k, int) and not isinstance(k, bool) for k in layers)
+        ):
+            raise CheckpointError(
+                f"{index}: {OUT_LAYERS_KEY} must be a non-empty list of layer numbers, not {layers!r}"
+            )
+        te, tr = self.text_encoder_config, self.transformer_config
+        depth = te.get("num_hidden_layers", 0)
+        bad = [k for k in layers if not 1 <= k < depth]
+        if bad:
+            # Layer `depth` is excluded too: transformers returns the final-normed output as the last
+            # layer's hidden state, the exporter's truncated encoder the raw one.
+            raise CheckpointError(
+                f"{index}: text encoder out layers {layers} include {bad}, outside 1..{depth - 1} "
+                f"(text_encoder/config.json has num_hidden_layers {depth}; the last layer cannot be used)"
+            )
+        hidden, joint = te.get("hidden_size"), tr.get("joint_attention_dim")
+        if hidden is None or joint != hidden * len(layers):
+            raise CheckpointError(
+                f"{self.root}: the text encoder's hidden_size {hidden} x {len(layers)} out layers {layers} = "
+                f"{hidden * len(layers) if hidden else '?'}, but transformer/config.json has joint_attention_dim "
+                f"{joint}: the text encoder and the transformer are of different models "
+                "(klein 4B: 2560 x 3 = 7680, klein 9B: 4096 x 3 = 12288)"
+            )
+        return tuple(layers)
 
     @property
     def is_distilled(self) -> bool:

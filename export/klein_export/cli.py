@@ -95,14 +95,17 @@ def _verify(args):
         return _verify_against(args)
     if not args.checkpoint:
         raise CheckpointError("verify needs --checkpoint (or --against REFERENCE_BUNDLE)")
-    from .verify import verify, verify_images
+    if args.images_only and args.no_images:
+        raise CheckpointError("--images-only and --no-images leave nothing to verify")
+    from .verify import image_cases, verify, verify_images
 
     failed = 0
-    for result in verify(args.checkpoint, args.bundle):
-        print(result.line(), flush=True)
-        failed += not result.ok
+    if not args.images_only:
+        for result in verify(args.checkpoint, args.bundle):
+            print(result.line(), flush=True)
+            failed += not result.ok
     if not args.no_images:
-        for result in verify_images(args.checkpoint, args.bundle):
+        for result in verify_images(args.checkpoint, args.bundle, image_cases(args.size)):
             print(result.line(), flush=True)
             failed += not result.ok
     print(f"{'FAILED' if failed else 'passed'}: {failed} case(s) past tolerance")
@@ -112,11 +115,12 @@ def _verify(args):
 def _verify_against(args):
     from .against import component_differences, image_difference
 
-    for difference in component_differences(args.bundle, args.against, args.size, args.size):
+    size = args.size or 512
+    for difference in component_differences(args.bundle, args.against, size, size):
         print(difference.line(), flush=True)
     if args.no_images:
         return 0
-    result = image_difference(args.bundle, args.against, args.size, args.size)
+    result = image_difference(args.bundle, args.against, size, size)
     print(result.line(), flush=True)
     return 0 if result.ok else 1
 
@@ -234,9 +238,11 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--preset",
         default="tiny",
-        choices=["tiny", "wide", "4b"],
+        choices=["tiny", "wide", "4b", "9b-wide", "9b"],
         help="tiny: the test model; wide: the real 4B widths with 28 Qwen3 layers and 1+2 blocks; "
-        "4b: the published 4B architecture",
+        "4b: the published 4B architecture; 9b-wide: the real 9B widths (Qwen3-8B's 4096, transformer 32 x 128, "
+        "joint dim 12288) with 4 Qwen3 layers, out layers 1/2/3 (recorded in model_index.json) and 1+2 blocks; "
+        "9b: the published 9B architecture (17 B parameters: about 70 GB of memory to build)",
     )
     t.add_argument(
         "--base",
@@ -256,8 +262,19 @@ def parser() -> argparse.ArgumentParser:
         help="instead of torch: compare with another bundle of the same checkpoint (its fp32 export), in ONNX Runtime, "
         "one session at a time: per-component errors and the final image's PSNR",
     )
-    v.add_argument("--size", type=int, default=512, help="with --against: image side in pixels (default 512)")
+    v.add_argument(
+        "--size",
+        type=int,
+        help="image side in pixels: with --against, of the compared images (default 512); with --checkpoint, one "
+        "image of that size instead of the two small default cases",
+    )
     v.add_argument("--no-images", action="store_true", help="skip the end-to-end images")
+    v.add_argument(
+        "--images-only",
+        action="store_true",
+        help="skip the per-component torch comparisons (each holds the component in float32 and float64 and its "
+        "ONNX Runtime session at once: about 4x its float32 weights) and compare the final images only",
+    )
     v.set_defaults(func=_verify)
 
     r = sub.add_parser("ranges", help="largest |activation| per module over a diffusers run, against the float16 range")

@@ -5,6 +5,7 @@ written to a sibling temporary directory and renamed into place only when comple
 export leaves nothing half-written behind.
 """
 
+import contextlib
 import multiprocessing
 import shutil
 import time
@@ -19,10 +20,11 @@ from .atomic import atomic_directory
 from .cache_key import stamp_bundle
 from .checkpoint import Checkpoint
 from .contract import GraphEntry
-from .errors import BundleExistsError, StaticShapesError
+from .errors import BundleExistsError, CheckpointError, StaticShapesError
+from .fused_attention import TRANSLATIONS, fused_attention
 from .lora_map import lora_targets
-from .lora_merge import merge_loras
-from .manifest import HIDDEN_LAYERS, build_manifest, bundle_files, write_manifest
+from .lora_merge import check_loras, merge_loras
+from .manifest import build_manifest, bundle_files, write_manifest
 from .onnx_export import export_graph
 from .precision import check_precision, to_float16
 from .preview import fit_preview
@@ -32,18 +34,19 @@ from .tokenizer_facts import tokenizer_facts
 from .wrappers import TextEncoder, Transformer, VaeDecoder, VaeEncoder
 
 
-def _export_component(label, checkpoint_root, out, precision, loras):
+def _export_component(label, checkpoint_root, out, precision, loras, fused):
     """Runs in a child process: exports one component, returns its GraphEntry list and the child's peak RSS."""
-    return EXPORTS[label](Checkpoint(checkpoint_root), Path(out), precision, loras), _peak_rss_mb()
+    options = {"fused": fused} if label == "transformer" else {}
+    return EXPORTS[label](Checkpoint(checkpoint_root), Path(out), precision, loras, **options), _peak_rss_mb()
 
 
-def _export_isolated(label, checkpoint_root, out, precision, loras):
+def _export_isolated(label, checkpoint_root, out, precision, loras, fused=True):
     """Exports one component in a fresh process, so that its memory is really given back before the
     next one loads (in one process the 4B's text encoder and transformer peaks added up past 22 GB,
     glibc and torch keeping freed weights; each alone peaks at 19-20 GB)."""
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(_export_component, label, str(checkpoint_root), str(out), precision, loras).result()
+        return pool.submit(_export_component, label, str(checkpoint_root), str(out), precision, loras, fused).result()
 
 
 def _peak_rss_mb() -> float:
@@ -63,10 +66,11 @@ def _scheme_json(scheme, prefixes=("",)):
 
 
 def _export_text_encoder(ckpt, out, precision, loras):
-    lm = ckpt.load_text_encoder(num_layers=max(HIDDEN_LAYERS))
-    module = TextEncoder(lm, HIDDEN_LAYERS).eval()
+    layers = ckpt.text_encoder_out_layers
+    lm = ckpt.load_text_encoder(num_layers=max(layers))
+    module = TextEncoder(lm, layers).eval()
     scheme = _scheme_json(_to_precision(module, "text_encoder", precision))
-    io = contract.text_encoder_io(lm.config.hidden_size * len(HIDDEN_LAYERS))
+    io = contract.text_encoder_io(lm.config.hidden_size * len(layers))
     # Example batch 2 (a size-1 example dimension is specialised to 1), one row padded.
     ids = torch.randint(0, lm.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 12, dtype=torch.int64)
@@ -78,7 +82,9 @@ def _export_text_encoder(ckpt, out, precision, loras):
     return [GraphEntry(io, precision, scheme)]
 
 
-def _export_transformer(ckpt, out, precision, loras):
+def _export_transformer(ckpt, out, precision, loras, fused=True):
+    """`fused`: attention as one MultiHeadAttention node (fused_attention.py); off for CoreML's
+    static-shape bundles, whose provider does not run ONNX Runtime's own operators."""
     model = merge_loras(ckpt.load_transformer(), loras)
     cfg = model.config
     module = Transformer(model).eval()
@@ -101,7 +107,8 @@ def _export_transformer(ckpt, out, precision, loras):
         "img_ids": {0: t},
         "txt_ids": {0: s},
     }
-    path = export_graph(module, args, shapes, io, out, precision)
+    with fused_attention() if fused else contextlib.nullcontext():
+        path = export_graph(module, args, shapes, io, out, precision, translations=TRANSLATIONS if fused else None)
     return [GraphEntry(io, precision, scheme, lora_targets(model, path))]
 
 
@@ -128,6 +135,36 @@ def _export_vae(ckpt, out, precision, loras):
         VaeDecoder(vae).eval(), (latents,), {"latents": {0: Dim("batch"), 2: lat_h, 3: lat_w}}, dec_io, out, precision
     )
     return [GraphEntry(enc_io, precision, enc_scheme), GraphEntry(dec_io, precision, dec_scheme)]
+
+
+# The published widths of the named variants: text encoder hidden size, transformer hidden size
+# (heads x head dim), joint_attention_dim. Their LoRAs and prompt embeddings fit no other.
+VARIANT_WIDTHS = {"4b": (2560, 3072, 7680), "9b": (4096, 4096, 12288)}
+
+
+def check_variant(ckpt, variant):
+    """CheckpointError if `variant` is 4b or 9b and the checkpoint does not have its widths (the
+    manifest would name one model and hold another; depths are not checked: "wide" checkpoints
+    keep the widths with fewer layers)."""
+    if variant not in VARIANT_WIDTHS:
+        return
+    tr = ckpt.transformer_config
+    widths = (
+        ckpt.text_encoder_config.get("hidden_size"),
+        tr.get("num_attention_heads", 0) * tr.get("attention_head_dim", 0),
+        tr.get("joint_attention_dim"),
+    )
+    if widths != VARIANT_WIDTHS[variant]:
+        named = [name for name, w in VARIANT_WIDTHS.items() if w == widths]
+        what = f"the widths of klein {named[0]}" if named else "the widths of neither klein 4B nor 9B"
+
+        def describe(w):
+            return f"text encoder {w[0]}, transformer {w[1]}, joint_attention_dim {w[2]}"
+
+        raise CheckpointError(
+            f"--variant {variant}: {ckpt.root} has {what} ({describe(widths)}), klein {variant} has "
+            f"{describe(VARIANT_WIDTHS[variant])}; give the checkpoint's variant, or custom"
+        )
 
 
 # The components in export order (one process each), with the function that writes their graphs.
@@ -159,6 +196,8 @@ def convert(
     if quantization is not None and not isinstance(quantization, QuantizationConfig):
         raise TypeError("quantization must be a QuantizationConfig or None")
     ckpt = Checkpoint(checkpoint)
+    check_variant(ckpt, variant)
+    check_loras(ckpt.transformer_config, loras)
     out = Path(out)
     if out.exists() and not force:
         raise BundleExistsError(f"{out}: already exists; pass --force to overwrite it")
@@ -180,7 +219,8 @@ def convert(
         graphs = {}
         for label in EXPORTS:
             start = time.perf_counter()
-            entries, child_peak_mb = _export_isolated(label, ckpt.root, tmp, precision, tuple(loras))
+            fused = buckets is None
+            entries, child_peak_mb = _export_isolated(label, ckpt.root, tmp, precision, tuple(loras), fused)
             graphs.update((entry.io.component, entry) for entry in entries)
             seconds = time.perf_counter() - start
             log(f"exported {label} ({precision}) in {seconds:.1f} s (peak RSS {child_peak_mb:.0f} MB)")

@@ -1,29 +1,70 @@
-"""diffusers' own Flux2KleinPipeline in float32: what `verify`, `ranges` and `fixtures` measure against."""
+"""diffusers' own Flux2KleinPipeline in float32: what `verify`, `ranges` and `fixtures` measure against.
+
+Every call passes the checkpoint's `text_encoder_out_layers` (checkpoint.py): diffusers does not read
+them from model_index.json, and its default (9, 18, 27) is wrong for a checkpoint that records others.
+"""
+
+import gc
 
 import numpy as np
 import torch
 
+from .checkpoint import DEFAULT_OUT_LAYERS, Checkpoint
 
-def load_pipeline(checkpoint):
-    """The checkpoint's Flux2KleinPipeline in float32, without progress bars."""
+
+def load_pipeline(checkpoint, **components):
+    """The checkpoint's Flux2KleinPipeline in float32, without progress bars; `components` are passed
+    to `from_pretrained` (`transformer=None` leaves the transformer out)."""
     from diffusers import Flux2KleinPipeline
 
-    pipe = Flux2KleinPipeline.from_pretrained(str(checkpoint), dtype=torch.float32)
+    pipe = Flux2KleinPipeline.from_pretrained(str(checkpoint), dtype=torch.float32, **components)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
-def diffusers_image(pipe, prompt, seed, width, height, steps, image=None) -> np.ndarray:
-    """The pipeline's float image `[H, W, 3]` in [0, 255] (not rounded), guidance 1, CPU noise of `seed`."""
+def diffusers_image(
+    pipe, prompt, seed, width, height, steps, image=None, out_layers=DEFAULT_OUT_LAYERS, prompt_embeds=None
+) -> np.ndarray:
+    """The pipeline's float image `[H, W, 3]` in [0, 255] (not rounded), guidance 1, CPU noise of `seed`;
+    from `prompt_embeds` (`encode_prompt`'s) instead of `prompt` when given."""
     with torch.no_grad():
         out = pipe(
             image=image,
-            prompt=prompt,
+            prompt=None if prompt_embeds is not None else prompt,
+            prompt_embeds=prompt_embeds,
             height=height,
             width=width,
             num_inference_steps=steps,
             guidance_scale=1.0,
             generator=torch.Generator("cpu").manual_seed(seed),
             output_type="np",
+            text_encoder_out_layers=tuple(out_layers),
         )
     return out.images[0] * 255
+
+
+def reference_images(checkpoint, cases, steps, prepare=None) -> list:
+    """diffusers' image (`diffusers_image`) of each case (`prompt`, `seed`, `width`, `height`), in two
+    stages so that the text encoder and the transformer are never in memory together (at the 9B
+    widths each is 5 GB in float32): every prompt's embeddings with a pipeline without transformer
+    and VAE, then the images from those embeddings with a pipeline without text encoder. The
+    pipeline takes given embeddings as they are: the images equal one pipeline's bit for bit.
+    `prepare(pipe)`, if given, is applied to each stage's pipeline before it runs."""
+    layers = Checkpoint(checkpoint).text_encoder_out_layers
+    pipe = load_pipeline(checkpoint, transformer=None, vae=None)
+    if prepare is not None:
+        prepare(pipe)
+    with torch.no_grad():
+        embeds = [pipe.encode_prompt(case["prompt"], text_encoder_out_layers=layers)[0] for case in cases]
+    del pipe
+    gc.collect()
+    pipe = load_pipeline(checkpoint, text_encoder=None, tokenizer=None)
+    if prepare is not None:
+        prepare(pipe)
+    images = [
+        diffusers_image(pipe, None, c["seed"], c["width"], c["height"], steps, out_layers=layers, prompt_embeds=e)
+        for c, e in zip(cases, embeds, strict=True)
+    ]
+    del pipe
+    gc.collect()
+    return images

@@ -16,6 +16,8 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
+from .checkpoint import DEFAULT_OUT_LAYERS, Checkpoint
+
 CASES = (
     {
         "name": "t2i_square",
@@ -120,8 +122,9 @@ def tokenize(tokenizer, prompt: str, max_length: int = 512):
     return enc["input_ids"], enc["attention_mask"]
 
 
-def run_case(pipe, case: dict, out_dir: Path) -> dict:
-    """Runs one case through the pipeline and writes its fixture directory."""
+def run_case(pipe, case: dict, out_dir: Path, out_layers=DEFAULT_OUT_LAYERS) -> dict:
+    """Runs one case through the pipeline (the checkpoint's text encoder `out_layers`) and writes its
+    fixture directory."""
     from diffusers.utils import load_image
     from diffusers.utils.torch_utils import randn_tensor
 
@@ -155,11 +158,12 @@ def run_case(pipe, case: dict, out_dir: Path) -> dict:
             callback_on_step_end=on_step_end,
             guidance_scale=1.0,
             output_type="pil",
+            text_encoder_out_layers=tuple(out_layers),
         )
         image = np.array(result.images[0])
         height, width = image.shape[:2]
         ids, mask = tokenize(pipe.tokenizer, case["prompt"])
-        embeds, _ = pipe.encode_prompt(case["prompt"])
+        embeds, _ = pipe.encode_prompt(case["prompt"], text_encoder_out_layers=tuple(out_layers))
         shape = (1, pipe.transformer.config.in_channels, height // 16, width // 16)
         noise = randn_tensor(shape, generator=torch.Generator("cpu").manual_seed(case["seed"]), dtype=torch.float32)
         tensors = {
@@ -196,6 +200,7 @@ def write_fixtures(checkpoint, out_dir, cases=CASES, log=print):
     from .diffusers_reference import load_pipeline
 
     pipe = load_pipeline(checkpoint)
+    layers = Checkpoint(checkpoint).text_encoder_out_layers
     for case in cases:
-        meta = run_case(pipe, case, Path(out_dir) / case["name"])
+        meta = run_case(pipe, case, Path(out_dir) / case["name"], layers)
         log(f"{case['name']}: {meta['width']}x{meta['height']}, {len(meta['refs'])} reference(s)")

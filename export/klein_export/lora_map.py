@@ -160,7 +160,7 @@ def add_lora_map(checkpoint, bundle) -> dict:
     `checkpoint`, written into its manifest (the graphs are not touched)."""
     from .checkpoint import Checkpoint
     from .errors import BundleError
-    from .manifest import read_manifest, write_manifest
+    from .manifest import check_bundle_of, read_manifest, write_manifest
     from .precision import to_float16
 
     bundle = Path(bundle)
@@ -170,7 +170,9 @@ def add_lora_map(checkpoint, bundle) -> dict:
         raise BundleError(
             f"{bundle}: quantized and static-shape bundles take LoRAs at export only (klein-export convert --lora)"
         )
-    model = Checkpoint(checkpoint).load_transformer()
+    ckpt = Checkpoint(checkpoint)
+    check_bundle_of(manifest, bundle, ckpt)  # before loading the transformer: another model's never maps
+    model = ckpt.load_transformer()
     if spec["precision"] == "fp16":
         from .wrappers import Transformer
 

@@ -41,6 +41,26 @@ def parse_lora(text: str) -> LoraSpec:
     return LoraSpec(path, scale)
 
 
+def check_loras(transformer_config: dict, loras):
+    """LoraError unless every LoRA of `loras` names layers of the transformer of `transformer_config`
+    (its config.json) with their shapes: before an export, on a weightless (meta) copy of the model,
+    so that a LoRA for another model or size is refused in seconds, not after the text encoder."""
+    if not loras:
+        return
+    import torch
+    from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
+
+    with torch.device("meta"):
+        transformer = Flux2Transformer2DModel.from_config(transformer_config)
+    for lora in loras:
+        try:
+            state_dict = Flux2KleinPipeline.lora_state_dict(str(lora.path))
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise LoraError(f"{lora.path}: diffusers cannot read it as a FLUX.2 LoRA: {e}") from e
+        _check_modules(transformer, state_dict, lora.path)
+        _check_shapes(transformer, state_dict, lora.path)
+
+
 def merge_loras(transformer, loras):
     """Merges `loras` (LoraSpec list) into `transformer` (a Flux2Transformer2DModel) in place."""
     if not loras:
@@ -53,7 +73,10 @@ def merge_loras(transformer, loras):
         try:
             state_dict, metadata = Flux2KleinPipeline.lora_state_dict(str(lora.path), return_lora_metadata=True)
             _check_modules(transformer, state_dict, lora.path)
+            _check_shapes(transformer, state_dict, lora.path)
             transformer.load_lora_adapter(state_dict, adapter_name=name, metadata=metadata, prefix="transformer")
+        except LoraError:
+            raise
         except (ValueError, KeyError, RuntimeError) as e:
             raise LoraError(f"{lora.path}: diffusers cannot apply it to this transformer: {e}") from e
         names.append(name)
@@ -61,6 +84,68 @@ def merge_loras(transformer, loras):
     transformer.fuse_lora(lora_scale=1.0, adapter_names=names)
     transformer.unload_lora()
     return transformer
+
+
+def _split(key):
+    """`transformer.<module>.lora_A.weight` -> (module, "lora_A.weight"); the same for `lokr_*`."""
+    rest = key.removeprefix("transformer.")
+    for marker in (".lora_", ".lokr_"):
+        module, sep, factor = rest.partition(marker)
+        if sep:
+            return module, marker[1:] + factor
+    return rest, ""
+
+
+def _update_shapes(state_dict) -> dict:
+    """module -> ([out, in] of the weight update the file gives it, the keys it was read from)."""
+    factors = {}
+    for key, tensor in state_dict.items():
+        module, factor = _split(key)
+        if factor and tensor.dim() == 2:
+            factors.setdefault(module, {})[factor.removesuffix(".weight")] = tuple(tensor.shape)
+    out = {}
+    for module, f in factors.items():
+        if "lora_A" in f and "lora_B" in f:
+            out[module] = [f["lora_B"][0], f["lora_A"][1]]
+        elif (w1 := _lokr_factor(f, "lokr_w1")) and (w2 := _lokr_factor(f, "lokr_w2")):
+            out[module] = [w1[0] * w2[0], w1[1] * w2[1]]  # kron(w1, w2)
+    return out
+
+
+def _lokr_factor(factors, name):
+    """The shape of a LoKr factor given whole (`lokr_w1`) or as a product (`lokr_w1_a @ lokr_w1_b`)."""
+    if name in factors:
+        return factors[name]
+    if f"{name}_a" in factors and f"{name}_b" in factors:
+        return factors[f"{name}_a"][0], factors[f"{name}_b"][1]
+    return None
+
+
+def _check_shapes(transformer, state_dict, path):
+    """Every update has the shape of the weight it is added to (else diffusers fails with one torch
+    "size mismatch" line per parameter, or, for shapes that happen to broadcast, worse)."""
+    from torch import nn
+
+    linears = {name: list(m.weight.shape) for name, m in transformer.named_modules() if isinstance(m, nn.Linear)}
+    fused = {"to_qkv": ("to_q", "to_k", "to_v"), "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj")}
+    mismatched = []
+    for module, shape in sorted(_update_shapes(state_dict).items()):
+        want = linears.get(module)
+        parent, _, leaf = module.rpartition(".")
+        if want is None and leaf in fused:
+            parts = [linears.get(f"{parent}.{p}") for p in fused[leaf]]
+            if all(parts):
+                want = [sum(p[0] for p in parts), parts[0][1]]
+        if want is not None and want != shape:
+            mismatched.append(f"{module} is {want}, the LoRA gives {shape}")
+    if mismatched:
+        cfg = transformer.config
+        more = f" (and {len(mismatched) - 3} more)" if len(mismatched) > 3 else ""
+        raise LoraError(
+            f"{path}: {len(mismatched)} layers of this transformer do not have the shape the LoRA was made for: "
+            f"{'; '.join(mismatched[:3])}{more}: a LoRA for another size of the model (this transformer's hidden "
+            f"size is {cfg.num_attention_heads * cfg.attention_head_dim}; klein 4B has 3072, klein 9B 4096)"
+        )
 
 
 def _check_modules(transformer, state_dict, path):

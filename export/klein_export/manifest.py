@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from . import FORMAT_VERSION, __version__
+from .checkpoint import DEFAULT_OUT_LAYERS
 from .contract import COMPONENTS
 from .errors import BundleError
 from .jsonfile import read_json
@@ -13,7 +14,8 @@ from .onnx_export import OPSET
 MANIFEST = "manifest.json"
 
 MIN_ONNXRUNTIME_VERSION = "1.31.0"
-HIDDEN_LAYERS = (9, 18, 27)  # Flux2KleinPipeline text_encoder_out_layers default
+# Flux2KleinPipeline's default; a checkpoint's own are Checkpoint.text_encoder_out_layers
+HIDDEN_LAYERS = DEFAULT_OUT_LAYERS
 
 # diffusers pipelines/flux2/pipeline_flux2_klein.py compute_empirical_mu
 EMPIRICAL_MU = {"a1": 8.73809524e-05, "b1": 1.89833333, "a2": 0.00016927, "b2": 0.45666666, "seq_len_threshold": 4300}
@@ -46,31 +48,25 @@ def _versions() -> dict:
     }
 
 
-def build_manifest(ckpt, tokenizer_facts: dict, graphs: dict, name: str, variant: str) -> dict:
-    """Everything but `files` (see `bundle_files`); `graphs` maps each component to its GraphEntry."""
-    te, tr, vae, sch = ckpt.text_encoder_config, ckpt.transformer_config, ckpt.vae_config, ckpt.scheduler_config
+# The manifest sections that describe the model's architecture: what a graph, a LoRA, a prompt
+# cache entry or a reference bundle must agree with.
+ARCHITECTURE = ("text_encoder", "transformer", "vae", "latents")
+
+
+def architecture(ckpt) -> dict:
+    """The manifest's ARCHITECTURE sections, from the checkpoint's config files."""
+    te, tr, vae = ckpt.text_encoder_config, ckpt.transformer_config, ckpt.vae_config
     hidden = te["hidden_size"]
-    distilled = ckpt.is_distilled
+    layers = ckpt.text_encoder_out_layers
     spatial = 2 ** (len(vae["block_out_channels"]) - 1)
     patch = vae.get("patch_size", [2, 2])
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "model": {
-            "name": name,
-            "variant": variant,
-            "is_distilled": distilled,
-            "default_steps": 4 if distilled else 50,
-            "default_guidance": 1.0 if distilled else 4.0,
-            "default_width": 128 * spatial,  # Flux2KleinPipeline.default_sample_size * vae_scale_factor
-            "default_height": 128 * spatial,
-        },
-        "tokenizer": tokenizer_facts,
+    return {
         "text_encoder": {
             "hidden_size": hidden,
             "num_hidden_layers": te["num_hidden_layers"],
-            "layers_in_graph": max(HIDDEN_LAYERS),
-            "hidden_layers": list(HIDDEN_LAYERS),
-            "embed_dim": hidden * len(HIDDEN_LAYERS),
+            "layers_in_graph": max(layers),
+            "hidden_layers": list(layers),
+            "embed_dim": hidden * len(layers),
         },
         "transformer": {
             key: tr[key]
@@ -96,6 +92,50 @@ def build_manifest(ckpt, tokenizer_facts: dict, graphs: dict, name: str, variant
             "sample_size": _first(vae.get("sample_size", 1024)),
         },
         "latents": {"channels": vae["latent_channels"] * patch[0] * patch[1], "pixel_multiple": spatial * patch[0]},
+    }
+
+
+def architecture_differences(have: dict, want: dict) -> list:
+    """`section.key A vs B` for every ARCHITECTURE number that differs between two manifests (or a
+    manifest and `architecture(ckpt)`). Numbers one side lacks are not compared: a bundle exported
+    by an older klein-export may miss later fields (`vae.sample_size`)."""
+    have, want = json.loads(json.dumps(have)), json.loads(json.dumps(want))  # tuples -> lists
+    out = []
+    for section in ARCHITECTURE:
+        a, b = have.get(section) or {}, want.get(section) or {}
+        out += [f"{section}.{key} {a[key]} vs {b[key]}" for key in sorted(set(a) & set(b)) if a[key] != b[key]]
+    return out
+
+
+def check_bundle_of(manifest: dict, bundle, ckpt):
+    """BundleError unless the bundle's manifest describes the architecture of checkpoint `ckpt`."""
+    differences = architecture_differences(manifest, architecture(ckpt))
+    if differences:
+        raise BundleError(
+            f"{Path(bundle) / MANIFEST} does not describe the checkpoint {ckpt.root} "
+            f"(manifest vs checkpoint: {'; '.join(differences)}): a bundle of another model or size"
+        )
+
+
+def build_manifest(ckpt, tokenizer_facts: dict, graphs: dict, name: str, variant: str) -> dict:
+    """Everything but `files` (see `bundle_files`); `graphs` maps each component to its GraphEntry."""
+    sch = ckpt.scheduler_config
+    distilled = ckpt.is_distilled
+    arch = architecture(ckpt)
+    spatial = arch["vae"]["spatial_factor"]
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "model": {
+            "name": name,
+            "variant": variant,
+            "is_distilled": distilled,
+            "default_steps": 4 if distilled else 50,
+            "default_guidance": 1.0 if distilled else 4.0,
+            "default_width": 128 * spatial,  # Flux2KleinPipeline.default_sample_size * vae_scale_factor
+            "default_height": 128 * spatial,
+        },
+        "tokenizer": tokenizer_facts,
+        **arch,
         "references": dict(REFERENCES),
         "scheduler": {
             "class": "FlowMatchEulerDiscreteScheduler",

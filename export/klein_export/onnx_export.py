@@ -11,9 +11,10 @@ OPSET = 20
 EXTERNAL_DATA_THRESHOLD = 1 << 31  # protobuf's 2 GB limit
 
 
-def export_graph(module, example_args, dynamic_shapes, io, out_dir: Path, precision="fp32"):
+def export_graph(module, example_args, dynamic_shapes, io, out_dir: Path, precision="fp32", translations=None):
     """Export `module` to `out_dir / io.file` with the contract's names and metadata (unquantized:
-    quantize.py rewrites `klein.quantization`)."""
+    quantize.py rewrites `klein.quantization`). `translations`: the exporter's custom translation
+    table (fused_attention.py)."""
     path = Path(out_dir) / io.file
     param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     external = param_bytes >= EXTERNAL_DATA_THRESHOLD * 0.9
@@ -28,6 +29,7 @@ def export_graph(module, example_args, dynamic_shapes, io, out_dir: Path, precis
             dynamic_shapes=dynamic_shapes,
             optimize=True,
             verbose=False,
+            custom_translation_table=translations,
         )
     # Drop the exporter's per-node debug metadata (stack traces with local paths: a third of the file).
     for node in program.model.graph.all_nodes():

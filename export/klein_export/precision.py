@@ -223,9 +223,11 @@ def measure_ranges(checkpoint, steps=2, size=64, prompt="a raccoon astronaut on 
     the largest softmax input of its scaled-dot-product attentions. Block outputs are the residual
     stream.
     """
+    from .checkpoint import Checkpoint
     from .diffusers_reference import diffusers_image, load_pipeline
     from .fixtures import synthetic_image
 
+    layers = Checkpoint(checkpoint).text_encoder_out_layers
     pipe = load_pipeline(checkpoint)
     ranges, handles = {}, []
     logits = _AttentionLogits()
@@ -254,7 +256,7 @@ def measure_ranges(checkpoint, steps=2, size=64, prompt="a raccoon astronaut on 
     try:
         image = [synthetic_image(size, size, "RGB", seed=seed)] if with_reference else None
         with logits:
-            diffusers_image(pipe, prompt, seed, size, size, steps, image=image)
+            diffusers_image(pipe, prompt, seed, size, size, steps, image=image, out_layers=layers)
     finally:
         for h in handles:
             h.remove()

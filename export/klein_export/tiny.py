@@ -13,11 +13,13 @@ seed or reference shows in the image.
 import json
 import math
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from .checkpoint import DEFAULT_OUT_LAYERS, OUT_LAYERS_KEY
 from .errors import OutputExistsError
 
 ASSETS = Path(__file__).parent / "assets" / "qwen3-tokenizer"
@@ -116,15 +118,50 @@ FULL_TRANSFORMER = dict(
 )
 FULL_VAE = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=32, norm_num_groups=32)
 
+# FLUX.2-klein-9B: Qwen3-8B (hidden 4096, 36 layers, 32/8 heads, an untied lm_head; 8.19 B parameters),
+# 8 double + 24 single blocks of 32 heads x 128 (9.08 B parameters), the 4B's VAE.
+FULL_QWEN3_9B = dict(FULL_QWEN3, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)
+FULL_TRANSFORMER_9B = dict(
+    FULL_TRANSFORMER, num_layers=8, num_single_layers=24, num_attention_heads=32, joint_attention_dim=3 * 4096
+)
+
+# "9b-wide": the 9B widths with 1 double + 2 single blocks and a 4-layer Qwen3 whose layers 1, 2, 3
+# feed the transformer (recorded as `text_encoder_out_layers` in model_index.json). At 4096 wide one
+# Qwen3 layer is 0.19 B parameters: the 27 layers of the published hidden layers 9/18/27 would be
+# 5.2 B (21 GB in float32), too large to export or compare with diffusers in float32 here. Layer 4
+# exists so that the exporter still cuts the layers after the last one used (and because
+# transformers returns the *normed* output as the last layer's hidden state). The lm_head is tied to
+# the embeddings (the pipeline never uses it; untied it would add 2.5 GB to every float32 load).
+WIDE_9B_OUT_LAYERS = (1, 2, 3)
+
+
+@dataclass(frozen=True)
+class Preset:
+    qwen: dict
+    transformer: dict
+    vae: dict
+    storage: str  # the dtype of the saved weights
+    out_layers: tuple = None  # text_encoder_out_layers, when not the pipeline's default (9, 18, 27)
+
+
 PRESETS = {
-    "tiny": (TINY_QWEN3, TINY_TRANSFORMER, TINY_VAE, "float32"),
-    "wide": (
+    "tiny": Preset(TINY_QWEN3, TINY_TRANSFORMER, TINY_VAE, "float32"),
+    "wide": Preset(
         dict(FULL_QWEN3, num_hidden_layers=28),
         dict(FULL_TRANSFORMER, num_layers=1, num_single_layers=2),
         FULL_VAE,
         "bfloat16",
     ),
-    "4b": (FULL_QWEN3, FULL_TRANSFORMER, FULL_VAE, "bfloat16"),
+    "4b": Preset(FULL_QWEN3, FULL_TRANSFORMER, FULL_VAE, "bfloat16"),
+    "9b-wide": Preset(
+        dict(FULL_QWEN3_9B, num_hidden_layers=4, tie_word_embeddings=True),
+        dict(FULL_TRANSFORMER_9B, num_layers=1, num_single_layers=2),
+        FULL_VAE,
+        "bfloat16",
+        WIDE_9B_OUT_LAYERS,
+    ),
+    # The published architecture, 17 B parameters: 34 GB in bfloat16, about 70 GB to build.
+    "9b": Preset(FULL_QWEN3_9B, FULL_TRANSFORMER_9B, FULL_VAE, "bfloat16"),
 }
 
 
@@ -136,11 +173,14 @@ def build_tiny(
     qwen_overrides=None,
     preset="tiny",
     distilled: bool = True,
+    out_layers=None,
 ):
     """Write a random-weight checkpoint of `preset` to `out_dir` (which must not exist).
 
     Components are built, saved and freed one at a time (the 4B preset does not fit in memory
-    at once); large presets are stored in bfloat16, as the published checkpoints are.
+    at once); large presets are stored in bfloat16, as the published checkpoints are. `out_layers`
+    (default: the preset's) are the text encoder's hidden layers the pipeline concatenates; other
+    than (9, 18, 27) they are written to model_index.json as `text_encoder_out_layers`.
     """
     out_dir = Path(out_dir)
     if out_dir.exists():
@@ -148,7 +188,9 @@ def build_tiny(
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    qwen_cfg, transformer_cfg, vae_cfg, storage = PRESETS[preset]
+    spec = PRESETS[preset]
+    qwen_cfg, transformer_cfg, vae_cfg, storage = spec.qwen, spec.transformer, spec.vae, spec.storage
+    out_layers = spec.out_layers if out_layers is None else tuple(out_layers)
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -193,17 +235,21 @@ def build_tiny(
     (tmp / "tokenizer").mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(ASSETS / name, tmp / "tokenizer" / name)
-    (tmp / "model_index.json").write_text(json.dumps(_model_index(distilled), indent=2) + "\n", encoding="utf-8")
+    (tmp / "model_index.json").write_text(
+        json.dumps(_model_index(distilled, out_layers), indent=2) + "\n", encoding="utf-8"
+    )
     tmp.rename(out_dir)
     return out_dir
 
 
-def _model_index(distilled: bool) -> dict:
+def _model_index(distilled: bool, out_layers=None) -> dict:
     """What `Flux2KleinPipeline.save_pretrained` writes for a klein checkpoint: distilled (4 steps, no
-    guidance) or base (50 steps, classifier-free guidance)."""
+    guidance) or base (50 steps, classifier-free guidance); plus `text_encoder_out_layers` when the
+    checkpoint needs other layers than the pipeline's default (diffusers ignores the key, with a
+    warning: pass them to the pipeline's `text_encoder_out_layers=`)."""
     import diffusers
 
-    return {
+    index = {
         "_class_name": "Flux2KleinPipeline",
         "_diffusers_version": diffusers.__version__,
         "is_distilled": distilled,
@@ -213,3 +259,6 @@ def _model_index(distilled: bool) -> dict:
         "transformer": ["diffusers", "Flux2Transformer2DModel"],
         "vae": ["diffusers", "AutoencoderKLFlux2"],
     }
+    if out_layers is not None and tuple(out_layers) != DEFAULT_OUT_LAYERS:
+        index[OUT_LAYERS_KEY] = list(out_layers)
+    return index

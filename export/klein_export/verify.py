@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from .checkpoint import Checkpoint
-from .diffusers_reference import diffusers_image, load_pipeline
-from .manifest import HIDDEN_LAYERS, read_manifest
+from .diffusers_reference import reference_images
+from .manifest import check_bundle_of, read_manifest
 from .ort_pipeline import bundle_image, latent_ids, session, text_ids
 from .quantize import QuantizationConfig, emulate_quantization
 from .tokenizer_facts import tokenizer_facts
@@ -173,7 +173,8 @@ def _tokenize(tokenizer, facts, prompts):
 def verify_text_encoder(ckpt, bundle):
     tokenizer = ckpt.load_tokenizer()
     facts = tokenizer_facts(tokenizer)
-    module = TextEncoder(ckpt.load_text_encoder(num_layers=max(HIDDEN_LAYERS)), HIDDEN_LAYERS).eval()
+    layers = ckpt.text_encoder_out_layers
+    module = TextEncoder(ckpt.load_text_encoder(num_layers=max(layers)), layers).eval()
     check = _Checker(bundle, "text_encoder", module)
     cases = {
         "batch 1, L 512": _tokenize(tokenizer, facts, ["a raccoon astronaut on the moon"]),
@@ -230,6 +231,7 @@ def verify_vae(ckpt, bundle):
 def verify(checkpoint, bundle, components=("text_encoder", "transformer", "vae")):
     """Yields one CaseResult per component and shape."""
     ckpt = Checkpoint(checkpoint)
+    check_bundle_of(read_manifest(bundle), bundle, ckpt)
     steps = {"text_encoder": verify_text_encoder, "transformer": verify_transformer, "vae": verify_vae}
     for component in components:
         yield from steps[component](ckpt, bundle)
@@ -239,15 +241,18 @@ def verify(checkpoint, bundle, components=("text_encoder", "transformer", "vae")
 # End to end
 
 
-def _dequantize_pipeline(pipe, graphs):
-    """Gives `pipe`'s text encoder and transformer the dequantized weights of their quantized graphs."""
-    cfg = pipe.transformer.config
+def _dequantize_pipeline(pipe, graphs, out_layers):
+    """Gives `pipe`'s text encoder and transformer (those it has) the dequantized weights of their
+    quantized graphs."""
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, pipe.text_encoder.config.vocab_size, (1, 8), generator=g)
-    examples = {
-        # The wrappers share the pipeline's modules, so their weights change in place.
-        "text_encoder": (TextEncoder(pipe.text_encoder, HIDDEN_LAYERS), (ids, torch.ones_like(ids))),
-        "transformer": (
+    examples = {}
+    # The wrappers share the pipeline's modules, so their weights change in place.
+    if pipe.text_encoder is not None:
+        ids = torch.randint(0, pipe.text_encoder.config.vocab_size, (1, 8), generator=g)
+        examples["text_encoder"] = (TextEncoder(pipe.text_encoder, out_layers), (ids, torch.ones_like(ids)))
+    if pipe.transformer is not None:
+        cfg = pipe.transformer.config
+        examples["transformer"] = (
             Transformer(pipe.transformer),
             (
                 torch.randn(1, 4, cfg.in_channels, generator=g),
@@ -256,30 +261,39 @@ def _dequantize_pipeline(pipe, graphs):
                 latent_ids(2, 2),
                 text_ids(3),
             ),
-        ),
-    }
+        )
     for component, (module, args) in examples.items():
         spec = graphs[component]
         if spec.get("quantization") and spec["precision"] == "fp32":
             emulate_quantization(module, QuantizationConfig.from_scheme(spec["quantization"]), args)
 
 
+def image_cases(size=None):
+    """IMAGE_CASES, or with `size`: the first case's prompt and seed at `size` x `size`."""
+    if size is None:
+        return IMAGE_CASES
+    return ({**IMAGE_CASES[0], "width": size, "height": size},)
+
+
 def verify_images(checkpoint, bundle, cases=IMAGE_CASES):
     """Yields one ImageResult per case: the bundle's image against diffusers fp32 (and, for a bundle
-    with quantized float32 graphs, against diffusers with the same dequantized weights)."""
+    with quantized float32 graphs, against diffusers with the same dequantized weights). The
+    diffusers images are made first (`reference_images`: never the text encoder and the transformer
+    in memory at once) and their pipelines freed before the bundle runs."""
+    ckpt = Checkpoint(checkpoint)
     manifest = read_manifest(bundle)
+    check_bundle_of(manifest, bundle, ckpt)
     graphs, steps = manifest["graphs"], manifest["model"]["default_steps"]
     threshold, label = image_bar(graphs)
-    pipe = load_pipeline(checkpoint)
-    images = [(c, diffusers_image(pipe, c["prompt"], c["seed"], c["width"], c["height"], steps)) for c in cases]
-    dequantized = any(s.get("quantization") and s["precision"] == "fp32" for s in graphs.values())
-    if dequantized:
-        _dequantize_pipeline(pipe, graphs)
-    for case, reference in images:
+    references = reference_images(checkpoint, cases, steps)
+    emulated = [None] * len(cases)
+    if any(s.get("quantization") and s["precision"] == "fp32" for s in graphs.values()):
+        layers = ckpt.text_encoder_out_layers
+        emulated = reference_images(checkpoint, cases, steps, lambda pipe: _dequantize_pipeline(pipe, graphs, layers))
+    for case, reference, dequantized in zip(cases, references, emulated, strict=True):
         name = f"{case['width']}x{case['height']} seed {case['seed']}, {steps} steps"
         got = bundle_image(bundle, case["prompt"], case["seed"], case["width"], case["height"], steps)
         result = ImageResult(name, label, psnr(got, reference), threshold)
-        if dequantized:
-            emulated = diffusers_image(pipe, case["prompt"], case["seed"], case["width"], case["height"], steps)
-            result.emulated_psnr, result.scheme_psnr = psnr(got, emulated), psnr(emulated, reference)
+        if dequantized is not None:
+            result.emulated_psnr, result.scheme_psnr = psnr(got, dequantized), psnr(dequantized, reference)
         yield result

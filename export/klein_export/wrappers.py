@@ -21,6 +21,12 @@ class TextEncoder(nn.Module):
         model = causal_lm.model
         if last > len(model.layers):
             raise ValueError(f"hidden layer {last} requested but the text encoder has {len(model.layers)} layers")
+        # transformers 5 installs its hidden-state hooks on the layers at a model's first forward and
+        # marks that model as hooked. Run the original once first, so that the copy below inherits the
+        # mark: else the copy and the original each hook the shared layers, and every hidden state is
+        # recorded twice by whichever runs second (hidden_states[k] is then another layer's output).
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long), output_hidden_states=True, use_cache=False)
         # A shallow copy that owns the first `last` layers only. The final norm is replaced by identity:
         # transformers overwrites hidden_states[-1] with the normed output, and layer `last` is the last.
         model = copy.copy(model)

@@ -1,11 +1,13 @@
 """`convert --static-shapes` (fixed-shape graphs per size bucket, for CoreML) and the
 `COREML_CACHE_KEY` of every graph; the klein CLI on a static bundle.
 
-The bucket graphs are the dynamic graphs with fixed input shapes: on the same inputs ONNX Runtime
-must give the same outputs (measured: bit-equal; asserted within 1e-6 relative, room for a
-different kernel choice at a fixed shape). klein's images from the static bundle must equal the
-dynamic bundle's byte for byte on this tiny fp32 bundle, as the docs claim (at fp16 and real 4B
-widths they differ by 1 level in about 1% of pixels: measured, see onnx/README.md).
+The bucket graphs are the dynamic graphs with fixed input shapes, except that the static
+transformer keeps attention as MatMul-Softmax-MatMul (CoreML runs it) where the dynamic one has
+ONNX Runtime's fused MultiHeadAttention. On the same inputs ONNX Runtime must give the same VAE
+outputs (measured: bit-equal; asserted within 1e-6 relative, room for a different kernel choice at
+a fixed shape) and the same transformer output up to fp32 summation order (measured 2.3e-6
+relative; asserted within 1e-5). klein's images from the static bundle must be within 1 level of
+the dynamic bundle's in at most 1% of pixels, the tolerance of every fp32 comparison here.
 """
 
 import json
@@ -106,7 +108,8 @@ def test_bucket_graphs_have_fixed_shapes_and_compute_what_the_dynamic_graphs_do(
             got = _session(path).run(None, feeds)[0]
             want = _session(tiny_bundle / f"{component}.onnx").run(None, feeds)[0]
             assert got.shape == want.shape
-            assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), f"{path.name}"
+            tolerance = 1e-5 if component == "transformer" else 1e-6  # attention's summation order
+            assert np.abs(got - want).max() <= tolerance * np.abs(want).max(), f"{path.name}"
     ids = {"input_ids": rng.integers(0, 1000, (1, 512)), "attention_mask": np.ones((1, 512), np.int64)}
     te = static_bundle / "text_encoder.onnx"
     assert np.array_equal(_session(te).run(None, ids)[0], _session(tiny_bundle / "text_encoder.onnx").run(None, ids)[0])
@@ -157,7 +160,10 @@ def test_klein_runs_each_bucket_as_the_dynamic_bundle(static_bundle, tiny_bundle
     for i in (1, 2):
         got, want = _image(tmp_path / f"static-{i}.png"), _image(tmp_path / f"dynamic-{i}.png")
         assert got.shape == (height, width, 3)
-        assert np.array_equal(got, want), f"image {i}: {np.abs(got - want).max()} levels apart"
+        diff = np.abs(got - want)
+        pixels = float((diff > 0).any(axis=-1).mean())
+        print(f"{width}x{height} image {i}: max diff {diff.max()}, {100 * pixels:.2f}% of pixels differ")
+        assert diff.max() <= 1 and pixels <= 0.01, (diff.max(), pixels)
 
 
 def test_klein_refuses_a_size_or_reference_count_outside_the_buckets(static_bundle, tmp_path):
