@@ -8,26 +8,15 @@ use ndarray::{concatenate, s, Array1, Array2, Array3, Axis, Ix3};
 use super::inpaint::Blend;
 use super::progress::{notify, timed, Progress, ProgressFn, Stage, StepPreview};
 use super::prompts::PromptEmbeds;
-use super::request::{check_token_budget, request_error};
+use super::request::{check_token_budget, no_preview_map, request_error};
 use super::{internal, Pipeline};
 use crate::bundle::Component;
-use crate::bundle::Manifest;
-use crate::error::KleinError;
 use crate::error::Result;
 use crate::runtime::TensorInput;
 use crate::stages::latents::{prepare_latent_ids, prepare_text_ids};
 use crate::stages::output::RgbImage;
 use crate::stages::preview::preview_image;
 use crate::stages::schedule::Schedule;
-
-/// The error of a preview asked of a bundle without a preview map.
-pub(crate) fn no_preview_map(manifest: &Manifest) -> KleinError {
-    request_error(format!(
-        "bundle {} has no step-preview map (exported before previews existed): add one with \
-         `klein-export preview --checkpoint CHECKPOINT --bundle BUNDLE`",
-        manifest.model.name
-    ))
-}
 
 /// Reference tokens `[1, N, 128]` (all references packed, in order) and their ids `[N, 4]`.
 #[derive(Debug, Clone)]

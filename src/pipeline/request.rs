@@ -229,9 +229,7 @@ impl Plan {
                     "preview_every must be at least 1 step".into(),
                 ))
             }
-            Some(_) if manifest.preview.is_none() => {
-                return Err(super::denoise::no_preview_map(manifest))
-            }
+            Some(_) if manifest.preview.is_none() => return Err(no_preview_map(manifest)),
             _ => {}
         }
         let first_step = match &request.inpaint {
@@ -425,6 +423,15 @@ pub(crate) fn check_token_budget(
         )));
     }
     Ok(())
+}
+
+/// The error of a preview asked of a bundle without a preview map.
+pub(crate) fn no_preview_map(manifest: &Manifest) -> KleinError {
+    request_error(format!(
+        "bundle {} has no step-preview map (exported before previews existed): add one with \
+         `klein-export preview --checkpoint CHECKPOINT --bundle BUNDLE`",
+        manifest.model.name
+    ))
 }
 
 pub(crate) fn request_error(reason: String) -> KleinError {
