@@ -204,3 +204,18 @@ def test_bad_static_shape_options_are_refused(tiny_checkpoint, tmp_path, capsys,
     assert main(["convert", "--checkpoint", str(tiny_checkpoint), "--out", str(out), *args]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_attention_is_fused_in_dynamic_bundles_only(static_bundle, tiny_bundle, tiny_checkpoint):
+    """One MultiHeadAttention node per transformer block and no Softmax in the dynamic transformer
+    graph (ONNX Runtime's fused attention); the static (CoreML) one keeps MatMul-Softmax-MatMul."""
+    config = json.loads((tiny_checkpoint / "transformer" / "config.json").read_text())
+    blocks = config["num_layers"] + config["num_single_layers"]
+
+    def ops(path):
+        return [n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node]
+
+    dynamic = ops(tiny_bundle / "transformer.onnx")
+    assert (dynamic.count("MultiHeadAttention"), dynamic.count("Softmax")) == (blocks, 0)
+    static = ops(static_bundle / "transformer.64x64.onnx")
+    assert (static.count("MultiHeadAttention"), static.count("Softmax")) == (0, blocks)
