@@ -15,7 +15,7 @@ import torch
 
 from .errors import BundleError
 from .manifest import MANIFEST, architecture_differences, read_manifest
-from .ort_pipeline import bundle_image, latent_ids, prompt_feeds, run_graph, text_ids
+from .ort_pipeline import bundle_image, latent_ids, no_reference_feeds, prompt_feeds, run_graph, text_ids
 from .tolerances import image_bar, psnr
 
 PROMPT = "a red fox in the snow, golden hour, photograph"
@@ -48,7 +48,11 @@ def _difference(component, case, got, want) -> Difference:
 def check_same_model(bundle, reference):
     """BundleError unless the two bundles' manifests describe the same architecture (widths, depths,
     text encoder out layers, VAE): one's inputs would not fit the other's graphs."""
-    differences = architecture_differences(read_manifest(bundle), read_manifest(reference))
+    ours, theirs = read_manifest(bundle), read_manifest(reference)
+    differences = architecture_differences(ours, theirs)
+    kv = [bool(m["model"].get("kv_cache")) for m in (ours, theirs)]
+    if kv[0] != kv[1]:
+        differences.append(f"model.kv_cache {kv[0]} vs {kv[1]}")
     if differences:
         raise BundleError(
             f"{reference}: not a reference bundle of the model of {bundle} ({bundle}/{MANIFEST} vs "
@@ -80,6 +84,7 @@ def component_differences(bundle, reference, width=512, height=512, seed=0):
         "timestep": np.ones((1,), np.float32),
         "img_ids": latent_ids(h, w).numpy(),
         "txt_ids": text_ids(embeds.shape[1]).numpy(),
+        **no_reference_feeds(manifest, 1),
     }
     yield _difference("transformer", f"{width}x{height}, first step", *both("transformer", feeds))
 

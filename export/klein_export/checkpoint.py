@@ -17,6 +17,8 @@ from .jsonfile import read_json
 DEFAULT_OUT_LAYERS = (9, 18, 27)
 OUT_LAYERS_KEY = "text_encoder_out_layers"
 
+# The plain klein pipeline, and the KV variant's (reference K/V cached after the first step).
+PIPELINE_CLASSES = ("Flux2KleinPipeline", "Flux2KleinKVPipeline")
 EXPECTED_CLASSES = {
     "text_encoder": ("Qwen3ForCausalLM",),
     "transformer": ("Flux2Transformer2DModel",),
@@ -39,9 +41,10 @@ class Checkpoint:
             raise CheckpointError(f"{self.root}: not a directory (expected a diffusers checkpoint)")
         self.model_index = _read_json(self.root / "model_index.json")
         pipeline_class = self.model_index.get("_class_name")
-        if pipeline_class != "Flux2KleinPipeline":
+        if pipeline_class not in PIPELINE_CLASSES:
             raise CheckpointError(
-                f"{self.root / 'model_index.json'}: _class_name is {pipeline_class!r}, expected 'Flux2KleinPipeline'"
+                f"{self.root / 'model_index.json'}: _class_name is {pipeline_class!r}, "
+                f"expected one of {PIPELINE_CLASSES}"
             )
         for component, classes in EXPECTED_CLASSES.items():
             entry = self.model_index.get(component)
@@ -100,8 +103,14 @@ class Checkpoint:
         return tuple(layers)
 
     @property
+    def is_kv(self) -> bool:
+        """A KV checkpoint: its transformer is exported in the KV form (kv_cache.py)."""
+        return self.model_index["_class_name"] == "Flux2KleinKVPipeline"
+
+    @property
     def is_distilled(self) -> bool:
-        return bool(self.model_index.get("is_distilled", False))
+        # Flux2KleinKVPipeline is step-distilled only: it has no guidance and does not record it.
+        return self.is_kv or bool(self.model_index.get("is_distilled", False))
 
     def _check_scheduler(self):
         cfg = self.scheduler_config

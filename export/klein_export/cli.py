@@ -86,7 +86,7 @@ def _ranges(args):
 def _tiny(args):
     from .tiny import build_tiny
 
-    print(build_tiny(args.out, seed=args.seed, preset=args.preset, distilled=not args.base))
+    print(build_tiny(args.out, seed=args.seed, preset=args.preset, distilled=not args.base, kv=args.kv))
     return 0
 
 
@@ -244,10 +244,16 @@ def parser() -> argparse.ArgumentParser:
         "joint dim 12288) with 4 Qwen3 layers, out layers 1/2/3 (recorded in model_index.json) and 1+2 blocks; "
         "9b: the published 9B architecture (17 B parameters: about 70 GB of memory to build)",
     )
-    t.add_argument(
+    kind = t.add_mutually_exclusive_group()
+    kind.add_argument(
         "--base",
         action="store_true",
         help="a base (non-distilled) checkpoint: 50 steps and classifier-free guidance 4 by default",
+    )
+    kind.add_argument(
+        "--kv",
+        action="store_true",
+        help="a checkpoint of the KV variant (Flux2KleinKVPipeline: reference K/V computed on the first step, reused)",
     )
     t.set_defaults(func=_tiny)
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 # Symbolic dimension names used in the manifest.
 BATCH, SEQ, TOKENS, HEIGHT, WIDTH, LAT_H, LAT_W = "batch", "seq", "tokens", "height", "width", "lat_h", "lat_w"
+# The KV transformer's (kv_cache.py): reference tokens extracted now, and those of the cached K/V.
+REF_TOKENS, CACHED_TOKENS = "ref_tokens", "cached_tokens"
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,24 @@ def transformer_io(in_channels: int, joint_dim: int, n_axes: int) -> GraphIO:
             Tensor("txt_ids", "int64", (SEQ, n_axes)),
         ),
         (Tensor("velocity", "float32", (BATCH, TOKENS, in_channels)),),
+    )
+
+
+def transformer_kv_io(in_channels: int, joint_dim: int, n_axes: int, layers: int, inner_dim: int) -> GraphIO:
+    """A KV checkpoint's transformer (kv_cache.py): the plain inputs, plus the references to extract
+    and the K/V cached by an earlier step; the extracted K/V as a second output."""
+    plain = transformer_io(in_channels, joint_dim, n_axes)
+    kv = (layers, 2, BATCH)
+    return GraphIO(
+        plain.component,
+        plain.file,
+        plain.inputs
+        + (
+            Tensor("ref_latents", "float32", (BATCH, REF_TOKENS, in_channels)),
+            Tensor("ref_ids", "int64", (REF_TOKENS, n_axes)),
+            Tensor("cached_kv", "float32", kv + (CACHED_TOKENS, inner_dim)),
+        ),
+        plain.outputs + (Tensor("ref_kv", "float32", kv + (REF_TOKENS, inner_dim)),),
     )
 
 

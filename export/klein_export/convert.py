@@ -22,6 +22,7 @@ from .checkpoint import Checkpoint
 from .contract import GraphEntry
 from .errors import BundleExistsError, CheckpointError, StaticShapesError
 from .fused_attention import TRANSLATIONS, fused_attention
+from .kv_cache import KvTransformer, kv_layers
 from .lora_map import lora_targets
 from .lora_merge import check_loras, merge_loras
 from .manifest import build_manifest, bundle_files, write_manifest
@@ -84,20 +85,21 @@ def _export_text_encoder(ckpt, out, precision, loras):
 
 def _export_transformer(ckpt, out, precision, loras, fused=True):
     """`fused`: attention as one MultiHeadAttention node (fused_attention.py); off for CoreML's
-    static-shape bundles, whose provider does not run ONNX Runtime's own operators."""
+    static-shape bundles, whose provider does not run ONNX Runtime's own operators. A KV
+    checkpoint's transformer is exported in its KV form (kv_cache.py), always fused."""
     model = merge_loras(ckpt.load_transformer(), loras)
     cfg = model.config
-    module = Transformer(model).eval()
+    module = (KvTransformer(model) if ckpt.is_kv else Transformer(model)).eval()
     scheme = _scheme_json(_to_precision(module, "transformer", precision))
-    io = contract.transformer_io(cfg.in_channels, cfg.joint_attention_dim, len(cfg.axes_dims_rope))
+    n_axes = len(cfg.axes_dims_rope)
     g = torch.Generator().manual_seed(0)
     tokens, seq = 20, 10
     args = (
         torch.randn(2, tokens, cfg.in_channels, generator=g),
         torch.randn(2, seq, cfg.joint_attention_dim, generator=g),
         torch.tensor([0.9, 0.9]),
-        torch.randint(0, 8, (tokens, len(cfg.axes_dims_rope)), generator=g),
-        torch.randint(0, 8, (seq, len(cfg.axes_dims_rope)), generator=g),
+        torch.randint(0, 8, (tokens, n_axes), generator=g),
+        torch.randint(0, 8, (seq, n_axes), generator=g),
     )
     b, t, s = Dim("batch"), Dim("tokens"), Dim("seq")
     shapes = {
@@ -107,6 +109,20 @@ def _export_transformer(ckpt, out, precision, loras, fused=True):
         "img_ids": {0: t},
         "txt_ids": {0: s},
     }
+    if ckpt.is_kv:
+        layers, inner = kv_layers(cfg), cfg.num_attention_heads * cfg.attention_head_dim
+        io = contract.transformer_kv_io(cfg.in_channels, cfg.joint_attention_dim, n_axes, layers, inner)
+        # Both lengths non-zero in the example (a size 0 or 1 would be specialised); 0 works at run time.
+        refs, cached = 6, 5
+        args += (
+            torch.randn(2, refs, cfg.in_channels, generator=g),
+            torch.randint(0, 8, (refs, n_axes), generator=g),
+            torch.randn(layers, 2, 2, cached, inner, generator=g),
+        )
+        r, k = Dim(contract.REF_TOKENS, min=0), Dim(contract.CACHED_TOKENS, min=0)
+        shapes.update({"ref_latents": {0: b, 1: r}, "ref_ids": {0: r}, "cached_kv": {2: b, 3: k}})
+    else:
+        io = contract.transformer_io(cfg.in_channels, cfg.joint_attention_dim, n_axes)
     with fused_attention() if fused else contextlib.nullcontext():
         path = export_graph(module, args, shapes, io, out, precision, translations=TRANSLATIONS if fused else None)
     return [GraphEntry(io, precision, scheme, lora_targets(model, path))]
@@ -205,6 +221,11 @@ def convert(
     if static_shapes is not None:
         if quantization is not None:
             raise StaticShapesError("--static-shapes is for CoreML, which cannot run MatMulNBits: leave out --quantize")
+        if ckpt.is_kv:
+            raise StaticShapesError(
+                f"--static-shapes: {checkpoint} is a KV checkpoint (Flux2KleinKVPipeline), whose transformer "
+                "takes a reference K/V cache of changing length; export it without --static-shapes"
+            )
         check_refs(refs)
         vae = ckpt.vae_config
         multiple = 2 ** (len(vae["block_out_channels"]) - 1) * vae.get("patch_size", [2, 2])[0]

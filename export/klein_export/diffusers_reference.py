@@ -13,11 +13,14 @@ from .checkpoint import DEFAULT_OUT_LAYERS, Checkpoint
 
 
 def load_pipeline(checkpoint, **components):
-    """The checkpoint's Flux2KleinPipeline in float32, without progress bars; `components` are passed
-    to `from_pretrained` (`transformer=None` leaves the transformer out)."""
-    from diffusers import Flux2KleinPipeline
+    """The checkpoint's Flux2KleinPipeline (Flux2KleinKVPipeline for a KV checkpoint) in float32,
+    without progress bars; `components` are passed to `from_pretrained` (`transformer=None` leaves
+    the transformer out; the KV pipeline needs one, and its prompt encoding is the plain one's)."""
+    from diffusers import Flux2KleinKVPipeline, Flux2KleinPipeline
 
-    pipe = Flux2KleinPipeline.from_pretrained(str(checkpoint), dtype=torch.float32, **components)
+    kv = Checkpoint(checkpoint).is_kv and "transformer" not in components
+    cls = Flux2KleinKVPipeline if kv else Flux2KleinPipeline
+    pipe = cls.from_pretrained(str(checkpoint), dtype=torch.float32, **components)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -25,8 +28,12 @@ def load_pipeline(checkpoint, **components):
 def diffusers_image(
     pipe, prompt, seed, width, height, steps, image=None, out_layers=DEFAULT_OUT_LAYERS, prompt_embeds=None
 ) -> np.ndarray:
-    """The pipeline's float image `[H, W, 3]` in [0, 255] (not rounded), guidance 1, CPU noise of `seed`;
-    from `prompt_embeds` (`encode_prompt`'s) instead of `prompt` when given."""
+    """The pipeline's float image `[H, W, 3]` in [0, 255] (not rounded), guidance 1 (the KV pipeline
+    has none), CPU noise of `seed`; from `prompt_embeds` (`encode_prompt`'s) instead of `prompt` when
+    given."""
+    from diffusers import Flux2KleinKVPipeline
+
+    guidance = {} if isinstance(pipe, Flux2KleinKVPipeline) else {"guidance_scale": 1.0}
     with torch.no_grad():
         out = pipe(
             image=image,
@@ -35,7 +42,7 @@ def diffusers_image(
             height=height,
             width=width,
             num_inference_steps=steps,
-            guidance_scale=1.0,
+            **guidance,
             generator=torch.Generator("cpu").manual_seed(seed),
             output_type="np",
             text_encoder_out_layers=tuple(out_layers),

@@ -61,8 +61,12 @@ def _attention_onnx(query, key, value, num_heads: int):
     """`[B, S, H, D]` -> `[B, S, H*D]` each, MultiHeadAttention, back to `[B, S, H, D]`."""
 
     def flat(x):
-        first_two = op.Slice(op.Shape(x), op.Constant(value_ints=[0]), op.Constant(value_ints=[2]))
-        return op.Reshape(x, op.Concat(first_two, op.Constant(value_ints=[-1]), axis=0))
+        # The last size is computed, not -1: a Reshape cannot infer -1 of an empty tensor (the KV
+        # graph's zero-length reference tokens, kv_cache.py).
+        shape = op.Shape(x)
+        first_two = op.Slice(shape, op.Constant(value_ints=[0]), op.Constant(value_ints=[2]))
+        heads, dim = (op.Slice(shape, op.Constant(value_ints=[i]), op.Constant(value_ints=[i + 1])) for i in (2, 3))
+        return op.Reshape(x, op.Concat(first_two, op.Mul(heads, dim), axis=0))
 
     out = MSFT.MultiHeadAttention(flat(query), flat(key), flat(value), num_heads=num_heads)
     return op.Reshape(out, op.Shape(query))

@@ -110,6 +110,8 @@ def architecture_differences(have: dict, want: dict) -> list:
 def check_bundle_of(manifest: dict, bundle, ckpt):
     """BundleError unless the bundle's manifest describes the architecture of checkpoint `ckpt`."""
     differences = architecture_differences(manifest, architecture(ckpt))
+    if bool(manifest["model"].get("kv_cache")) != ckpt.is_kv:
+        differences.append(f"model.kv_cache {bool(manifest['model'].get('kv_cache'))} vs {ckpt.is_kv}")
     if differences:
         raise BundleError(
             f"{Path(bundle) / MANIFEST} does not describe the checkpoint {ckpt.root} "
@@ -150,6 +152,9 @@ def build_manifest(ckpt, tokenizer_facts: dict, graphs: dict, name: str, variant
         "exporter": _versions(),
         "min_onnxruntime_version": MIN_ONNXRUNTIME_VERSION,
     }
+    if ckpt.is_kv:
+        # Flux2KleinKVPipeline: the transformer graph has the KV form (contract.transformer_kv_io).
+        manifest["model"]["kv_cache"] = True
     return manifest
 
 

@@ -36,6 +36,21 @@ def text_ids(seq) -> torch.Tensor:
     return torch.stack([torch.zeros(seq, dtype=torch.int64)] * 3 + [torch.arange(seq)], dim=1)
 
 
+def no_reference_feeds(manifest: dict, batch: int) -> dict:
+    """A KV bundle's transformer inputs for a step without references (kv_cache.py): no reference
+    tokens, an empty K/V cache. Nothing for other bundles."""
+    if not manifest["model"].get("kv_cache"):
+        return {}
+    channels, n_axes = manifest["latents"]["channels"], len(manifest["transformer"]["axes_dims_rope"])
+    kv = next(t for t in manifest["graphs"]["transformer"]["inputs"] if t["name"] == "cached_kv")
+    layers, _, _, _, inner = kv["shape"]
+    return {
+        "ref_latents": np.zeros((batch, 0, channels), np.float32),
+        "ref_ids": np.zeros((0, n_axes), np.int64),
+        "cached_kv": np.zeros((layers, 2, batch, 0, inner), np.float32),
+    }
+
+
 def prompt_feeds(bundle, tok: dict, prompt: str) -> dict:
     """The text encoder's inputs for `prompt`, tokenised as the manifest's `tokenizer` section `tok` says."""
     from transformers import PreTrainedTokenizerFast
@@ -92,6 +107,7 @@ def bundle_image(bundle, prompt, seed, width, height, steps=None) -> np.ndarray:
     for i in range(steps):
         timestep = np.full((1,), timesteps[i] / np.float32(1000), np.float32)
         feeds = {"latents": x, "prompt_embeds": embeds, "timestep": timestep, "img_ids": img_ids, "txt_ids": txt_ids}
+        feeds.update(no_reference_feeds(manifest, 1))
         v = transformer.run(None, feeds)[0][:, : h * w]
         x = (x + (sigmas[i + 1] - sigmas[i]) * v).astype(np.float32)
 

@@ -174,14 +174,18 @@ def build_tiny(
     preset="tiny",
     distilled: bool = True,
     out_layers=None,
+    kv: bool = False,
 ):
     """Write a random-weight checkpoint of `preset` to `out_dir` (which must not exist).
 
     Components are built, saved and freed one at a time (the 4B preset does not fit in memory
     at once); large presets are stored in bfloat16, as the published checkpoints are. `out_layers`
     (default: the preset's) are the text encoder's hidden layers the pipeline concatenates; other
-    than (9, 18, 27) they are written to model_index.json as `text_encoder_out_layers`.
+    than (9, 18, 27) they are written to model_index.json as `text_encoder_out_layers`. `kv`: a
+    checkpoint of the KV variant (`Flux2KleinKVPipeline`, step-distilled only).
     """
+    if kv and not distilled:
+        raise ValueError("the KV variant is step-distilled only: a base KV checkpoint does not exist")
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise OutputExistsError(f"{out_dir}: already exists (choose a new directory)")
@@ -236,23 +240,24 @@ def build_tiny(
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(ASSETS / name, tmp / "tokenizer" / name)
     (tmp / "model_index.json").write_text(
-        json.dumps(_model_index(distilled, out_layers), indent=2) + "\n", encoding="utf-8"
+        json.dumps(_model_index(distilled, out_layers, kv), indent=2) + "\n", encoding="utf-8"
     )
     tmp.rename(out_dir)
     return out_dir
 
 
-def _model_index(distilled: bool, out_layers=None) -> dict:
+def _model_index(distilled: bool, out_layers=None, kv: bool = False) -> dict:
     """What `Flux2KleinPipeline.save_pretrained` writes for a klein checkpoint: distilled (4 steps, no
     guidance) or base (50 steps, classifier-free guidance); plus `text_encoder_out_layers` when the
     checkpoint needs other layers than the pipeline's default (diffusers ignores the key, with a
-    warning: pass them to the pipeline's `text_encoder_out_layers=`)."""
+    warning: pass them to the pipeline's `text_encoder_out_layers=`). A KV checkpoint names
+    `Flux2KleinKVPipeline`, whose config has no `is_distilled`."""
     import diffusers
 
     index = {
-        "_class_name": "Flux2KleinPipeline",
+        "_class_name": "Flux2KleinKVPipeline" if kv else "Flux2KleinPipeline",
         "_diffusers_version": diffusers.__version__,
-        "is_distilled": distilled,
+        **({} if kv else {"is_distilled": distilled}),
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
         "text_encoder": ["transformers", "Qwen3ForCausalLM"],
         "tokenizer": ["transformers", "Qwen2Tokenizer"],

@@ -19,6 +19,7 @@ import torch
 
 from .checkpoint import Checkpoint
 from .diffusers_reference import reference_images
+from .kv_cache import KvTransformer, kv_layers
 from .manifest import check_bundle_of, read_manifest
 from .ort_pipeline import bundle_image, latent_ids, session, text_ids
 from .quantize import QuantizationConfig, emulate_quantization
@@ -186,10 +187,24 @@ def verify_text_encoder(ckpt, bundle):
         yield check.compare(case, (ids, mask), {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
 
 
+class _Velocity(torch.nn.Module):
+    """The KV transformer's first output (the velocity; the K/V it extracts feed the next case)."""
+
+    def __init__(self, kv_transformer):
+        super().__init__()
+        self.inner = kv_transformer
+
+    def forward(self, *args):
+        return self.inner(*args)[0]
+
+
 def verify_transformer(ckpt, bundle):
     model = ckpt.load_transformer()
-    module = Transformer(model).eval()
     cfg = model.config
+    if ckpt.is_kv:
+        yield from _verify_kv_transformer(ckpt, bundle, KvTransformer(model).eval())
+        return
+    module = Transformer(model).eval()
     check = _Checker(bundle, "transformer", module)
     g = torch.Generator().manual_seed(1)
     cases = {
@@ -210,6 +225,35 @@ def verify_transformer(ckpt, bundle):
             "timestep": timestep,
             "img_ids": img_ids,
             "txt_ids": text_ids(seq),
+        }
+        yield check.compare(case, tuple(feeds.values()), {k: v.numpy() for k, v in feeds.items()})
+
+
+def _verify_kv_transformer(ckpt, bundle, module):
+    """A KV checkpoint's transformer in its three modes: a first step that extracts the references'
+    K/V, a later step on cached K/V (random ones: any cache must give the module's output), and a
+    step without references."""
+    cfg = module.transformer.config
+    check = _Checker(bundle, "transformer", _Velocity(module))
+    g = torch.Generator().manual_seed(1)
+    layers, inner = kv_layers(cfg), cfg.num_attention_heads * cfg.attention_head_dim
+    cases = {
+        "extract: batch 1, 4x4 + refs 2x3, 5x4, L 512": (1, (4, 4), [(2, 3), (5, 4)], 0, 512),
+        "cached: batch 2, 3x5, 26 cached tokens, L 64": (2, (3, 5), [], 26, 64),
+        "no references: batch 1, 4x4, L 32": (1, (4, 4), [], 0, 32),
+    }
+    for case, (b, (h, w), refs, cached, seq) in cases.items():
+        ref_ids = [latent_ids(rh, rw, 10 + 10 * i) for i, (rh, rw) in enumerate(refs)]
+        ref_ids = torch.cat(ref_ids, dim=0) if ref_ids else torch.zeros(0, 4, dtype=torch.int64)
+        feeds = {
+            "latents": torch.randn(b, h * w, cfg.in_channels, generator=g),
+            "prompt_embeds": torch.randn(b, seq, cfg.joint_attention_dim, generator=g),
+            "timestep": torch.rand(b, generator=g),
+            "img_ids": latent_ids(h, w),
+            "txt_ids": text_ids(seq),
+            "ref_latents": torch.randn(b, ref_ids.shape[0], cfg.in_channels, generator=g),
+            "ref_ids": ref_ids,
+            "cached_kv": torch.randn(layers, 2, b, cached, inner, generator=g),
         }
         yield check.compare(case, tuple(feeds.values()), {k: v.numpy() for k, v in feeds.items()})
 
