@@ -92,6 +92,10 @@ pub struct ModelInfo {
     pub default_width: u32,
     /// Default output height in pixels.
     pub default_height: u32,
+    /// The KV variant (`Flux2KleinKVPipeline`): the transformer graph extracts the references'
+    /// attention K/V on the first step and takes them on the later ones ([`super::kv`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub kv_cache: bool,
 }
 
 /// `model.variant`.
@@ -632,6 +636,7 @@ impl Manifest {
             problems.extend(lora_targets::problems(targets, size));
         }
         problems.extend(self.graph_width_problems());
+        problems.extend(super::kv::kv_problems(self));
         if let Some(preview) = &self.preview {
             let cells = vae.patch_size.saturating_mul(vae.patch_size);
             problems.extend(preview.problems(self.latents.channels, cells));

@@ -4,6 +4,7 @@
 pub mod buckets;
 pub mod component;
 pub mod contract;
+pub mod kv;
 pub mod lora_targets;
 pub mod manifest;
 pub mod onnx_proto;

@@ -3,16 +3,17 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use ndarray::{concatenate, s, Array1, Array2, Array3, Axis, Ix3};
+use ndarray::{concatenate, s, Array1, Array2, Array3, ArrayD, Axis, Ix3};
 
 use super::inpaint::Blend;
 use super::progress::{notify, timed, Progress, ProgressFn, Stage, StepPreview};
 use super::prompts::PromptEmbeds;
 use super::request::{check_token_budget, no_preview_map, request_error};
 use super::{internal, Pipeline};
+use crate::bundle::kv::{self, kv_shape};
 use crate::bundle::Component;
 use crate::error::Result;
-use crate::runtime::TensorInput;
+use crate::runtime::{Outputs, TensorInput};
 use crate::stages::latents::{prepare_latent_ids, prepare_text_ids};
 use crate::stages::output::RgbImage;
 use crate::stages::preview::preview_image;
@@ -47,11 +48,15 @@ pub struct DenoiseContext {
     /// `[B, L, D]` prompt embeddings, and the negative ones with the guidance scale.
     text: Array3<f32>,
     negative: Option<(Array3<f32>, f32)>,
-    /// `[L, 4]` and `[h*w + N, 4]` position ids.
+    /// `[L, 4]` and `[h*w + N, 4]` position ids (KV bundles: `[h*w, 4]`, the references' in
+    /// `ref_ids`).
     txt_ids: Array2<i64>,
     img_ids: Array2<i64>,
-    /// `[B, N, 128]` reference tokens, appended after the latents at every step.
+    /// `[B, N, 128]` reference tokens, appended after the latents at every step (KV bundles: given
+    /// to the first step only, which extracts their K/V).
     ref_tokens: Array3<f32>,
+    /// KV bundles: `[N, 4]` the references' position ids.
+    ref_ids: Option<Array2<i64>>,
     /// The output's latent grid `(lat_h, lat_w)`, and `image_tokens = lat_h * lat_w`.
     grid: (usize, usize),
     image_tokens: usize,
@@ -120,15 +125,15 @@ impl Pipeline {
         let negative = negative
             .map(|(n, g)| repeat(n).map(|t| (t, g as f32)))
             .transpose()?;
-        // [h*w + N, 4]: output tokens then reference tokens
-        let img_ids = concatenate(
-            Axis(0),
-            &[
-                prepare_latent_ids(lat_h, lat_w).view(),
-                references.ids.view(),
-            ],
-        )
-        .map_err(|e| internal("image ids", e))?;
+        // [h*w + N, 4]: output tokens then reference tokens (KV bundles: [h*w, 4] and [N, 4])
+        let latent_ids = prepare_latent_ids(lat_h, lat_w);
+        let (img_ids, ref_ids) = if self.manifest.model.kv_cache {
+            (latent_ids, Some(references.ids.clone()))
+        } else {
+            let ids = concatenate(Axis(0), &[latent_ids.view(), references.ids.view()])
+                .map_err(|e| internal("image ids", e))?;
+            (ids, None)
+        };
         // [1, N, 128] -> [B, N, 128]
         let ref_tokens = concatenate(Axis(0), &vec![references.tokens.view(); batch])
             .map_err(|e| internal("reference tokens", e))?;
@@ -140,6 +145,7 @@ impl Pipeline {
             negative,
             img_ids,
             ref_tokens,
+            ref_ids,
             grid: (lat_h, lat_w),
             image_tokens,
             bucket,
@@ -171,37 +177,9 @@ impl Pipeline {
                 ctx.schedule.num_steps()
             )));
         }
-        let graph = self.graph(Component::Transformer, ctx.bucket, &mut progress)?;
-        // [B, h*w, 128] ; [B, N, 128] -> [B, h*w + N, 128]
-        let input = concatenate(Axis(1), &[latents.view(), ctx.ref_tokens.view()])
-            .map_err(|e| internal("latents", e))?;
-        let timestep = Array1::from_elem(batch, ctx.schedule.transformer_timestep(step)); // [B]
-
-        // The prompt embeddings and ids are bound once per context and prompt (key: context id
-        // x 2, + 1 for the negative prompt): on CUDA they stay on the GPU across the steps.
-        let mut run = |prompt: &Array3<f32>, key: u64| -> Result<Array3<f32>> {
-            let mut out = graph.run_with_constants(
-                key,
-                &[
-                    ("prompt_embeds", TensorInput::from(prompt.view())),
-                    ("img_ids", TensorInput::from(ctx.img_ids.view())),
-                    ("txt_ids", TensorInput::from(ctx.txt_ids.view())),
-                ],
-                &[
-                    ("latents", TensorInput::from(input.view())),
-                    ("timestep", TensorInput::from(timestep.view())),
-                ],
-            )?;
-            let velocity = out
-                .take("velocity")?
-                .into_dimensionality::<Ix3>()
-                .map_err(|e| internal("velocity", e))?;
-            // [B, h*w + N, 128] -> [B, h*w, 128]: reference tokens are inputs only
-            Ok(velocity.slice_move(s![.., ..image_tokens, ..]))
-        };
-        let mut velocity = run(&ctx.text, 2 * ctx.id)?;
+        let mut velocity = self.velocity(latents, step, ctx, &ctx.text, 0, &mut progress)?;
         if let Some((negative, g)) = &ctx.negative {
-            let uncond = run(negative, 2 * ctx.id + 1)?;
+            let uncond = self.velocity(latents, step, ctx, negative, 1, &mut progress)?;
             // v = v_neg + g * (v - v_neg)
             velocity.zip_mut_with(&uncond, |v, &n| *v = n + g * (*v - n));
         }
@@ -211,6 +189,89 @@ impl Pipeline {
             blend.after_step(latents, step, &ctx.schedule);
         }
         Ok(())
+    }
+
+    /// The transformer's velocity `[B, h*w, 128]` at `step` for `prompt` (`branch` 0, or 1 for
+    /// the negative prompt). The prompt embeddings and ids are bound once per context, branch and
+    /// form (key below): on CUDA they stay on the GPU across the steps.
+    ///
+    /// KV bundles: the context's first run extracts the references' K/V (kept in
+    /// `Pipeline::kv_cache`), every later run takes them instead of the reference tokens; the
+    /// references' K/V do not depend on the prompt or the step (they attend to themselves only, at
+    /// a fixed timestep), so the negative branch takes the same.
+    fn velocity(
+        &mut self,
+        latents: &Array3<f32>,
+        step: usize,
+        ctx: &DenoiseContext,
+        prompt: &Array3<f32>,
+        branch: u64,
+        progress: &mut Option<&mut ProgressFn<'_>>,
+    ) -> Result<Array3<f32>> {
+        let (batch, image_tokens, channels) = latents.dim();
+        let timestep = Array1::from_elem(batch, ctx.schedule.transformer_timestep(step)); // [B]
+        let constants = [
+            ("prompt_embeds", TensorInput::from(prompt.view())),
+            ("img_ids", TensorInput::from(ctx.img_ids.view())),
+            ("txt_ids", TensorInput::from(ctx.txt_ids.view())),
+        ];
+        let Some(ref_ids) = &ctx.ref_ids else {
+            let graph = self.graph(Component::Transformer, ctx.bucket, progress)?;
+            // [B, h*w, 128] ; [B, N, 128] -> [B, h*w + N, 128]
+            let input = concatenate(Axis(1), &[latents.view(), ctx.ref_tokens.view()])
+                .map_err(|e| internal("latents", e))?;
+            let mut out = graph.run_with_constants(
+                4 * ctx.id + branch,
+                &constants,
+                &[
+                    ("latents", TensorInput::from(input.view())),
+                    ("timestep", TensorInput::from(timestep.view())),
+                ],
+            )?;
+            // [B, h*w + N, 128] -> [B, h*w, 128]: reference tokens are inputs only
+            return Ok(take_velocity(&mut out)?.slice_move(s![.., ..image_tokens, ..]));
+        };
+        let cache = self.kv_cache.take().filter(|(id, _)| *id == ctx.id);
+        let extract = cache.is_none() && ref_ids.nrows() > 0;
+        let (layers, width) = kv_shape(&self.manifest.transformer);
+        let no_cache = ArrayD::<f32>::zeros(vec![layers, 2, batch, 0, width]);
+        // First run: [B, N, 128] tokens, [N, 4] ids and an empty [layers, 2, B, 0, width] cache;
+        // later ones: no tokens ([B, 0, 128], [0, 4]) and the cache.
+        let (tokens, ids, cached) = if extract {
+            (ctx.ref_tokens.view(), ref_ids.view(), no_cache.view())
+        } else {
+            let cached = cache.as_ref().map_or(no_cache.view(), |(_, kv)| kv.view());
+            (
+                ctx.ref_tokens.slice(s![.., ..0, ..]),
+                ref_ids.slice(s![..0, ..]),
+                cached,
+            )
+        };
+        debug_assert_eq!(tokens.dim().2, channels);
+        let key = 4 * ctx.id + 2 * u64::from(!extract) + branch;
+        let graph = self.graph(Component::Transformer, ctx.bucket, progress)?;
+        let mut out = graph.run_with_constants(
+            key,
+            &[
+                &constants[..],
+                &[
+                    (kv::REF_LATENTS, TensorInput::from(tokens)),
+                    (kv::REF_IDS, TensorInput::from(ids)),
+                    (kv::CACHED_KV, TensorInput::from(cached)),
+                ],
+            ]
+            .concat(),
+            &[
+                ("latents", TensorInput::from(latents.view())),
+                ("timestep", TensorInput::from(timestep.view())),
+            ],
+        )?;
+        self.kv_cache = if extract {
+            Some((ctx.id, out.take(kv::REF_KV)?))
+        } else {
+            cache
+        };
+        take_velocity(&mut out)
     }
 
     /// The preview of each image after step `step`, from the latents before (`x_t`) and after it:
@@ -247,7 +308,7 @@ impl Pipeline {
         mut progress: Option<&mut ProgressFn<'_>>,
     ) -> Result<Array3<f32>> {
         self.graph(Component::Transformer, ctx.bucket, &mut progress)?;
-        timed(&mut progress, Stage::Denoise, |progress| {
+        let denoised = timed(&mut progress, Stage::Denoise, |progress| {
             let total = ctx.schedule.num_steps();
             for step in 0..total {
                 let preview = ctx
@@ -274,6 +335,15 @@ impl Pipeline {
                 }
             }
             Ok(latents)
-        })
+        });
+        self.kv_cache = None; // the references' K/V are this context's only
+        denoised
     }
+}
+
+/// The transformer's `velocity` output, `[B, tokens, 128]`.
+fn take_velocity(out: &mut Outputs) -> Result<Array3<f32>> {
+    out.take("velocity")?
+        .into_dimensionality::<Ix3>()
+        .map_err(|e| internal("velocity", e))
 }

@@ -13,7 +13,9 @@
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
-use ndarray::{concatenate, s, Array2, Array3, Array4, ArrayView3, ArrayView4, Axis, Ix3, Ix4};
+use ndarray::{
+    concatenate, s, Array2, Array3, Array4, ArrayD, ArrayView3, ArrayView4, Axis, Ix3, Ix4,
+};
 
 mod denoise;
 mod graphs;
@@ -93,6 +95,9 @@ pub struct Pipeline {
     /// Problems that did not stop a stage ([`Pipeline::take_warnings`]).
     warnings: Vec<String>,
     vae_tiling: VaeTiling,
+    /// KV bundles: the references' K/V `[layers, 2, B, R, width]` extracted by the first step of
+    /// the denoise context with this id ([`DenoiseContext`]).
+    kv_cache: Option<(u64, ArrayD<f32>)>,
 }
 
 impl Pipeline {
@@ -144,6 +149,7 @@ impl Pipeline {
             prompt_cache,
             verification,
             graphs: LoadedGraphs::default(),
+            kv_cache: None,
             loras,
             scratch,
             warnings: Vec::new(),

@@ -233,6 +233,13 @@ impl Plan {
             _ => {}
         }
         let first_step = match &request.inpaint {
+            Some(_) if model.kv_cache => {
+                return Err(request_error(format!(
+                    "{} is a KV bundle (Flux2KleinKVPipeline), which has no inpainting or img2img \
+                     (diffusers has no KV inpaint pipeline): use a bundle of a plain checkpoint",
+                    model.name
+                )))
+            }
             Some(inpaint) => Some(check_inpaint(inpaint, request, steps)?),
             None => None,
         };
