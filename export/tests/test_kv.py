@@ -31,7 +31,14 @@ KLEIN = REPO / "target" / "release" / "klein"
 
 CASES = [
     {"id": "no-reference", "prompt": "a lighthouse at dusk", "seed": 3, "size": (80, 64), "refs": [], "images": 1},
-    {"id": "one-reference", "prompt": "make it winter", "seed": 11, "size": None, "refs": [(96, 64, "RGB")], "images": 1},
+    {
+        "id": "one-reference",
+        "prompt": "make it winter",
+        "seed": 11,
+        "size": None,
+        "refs": [(96, 64, "RGB")],
+        "images": 1,
+    },
     {
         "id": "three-references",
         "prompt": "the dog of the first on the beach of the second, painted like the third",
@@ -40,7 +47,14 @@ CASES = [
         "refs": [(80, 64, "RGBA"), (112, 80, "RGB"), (64, 96, "L")],
         "images": 1,
     },
-    {"id": "one-reference-two-images", "prompt": "", "seed": 47, "size": (64, 64), "refs": [(64, 80, "RGB")], "images": 2},
+    {
+        "id": "one-reference-two-images",
+        "prompt": "",
+        "seed": 47,
+        "size": (64, 64),
+        "refs": [(64, 80, "RGB")],
+        "images": 2,
+    },
 ]
 
 
