@@ -452,3 +452,59 @@ fn graph_widths_must_match_the_stated_architecture() {
         ],
     );
 }
+
+/// The test manifest's transformer entry (the 4B's: 5 + 20 blocks, 3072 wide) with the KV
+/// tensors added, `layers` deep.
+fn add_kv_tensors(m: &mut serde_json::Value, layers: u64) {
+    let graph = &mut m["graphs"]["transformer"];
+    let inputs = graph["inputs"].as_array_mut().unwrap();
+    inputs.push(
+        json!({"name": "ref_latents", "dtype": "float32", "shape": ["batch", "ref_tokens", 128]}),
+    );
+    inputs.push(json!({"name": "ref_ids", "dtype": "int64", "shape": ["ref_tokens", 4]}));
+    inputs.push(json!({"name": "cached_kv", "dtype": "float32",
+        "shape": [layers, 2, "batch", "cached_tokens", 3072]}));
+    graph["outputs"].as_array_mut().unwrap().push(
+        json!({"name": "ref_kv", "dtype": "float32", "shape": [layers, 2, "batch", "ref_tokens", 3072]}),
+    );
+}
+
+/// `model.kv_cache` over a plain transformer: refused, naming the tensors a KV graph has.
+#[test]
+fn kv_flag_needs_the_kv_tensors() {
+    let dir = bundle("kv-flag", |m| m["model"]["kv_cache"] = json!(true));
+    let (_, reason) = load_error(&dir);
+    assert_mentions(
+        &reason,
+        &[
+            "model.kv_cache is set but graphs.transformer has no `ref_latents`",
+            "no `cached_kv`",
+            "no `ref_kv`",
+        ],
+    );
+}
+
+/// KV tensors without `model.kv_cache` (the runtime would feed them nothing): refused.
+#[test]
+fn kv_tensors_need_the_kv_flag() {
+    let dir = bundle("kv-tensors", |m| add_kv_tensors(m, 25));
+    let (_, reason) = load_error(&dir);
+    assert_mentions(
+        &reason,
+        &["graphs.transformer has `ref_latents`, a KV transformer's tensor, but model.kv_cache is not set"],
+    );
+}
+
+/// A KV cache of another depth than the transformer's blocks: refused, naming it.
+#[test]
+fn kv_cache_depth_must_match_the_blocks() {
+    let dir = bundle("kv-depth", |m| {
+        m["model"]["kv_cache"] = json!(true);
+        add_kv_tensors(m, 26);
+    });
+    let (_, reason) = load_error(&dir);
+    assert_mentions(
+        &reason,
+        &["graphs.transformer `cached_kv` axis 0 is 26 but the transformer's layers (num_layers + num_single_layers) is 25"],
+    );
+}

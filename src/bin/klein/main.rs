@@ -235,10 +235,15 @@ fn info(args: InfoArgs) -> anyhow::Result<()> {
     let m = &manifest.model;
     println!("bundle:       {}", model.display());
     println!(
-        "model:        {} (variant {}, {})",
+        "model:        {} (variant {}, {}{})",
         m.name,
         variant_name(m.variant),
-        if m.is_distilled { "distilled" } else { "base" }
+        if m.is_distilled { "distilled" } else { "base" },
+        if m.kv_cache {
+            ", KV: reference K/V cached after the first step"
+        } else {
+            ""
+        }
     );
     println!(
         "defaults:     {} steps, guidance {}, {}x{}",
