@@ -1,12 +1,13 @@
 //! What the command line tells the user on stderr: progress, warnings, timings.
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::io::IsTerminal;
 use std::ops::ControlFlow;
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use klein::fsutil::write_all_atomic;
-use klein::pipeline::{Generation, LoraSummary, Pipeline, Progress, StepPreview};
+use klein::pipeline::{Generation, LoraSummary, Pipeline, Progress, Stage, StepPreview};
 use klein::stages::output::{encode_image, ImageFormat};
 
 /// Progress on stderr: a bar when stderr is a terminal and --quiet is not given; step previews
@@ -18,6 +19,10 @@ pub(crate) struct Reporter {
     previews: Vec<PathBuf>,
     /// Whether a preview could not be written (said once; the generation goes on).
     preview_failed: Cell<bool>,
+    /// The seconds of each denoising step of the last generation (`--timings`), and when the
+    /// last step (or the denoising) began.
+    steps: RefCell<Vec<Duration>>,
+    step_began: Cell<Option<Instant>>,
 }
 
 impl Reporter {
@@ -35,6 +40,8 @@ impl Reporter {
             quiet,
             previews: Vec::new(),
             preview_failed: Cell::new(false),
+            steps: RefCell::new(Vec::new()),
+            step_began: Cell::new(None),
         }
     }
 
@@ -81,11 +88,19 @@ impl Reporter {
             let bar = &self.bar;
             match event {
                 Progress::StageStarted(stage) => {
+                    if stage == Stage::Denoise {
+                        self.steps.borrow_mut().clear();
+                        self.step_began.set(Some(Instant::now()));
+                    }
                     bar.set_message(format!("{prefix}{}", stage.label()));
                     bar.set_length(1);
                     bar.set_position(0);
                 }
                 Progress::Step { step, total } => {
+                    let now = Instant::now();
+                    if let Some(began) = self.step_began.replace(Some(now)) {
+                        self.steps.borrow_mut().push(now - began);
+                    }
                     bar.set_message(format!("{prefix}denoise"));
                     bar.set_length(total as u64);
                     bar.set_position(step as u64);
@@ -131,6 +146,16 @@ impl Reporter {
         if timings {
             for (stage, elapsed) in &generation.timings {
                 eprintln!("{:>20}: {:8.3} s", stage.label(), elapsed.as_secs_f64());
+            }
+            // Each step's seconds (a step's preview, if any, counts in the next step's).
+            let steps: Vec<String> = self
+                .steps
+                .borrow()
+                .iter()
+                .map(|d| format!("{:.3}", d.as_secs_f64()))
+                .collect();
+            if !steps.is_empty() {
+                eprintln!("{:>20}: {} s", "denoise steps", steps.join(", "));
             }
             for placement in pipeline.placements() {
                 eprintln!("{:>20}: runs on {}", placement.component, placement.device);
