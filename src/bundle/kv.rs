@@ -21,57 +21,61 @@ pub fn kv_shape(tr: &TransformerSpec) -> (usize, usize) {
     )
 }
 
-/// What is wrong with the manifest's KV contract: a KV bundle's transformer must have the KV
-/// tensors with the architecture's sizes (and no static shapes); another bundle's must not.
-pub(super) fn kv_problems(manifest: &Manifest) -> Vec<String> {
-    let spec = &manifest.graphs.transformer;
-    let has = |name: &str| {
-        spec.inputs
-            .iter()
-            .chain(&spec.outputs)
-            .any(|t| t.name == name)
-    };
-    let names = [REF_LATENTS, REF_IDS, CACHED_KV, REF_KV];
-    if !manifest.model.kv_cache {
-        return match names.iter().find(|n| has(n)) {
-            Some(name) => vec![format!(
+impl Manifest {
+    /// What is wrong with the manifest's KV contract: a KV bundle's transformer must have the KV
+    /// tensors with the architecture's sizes (and no static shapes); another bundle's must not.
+    pub(super) fn kv_problems(&self) -> Vec<String> {
+        let manifest = self;
+        let spec = &manifest.graphs.transformer;
+        let has = |name: &str| {
+            spec.inputs
+                .iter()
+                .chain(&spec.outputs)
+                .any(|t| t.name == name)
+        };
+        let names = [REF_LATENTS, REF_IDS, CACHED_KV, REF_KV];
+        if !manifest.model.kv_cache {
+            return match names.iter().find(|n| has(n)) {
+                Some(name) => vec![format!(
                 "graphs.transformer has `{name}`, a KV transformer's tensor, but model.kv_cache is \
                  not set"
             )],
-            None => Vec::new(),
-        };
-    }
-    let mut problems: Vec<String> = names
-        .iter()
-        .filter(|n| !has(n))
-        .map(|name| {
-            format!(
+                None => Vec::new(),
+            };
+        }
+        let mut problems: Vec<String> = names
+            .iter()
+            .filter(|n| !has(n))
+            .map(|name| {
+                format!(
                 "model.kv_cache is set but graphs.transformer has no `{name}` (a KV transformer \
                  takes ref_latents, ref_ids and cached_kv and returns ref_kv)"
             )
-        })
-        .collect();
-    if manifest.static_shapes.is_some() {
-        problems.push("model.kv_cache and static_shapes together: KV bundles are dynamic".into());
+            })
+            .collect();
+        if manifest.static_shapes.is_some() {
+            problems
+                .push("model.kv_cache and static_shapes together: KV bundles are dynamic".into());
+        }
+        let (layers, width) = kv_shape(&manifest.transformer);
+        for name in [CACHED_KV, REF_KV] {
+            problems.extend(kv_dim_problem(
+                spec,
+                name,
+                0,
+                layers,
+                "layers (num_layers + num_single_layers)",
+            ));
+            problems.extend(kv_dim_problem(
+                spec,
+                name,
+                4,
+                width,
+                "num_attention_heads x attention_head_dim",
+            ));
+        }
+        problems
     }
-    let (layers, width) = kv_shape(&manifest.transformer);
-    for name in [CACHED_KV, REF_KV] {
-        problems.extend(kv_dim_problem(
-            spec,
-            name,
-            0,
-            layers,
-            "layers (num_layers + num_single_layers)",
-        ));
-        problems.extend(kv_dim_problem(
-            spec,
-            name,
-            4,
-            width,
-            "num_attention_heads x attention_head_dim",
-        ));
-    }
-    problems
 }
 
 fn kv_dim_problem(

@@ -636,7 +636,7 @@ impl Manifest {
             problems.extend(lora_targets::problems(targets, size));
         }
         problems.extend(self.graph_width_problems());
-        problems.extend(super::kv::kv_problems(self));
+        problems.extend(self.kv_problems()); // bundle/kv.rs
         if let Some(preview) = &self.preview {
             let cells = vae.patch_size.saturating_mul(vae.patch_size);
             problems.extend(preview.problems(self.latents.channels, cells));

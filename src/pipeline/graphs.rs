@@ -68,7 +68,10 @@ impl LoadedGraphs {
             let session = source
                 .session
                 .clone()
-                .with_auto_skip(auto_skip(spec.precision, spec.quantization.as_ref()));
+                .with_auto_skip(auto_skip(spec.precision, spec.quantization.as_ref()))
+                .with_prepacking(
+                    spec.quantization.is_some() || component == Component::Transformer,
+                );
             let graph = timed(progress, load_stage(component), |_| {
                 let merged = match component {
                     Component::Transformer => {

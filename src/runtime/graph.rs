@@ -64,6 +64,7 @@ pub fn load_graph(
         cuda,
         coreml,
         auto_skip,
+        prepack,
     } = config.clone();
     if !path.is_file() {
         return Err(KleinError::Bundle {
@@ -107,6 +108,13 @@ pub fn load_graph(
                 )
                 .map_err(|e| LoadFailure::Session(error_chain(&e)))?,
             None => builder,
+        };
+        let builder = if prepack {
+            builder
+        } else {
+            builder
+                .with_config_entry("session.disable_prepacking", "1")
+                .map_err(|e| LoadFailure::Session(error_chain(&e)))?
         };
         let builder = match intra_threads {
             Some(n) => builder
