@@ -198,7 +198,8 @@ impl Pipeline {
     /// KV bundles: the context's first run extracts the references' K/V (kept in
     /// `Pipeline::kv_cache`), every later run takes them instead of the reference tokens; the
     /// references' K/V do not depend on the prompt or the step (they attend to themselves only, at
-    /// a fixed timestep), so the negative branch takes the same.
+    /// a fixed timestep), so the negative branch takes the same, and a run that finds no cache
+    /// of its context (steps of two contexts interleaved) extracts again with the same result.
     fn velocity(
         &mut self,
         latents: &Array3<f32>,
@@ -336,7 +337,13 @@ impl Pipeline {
             }
             Ok(latents)
         });
-        self.kv_cache = None; // the references' K/V are this context's only
+        if ctx.ref_ids.is_some() {
+            // The references' K/V are this context's only: the host copy and the bound one go.
+            self.kv_cache = None;
+            if let Some(graph) = self.graphs.loaded(Component::Transformer) {
+                graph.forget_constants();
+            }
+        }
         denoised
     }
 }

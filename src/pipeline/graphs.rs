@@ -110,6 +110,11 @@ impl LoadedGraphs {
         self.slots[component.index()] = None;
     }
 
+    /// The graph of `component` if it is loaded (of the current bucket, for per-bucket graphs).
+    pub fn loaded(&mut self, component: Component) -> Option<&mut Graph> {
+        self.slots[component.index()].as_mut()
+    }
+
     /// The device of the graph loaded last.
     pub fn device_used(&self) -> Option<Device> {
         self.placements.last().map(|p| p.device)

@@ -343,6 +343,12 @@ impl Graph {
         extract_outputs(stage, &results)
     }
 
+    /// Drops the inputs [`Graph::run_with_constants`] bound (a KV bundle's reference K/V among
+    /// them): their memory goes back now, and the next call binds its constants anew.
+    pub fn forget_constants(&mut self) {
+        self.bindings.clear();
+    }
+
     /// A binding of `constants` (copied now to where the session wants them) and of every output
     /// to host memory.
     fn bind(&self, constants: &[(&str, TensorInput<'_>)]) -> Result<IoBinding> {
