@@ -173,10 +173,13 @@ def test_ctrl_c_cancels(tiny_bundle):
     """A SIGINT while Rust runs is seen at the next step: KeyboardInterrupt, long before the end.
 
     The interrupt is sent from another thread once step 1 is reported (a timer started before the
-    call raced the 1000 tiny steps, which take under a second when the machine is idle)."""
+    call raced the 1000 tiny steps, which take under a second when the machine is idle). The child
+    installs Python's SIGINT handler itself: started from a background job, it inherits SIGINT
+    ignored, and Python then leaves it ignored (a terminal user has the handler)."""
     script = textwrap.dedent(
         f"""
-        import _thread, threading, klein
+        import _thread, signal, threading, klein
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         pipe = klein.Pipeline({str(tiny_bundle)!r})
         seen = []
         def on_step(step, total):
