@@ -325,7 +325,7 @@ pub struct TensorSpec {
 impl GraphSpec {
     /// The fixed size of axis `axis` of the input or output `name` (negative: from the end), if
     /// the contract fixes it.
-    fn fixed_dim(&self, name: &str, axis: isize) -> Option<u64> {
+    pub(super) fn fixed_dim(&self, name: &str, axis: isize) -> Option<u64> {
         let tensor = self
             .inputs
             .iter()
