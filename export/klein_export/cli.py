@@ -6,7 +6,7 @@ import sys
 from .errors import CheckpointError, KleinExportError, QuantizationError
 from .lora_merge import parse_lora
 from .precision import PRECISIONS
-from .quantize import BITS, DEFAULT_BLOCK_SIZE, DEFAULT_COMPONENTS, QuantizationConfig, parse_components
+from .quantize import BITS, DEFAULT_BLOCK_SIZE, DEFAULT_COMPONENTS, METHODS, QuantizationConfig, parse_components
 
 EXIT_USER_ERROR = 2
 
@@ -21,6 +21,8 @@ def _quantization(args, required=False):
             for flag, value in (("--components", args.components), ("--block-size", args.block_size))
             if value is not None
         ]
+        if args.method is not None:
+            given.append("--method")
         if given or args.asymmetric or args.accuracy_level:
             raise QuantizationError(f"{', '.join(given) or 'the quantization flags'} apply with --quantize only")
         return None
@@ -30,6 +32,7 @@ def _quantization(args, required=False):
         symmetric=not args.asymmetric,
         accuracy_level=args.accuracy_level,
         components=parse_components(",".join(DEFAULT_COMPONENTS) if args.components is None else args.components),
+        method=METHODS[args.method or "nbits"],
     )
 
 
@@ -136,7 +139,14 @@ def _add_quantization_args(p):
     p.add_argument(
         "--quantize",
         choices=sorted(BITS),
-        help="weight-only MatMulNBits quantization of the MatMul weights of --components",
+        help="quantization of the MatMul weights of --components (weight-only MatMulNBits unless --method dynamic)",
+    )
+    p.add_argument(
+        "--method",
+        choices=sorted(METHODS),
+        help="nbits (default): weight-only com.microsoft.MatMulNBits, blockwise, any device but CoreML; "
+        "dynamic: int8 weights per output channel and uint8 activations per tensor at run time "
+        "(com.microsoft.DynamicQuantizeMatMul, CPU only: integer GEMMs, the fastest on the CPU, larger error)",
     )
     p.add_argument(
         "--block-size",

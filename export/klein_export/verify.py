@@ -26,11 +26,14 @@ from .quantize import QuantizationConfig, emulate_quantization
 from .tokenizer_facts import tokenizer_facts
 from .tolerances import (
     ABS_TOLERANCE,
+    DYNAMIC_EMULATED_DB,
+    DYNAMIC_EMULATED_SHARE,
     EMULATED_PSNR,
     FLOOR_FACTOR,
     REL_TOLERANCE,
     U32,
     image_bar,
+    is_dynamic,
     psnr,
     scheme_name,
     unit_error,
@@ -55,6 +58,7 @@ class CaseResult:
     unit: float = U32
     emulated_abs: float = None  # against torch with the dequantized weights (quantized fp32 graphs)
     emulated_floor: float = 0.0
+    dynamic: bool = False  # activations quantized too (tolerances.DYNAMIC_EMULATED_SHARE)
 
     @property
     def tolerance(self) -> float:
@@ -62,7 +66,8 @@ class CaseResult:
 
     @property
     def emulated_tolerance(self) -> float:
-        return max(ABS_TOLERANCE, FLOOR_FACTOR * max(self.floor, self.emulated_floor), REL_TOLERANCE * self.scale)
+        floats = max(ABS_TOLERANCE, FLOOR_FACTOR * max(self.floor, self.emulated_floor), REL_TOLERANCE * self.scale)
+        return max(floats, DYNAMIC_EMULATED_SHARE * self.max_abs) if self.dynamic else floats
 
     @property
     def ok(self) -> bool:
@@ -92,16 +97,22 @@ class ImageResult:
     threshold: float
     emulated_psnr: float = None  # bundle vs diffusers with the dequantized weights
     scheme_psnr: float = None  # diffusers with the dequantized weights vs diffusers fp32
+    dynamic: bool = False  # activations quantized too (tolerances.DYNAMIC_EMULATED_DB)
+
+    @property
+    def emulated_threshold(self) -> float:
+        return self.scheme_psnr + DYNAMIC_EMULATED_DB if self.dynamic else EMULATED_PSNR
 
     @property
     def ok(self) -> bool:
-        return self.psnr >= self.threshold and (self.emulated_psnr is None or self.emulated_psnr >= EMULATED_PSNR)
+        emulated_ok = self.emulated_psnr is None or self.emulated_psnr >= self.emulated_threshold
+        return self.psnr >= self.threshold and emulated_ok
 
     def line(self) -> str:
         extra = ""
         if self.emulated_psnr is not None:
             extra = (
-                f"  vs dequantized diffusers {self.emulated_psnr:6.1f} dB (min {EMULATED_PSNR:.0f})  "
+                f"  vs dequantized diffusers {self.emulated_psnr:6.1f} dB (min {self.emulated_threshold:.0f})  "
                 f"quantization alone {self.scheme_psnr:5.1f} dB"
             )
         return (
@@ -139,7 +150,7 @@ class _Checker:
             if replaced != self.quantization["quantized_nodes"]:
                 raise RuntimeError(
                     f"{self.component}: {replaced} linear weights quantized in torch, the graph has "
-                    f"{self.quantization['quantized_nodes']} MatMulNBits nodes"
+                    f"{self.quantization['quantized_nodes']} {self.quantization['method']} nodes"
                 )
             self.emulated = (emulated, copy.deepcopy(emulated).double())
         return self.emulated
@@ -156,6 +167,7 @@ class _Checker:
         scale = max(float(np.abs(want).max()), 1e-30)
         unit = unit_error(self.precision, self.quantization)
         result = CaseResult(self.component, case, diff, diff / scale, floor, scale, scheme, unit)
+        result.dynamic = is_dynamic(self.quantization)
         emulated = self._emulated(args)
         if emulated is not None:
             want_q, result.emulated_floor = _run_torch(*emulated, args)
@@ -337,7 +349,8 @@ def verify_images(checkpoint, bundle, cases=IMAGE_CASES):
     for case, reference, dequantized in zip(cases, references, emulated, strict=True):
         name = f"{case['width']}x{case['height']} seed {case['seed']}, {steps} steps"
         got = bundle_image(bundle, case["prompt"], case["seed"], case["width"], case["height"], steps)
-        result = ImageResult(name, label, psnr(got, reference), threshold)
+        dynamic = any(is_dynamic(s.get("quantization")) for s in graphs.values())
+        result = ImageResult(name, label, psnr(got, reference), threshold, dynamic=dynamic)
         if dequantized is not None:
             result.emulated_psnr, result.scheme_psnr = psnr(got, dequantized), psnr(dequantized, reference)
         yield result

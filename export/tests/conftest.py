@@ -1,7 +1,7 @@
 import pytest
 
 from klein_export.convert import convert
-from klein_export.quantize import QuantizationConfig, quantize_copy
+from klein_export.quantize import DYNAMIC, QuantizationConfig, quantize_copy
 from klein_export.tiny import build_tiny
 
 
@@ -27,6 +27,16 @@ def fp16_bundle(tiny_checkpoint, tmp_path_factory):
 def int8_bundle(tiny_bundle, tmp_path_factory):
     return quantize_copy(
         tiny_bundle, tmp_path_factory.mktemp("int8") / "klein-tiny-int8", QuantizationConfig(bits=8), log=lambda _: None
+    )
+
+
+@pytest.fixture(scope="session")
+def dynamic_bundle(tiny_bundle, tmp_path_factory):
+    return quantize_copy(
+        tiny_bundle,
+        tmp_path_factory.mktemp("dynamic") / "klein-tiny-int8-dynamic",
+        QuantizationConfig(bits=8, method=DYNAMIC),
+        log=lambda _: None,
     )
 
 

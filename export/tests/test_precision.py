@@ -11,6 +11,7 @@ and EMULATED_PSNR (80 dB against diffusers with the dequantized weights).
 import hashlib
 import json
 
+import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto
@@ -43,8 +44,8 @@ FLOAT16_OPS = {"Cast", "MatMul", "Gemm", "Conv", "Gather", "Add"}
 
 
 @pytest.fixture
-def bundles(fp16_bundle, int8_bundle, int4_bundle):
-    return {"fp16": fp16_bundle, "int8": int8_bundle, "int4": int4_bundle}
+def bundles(fp16_bundle, int8_bundle, int4_bundle, dynamic_bundle):
+    return {"fp16": fp16_bundle, "int8": int8_bundle, "int4": int4_bundle, "int8-dynamic": dynamic_bundle}
 
 
 def _manifest(bundle):
@@ -160,7 +161,55 @@ def test_quantized_manifest_and_metadata(bundles, tiny_bundle, name, bits):
         assert q["float_nodes"].get("Gemm", 0) == (6 if component == "transformer" else 0)
 
 
-@pytest.mark.parametrize("name", ["fp16", "int8", "int4"])
+def test_dynamic_manifest_and_graphs(bundles, tiny_bundle):
+    """`--method dynamic`: every constant-weight MatMul becomes DynamicQuantizeMatMul with int8 codes,
+    one float32 scale per output channel and zero points of 0; the manifest and metadata say so."""
+    bundle = bundles["int8-dynamic"]
+    manifest = _manifest(bundle)
+    _check_files(bundle, manifest)
+    for component in QUANTIZED:
+        spec = manifest["graphs"][component]
+        q = spec["quantization"]
+        assert {k: q[k] for k in ("method", "bits", "block_size", "symmetric", "accuracy_level")} == {
+            "method": "DynamicQuantizeMatMul",
+            "bits": 8,
+            "block_size": None,
+            "symmetric": True,
+            "accuracy_level": None,
+        }
+        assert "per output channel" in q["granularity"] and "per tensor" in q["granularity"]
+        assert q["quantized_nodes"] == MATMUL_WEIGHTS[component]
+        assert json.loads(_metadata(bundle / spec["file"])["klein.quantization"]) == q
+        model = onnx.load(str(bundle / spec["file"]))
+        weights = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+        nodes = [n for n in model.graph.node if n.op_type == "DynamicQuantizeMatMul"]
+        assert len(nodes) == MATMUL_WEIGHTS[component] and all(n.domain == "com.microsoft" for n in nodes)
+        for node in nodes:
+            codes, scale, zero = (weights[name] for name in node.input[1:4])
+            assert codes.dtype == np.int8 and codes.ndim == 2 and np.abs(codes).max() == 127, node.name
+            assert scale.dtype == np.float32 and scale.shape == (codes.shape[1],) and (scale > 0).all()
+            assert zero.dtype == np.int8 and not zero.any()
+        assert not [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in weights]
+    assert manifest["graphs"]["vae_decoder"] == _manifest(tiny_bundle)["graphs"]["vae_decoder"]
+
+
+def test_dynamic_refuses_what_it_cannot_do(tiny_bundle, tmp_path, capsys):
+    for flags in (
+        ["--quantize", "int4"],
+        ["--quantize", "int8", "--block-size", "64"],
+        ["--quantize", "int8", "--asymmetric"],
+        ["--quantize", "int8", "--accuracy-level", "4"],
+    ):
+        out = tmp_path / "x"
+        assert main(["quantize", "--bundle", str(tiny_bundle), "--out", str(out), "--method", "dynamic", *flags]) == 2
+        assert "--method dynamic quantizes to int8" in capsys.readouterr().err and not out.exists(), flags
+    assert main(["quantize", "--bundle", str(tiny_bundle), "--out", str(tmp_path / "y"), "--method", "dynamic"]) == 2
+    assert "--quantize int8|int4 is required" in capsys.readouterr().err
+    assert main(["convert", "--checkpoint", "unused", "--out", str(tmp_path / "z"), "--method", "dynamic"]) == 2
+    assert "--method apply with --quantize only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8", "int4", "int8-dynamic"])
 def test_component_errors_within_tolerance(tiny_checkpoint, bundles, name):
     # The VAE graphs of int8/int4 bundles are the fp32 bundle's (test_quantized_manifest_and_metadata).
     components = ("text_encoder", "transformer", "vae") if name == "fp16" else QUANTIZED
@@ -174,7 +223,7 @@ def test_component_errors_within_tolerance(tiny_checkpoint, bundles, name):
         assert all(r.emulated_abs is not None for r in results if r.component in QUANTIZED)
 
 
-@pytest.mark.parametrize("name", ["fp32", "fp16", "int8", "int4"])
+@pytest.mark.parametrize("name", ["fp32", "fp16", "int8", "int4", "int8-dynamic"])
 def test_end_to_end_psnr(tiny_checkpoint, tiny_bundle, bundles, name):
     bundle = tiny_bundle if name == "fp32" else bundles[name]
     (result,) = verify_images(tiny_checkpoint, bundle, cases=IMAGE_CASES[:1])

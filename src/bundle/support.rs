@@ -3,9 +3,10 @@
 //!
 //! The table follows the kernels ONNX Runtime 1.31 registers for each provider:
 //! - **CPU**: float32 and float16 graphs (float16 MatMul/Conv/Gemm kernels exist, or ORT inserts
-//!   casts around the few without); `MatMulNBits` with 4 or 8 bits. No bfloat16 kernels for
-//!   MatMul, Conv or the norms.
-//! - **CUDA**: float32, float16 and bfloat16; `MatMulNBits` with 4 or 8 bits.
+//!   casts around the few without); `MatMulNBits` with 4 or 8 bits; `DynamicQuantizeMatMul` (int8
+//!   weights, activations quantized at run time). No bfloat16 kernels for MatMul, Conv or the norms.
+//! - **CUDA**: float32, float16 and bfloat16; `MatMulNBits` with 4 or 8 bits. No
+//!   `DynamicQuantizeMatMul` (a CPU-only contrib kernel).
 //! - **CoreML**: float32 and float16 (MLProgram computes in float16 on the GPU and Neural
 //!   Engine). No bfloat16, and no `MatMulNBits`: ORT would run every quantized MatMul on the CPU,
 //!   one partition per layer, copying activations back and forth (slower than the CPU alone).
@@ -18,6 +19,11 @@
 use super::manifest::{GraphsSpec, Precision, QuantizationSpec};
 use crate::error::{KleinError, Result};
 use crate::runtime::Device;
+
+/// Weight-only blockwise quantization (`--method nbits`).
+const NBITS: &str = "MatMulNBits";
+/// int8 weights per channel and activations quantized at run time (`--method dynamic`).
+const DYNAMIC: &str = "DynamicQuantizeMatMul";
 
 /// Why `device` cannot run one graph of this precision and quantization (`None`: it can).
 pub fn unsupported(
@@ -58,8 +64,15 @@ pub fn unsupported(
              --device cpu",
             q.bits, q.method
         )),
-        _ if q.method != "MatMulNBits" => Some(format!(
-            "klein runs weight-only MatMulNBits quantization only, this graph uses `{}`",
+        Device::Cpu if q.method == DYNAMIC && q.bits == 8 => None,
+        _ if q.method == DYNAMIC => Some(format!(
+            "{} cannot run {}-bit {DYNAMIC} (ONNX Runtime has it for 8 bits, on the CPU only); \
+             run this bundle with --device cpu, or quantize with `--method nbits`",
+            device.ep_name(),
+            q.bits
+        )),
+        _ if q.method != NBITS => Some(format!(
+            "klein runs {NBITS} and {DYNAMIC} quantization only, this graph uses `{}`",
             q.method
         )),
         _ if q.bits != 4 && q.bits != 8 => Some(format!(
@@ -124,6 +137,26 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn dynamic_int8_runs_on_the_cpu_only() {
+        let dynamic = q(8, DYNAMIC);
+        assert_eq!(
+            unsupported(Device::Cpu, Precision::Fp32, Some(&dynamic)),
+            None
+        );
+        let cuda = unsupported(Device::Cuda(0), Precision::Fp32, Some(&dynamic)).expect("refused");
+        assert!(cuda.contains("--device cpu"), "{cuda}");
+        assert!(unsupported(Device::CoreMl, Precision::Fp32, Some(&dynamic)).is_some());
+        assert!(unsupported(Device::Cpu, Precision::Fp32, Some(&q(4, DYNAMIC))).is_some());
+        // Auto runs it on the CPU, which every build has.
+        assert_eq!(
+            unsupported(Device::Auto, Precision::Fp32, Some(&dynamic)),
+            None
+        );
+        let other = unsupported(Device::Cpu, Precision::Fp32, Some(&q(8, "QDQ"))).expect("refused");
+        assert!(other.contains("`QDQ`"), "{other}");
     }
 
     #[test]
