@@ -41,7 +41,7 @@ Usage (from the repository root, in the export venv: `source scripts/python-env.
 binary built with `cargo build --release`):
 
     python benches/compare.py --checkpoint CKPT --bundle BUNDLE_FP32 \\
-        [--extra-bundle int8=BUNDLE_INT8 ...] [--diffusers-bf16] \\
+        [--extra-bundle int8=BUNDLE_INT8 ...] [--diffusers-bf16 [auto|on|off]] \\
         [--prompt TEXT] [--seed 42] [--width 512 --height 512] [--steps 4] [--threads 2] [--reps 3] \\
         [--quiet-wait 60] [--work DIR] [--klein target/release/klein] [--peak-shape M,K,N]
 
@@ -216,6 +216,10 @@ def parse_klein_timings(text: str, steps: int) -> dict:
             stages.setdefault(m.group(1).strip(), []).append(float(m.group(2)))
     loads = [v for k, vs in stages.items() if k.startswith("load") for v in vs]
     step_lines = [v for k, vs in stages.items() if re.fullmatch(r"step \d+", k) for v in vs]
+    # `denoise steps: 2.49, 2.40, 2.21 s` (one line, every step's seconds)
+    listed = re.search(r"denoise steps: ([0-9., ]+) s", text)
+    if listed and not step_lines:
+        step_lines = [float(v) for v in listed.group(1).split(",")]
     denoise = sum(stages.get("denoise", [math.nan]))
     out = {
         "load": sum(loads) if loads else math.nan,
@@ -410,7 +414,14 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", required=True, help="diffusers checkpoint directory")
     p.add_argument("--bundle", required=True, help="klein fp32 bundle of that checkpoint")
     p.add_argument("--extra-bundle", action="append", default=[], metavar="NAME=DIR", help="another bundle of the same checkpoint (fp16, int8, ...); repeatable")
-    p.add_argument("--diffusers-bf16", action="store_true", help="also run diffusers in bfloat16")
+    p.add_argument(
+        "--diffusers-bf16",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="also run diffusers in bfloat16: auto (the default) where the CPU has bf16 units (AVX512-BF16 or AMX)",
+    )
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--width", type=int, default=512)
@@ -442,7 +453,10 @@ def main(argv=None) -> int:
             p.error(f"{b}: not a klein bundle (no manifest.json)")
     if not Path(args.klein).is_file():
         p.error(f"{args.klein}: no klein binary (cargo build --release)")
-    diffusers_runs = ["fp32"] + (["bf16"] if args.diffusers_bf16 else [])
+    isa = host_isa()
+    bf16_units = bool({"avx512_bf16", "amx_bf16"} & set(isa))
+    run_bf16 = args.diffusers_bf16 == "on" or (args.diffusers_bf16 == "auto" and bf16_units)
+    diffusers_runs = ["fp32"] + (["bf16"] if run_bf16 else [])
     # A private copy: a `cargo build` elsewhere must not swap the binary between repetitions.
     klein = work / "klein-under-test"
     shutil.copy2(args.klein, klein)
@@ -458,7 +472,10 @@ def main(argv=None) -> int:
     for name, b in bundles:
         print(f"klein bundle {name}: {b}")
     print(f'prompt: "{args.prompt}", seed {args.seed}, {width}x{height}, {args.steps} steps, {args.threads} threads, {args.reps} reps')
-    print(f"machine: {os.cpu_count()} CPUs, {_meminfo_gb()}")
+    print(f"machine: {os.cpu_count()} CPUs, {_meminfo_gb()}, {cpu_model()}")
+    print(f"instruction sets: {', '.join(isa) or 'none of those looked for'}")
+    why = "the CPU has bf16 units" if bf16_units else "no bf16 units: diffusers' fastest CPU setting here is fp32"
+    print(f"diffusers bf16: {'run' if run_bf16 else 'not run'} ({why}; --diffusers-bf16 {args.diffusers_bf16})")
     built = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(Path(args.klein).stat().st_mtime))
     print(f"klein binary: {args.klein} (built {built}), copied to {klein}")
 
@@ -599,6 +616,13 @@ def main(argv=None) -> int:
         others = ", ".join(f"{r['others']:.2f}" for r in results[k])
         print(f"  {k}: end to end per rep [{walls}] s, peak RSS per rep [{rss}] GiB, other processes' load [{others}] CPUs")
 
+    if diff_runs:
+        fastest = min(diff_runs, key=lambda k: values["end to end (process)"][k])
+        wall = values["end to end (process)"][fastest]
+        print(f"fastest diffusers setting here: {fastest} ({wall:.1f} s end to end); klein's speed against it:")
+        for k in klein_runs:
+            print(f"  {k}: {wall / values['end to end (process)'][k]:.2f}x")
+
     # 4. Image error.
     print()
     ref = {k: load_rgb(images[k][0]) for k in runs}
@@ -636,6 +660,28 @@ def report_run(key, rep, r):
         f"other processes {r['others']:.2f} CPUs" + ("" if math.isnan(r.get("quiet", math.nan)) else f" (before: {r['quiet']:.2f})"),
         flush=True,
     )
+
+
+# The instruction sets that decide which kernels torch and ONNX Runtime pick.
+ISA_FLAGS = ("fma", "avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+def host_isa() -> list:
+    """The ISA_FLAGS this CPU has, from /proc/cpuinfo (empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return [f for f in ISA_FLAGS if f in flags]
+
+
+def cpu_model() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "CPU model unknown"
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
 
 
 def _meminfo_gb() -> str:
