@@ -69,9 +69,8 @@ impl LoadedGraphs {
                 .session
                 .clone()
                 .with_auto_skip(auto_skip(spec.precision, spec.quantization.as_ref()))
-                .with_prepacking(
-                    spec.quantization.is_some() || component == Component::Transformer,
-                );
+                .with_prepacking(spec.quantization.is_some() || component == Component::Transformer)
+                .without_cpu_arena(component == Component::Transformer);
             let graph = timed(progress, load_stage(component), |_| {
                 let merged = match component {
                     Component::Transformer => {

@@ -5,6 +5,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
+use ort::ep::ExecutionProvider;
 use ort::error::ErrorCode;
 use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
 use ort::session::{IoBinding, Session, SessionInputValue};
@@ -65,6 +66,7 @@ pub fn load_graph(
         coreml,
         auto_skip,
         prepack,
+        no_cpu_arena,
     } = config.clone();
     if !path.is_file() {
         return Err(KleinError::Bundle {
@@ -123,6 +125,13 @@ pub fn load_graph(
             None => builder,
         };
         let mut builder = builder;
+        if no_cpu_arena {
+            // A session option (DisableCpuMemArena), whatever the device.
+            ort::ep::CPU::default()
+                .with_arena_allocator(false)
+                .register(&mut builder)
+                .map_err(|e| LoadFailure::Session(error_chain(&e)))?;
+        }
         for initializer in initializers {
             if let Some(value) = initializer.external_value() {
                 builder = builder
