@@ -3,6 +3,8 @@ and `verify --against`)."""
 
 import numpy as np
 
+from .quantize import DYNAMIC
+
 # fp32 tolerance. A case passes when ORT's max abs error against torch fp32 is at most
 # max(ABS_TOLERANCE, FLOOR_FACTOR * floor, REL_TOLERANCE * max|torch|), where floor is torch fp32's own
 # max abs error against the same module run in float64 on the same inputs. Random-weight models with
@@ -55,19 +57,20 @@ DYNAMIC_EMULATED_SHARE = 0.5
 DYNAMIC_EMULATED_DB = 10.0
 
 
-def _key(quantization):
-    """The row of PSNR_THRESHOLD / UNIT_ERROR for a manifest `quantization`."""
-    return DYNAMIC_KEY if quantization.get("method") == "DynamicQuantizeMatMul" else quantization["bits"]
-
-
 def is_dynamic(quantization) -> bool:
-    return bool(quantization) and _key(quantization) == DYNAMIC_KEY
+    """Whether a manifest `quantization` is `--method dynamic`'s."""
+    return bool(quantization) and quantization.get("method") == DYNAMIC
+
+
+def _key(quantization):
+    """The row of PSNR_THRESHOLD for a manifest `quantization`."""
+    return DYNAMIC_KEY if is_dynamic(quantization) else quantization["bits"]
 
 
 def scheme_name(precision: str, quantization) -> str:
     if not quantization:
         return precision
-    return precision + ("+int8-dynamic" if is_dynamic(quantization) else f"+int{quantization['bits']}")
+    return precision + ("+" + DYNAMIC_KEY if is_dynamic(quantization) else f"+int{quantization['bits']}")
 
 
 def unit_error(precision: str, quantization) -> float:

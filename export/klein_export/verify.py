@@ -346,10 +346,10 @@ def verify_images(checkpoint, bundle, cases=IMAGE_CASES):
     if any(s.get("quantization") and s["precision"] == "fp32" for s in graphs.values()):
         layers = ckpt.text_encoder_out_layers
         emulated = reference_images(checkpoint, cases, steps, lambda pipe: _dequantize_pipeline(pipe, graphs, layers))
+    dynamic = any(is_dynamic(s.get("quantization")) for s in graphs.values())
     for case, reference, dequantized in zip(cases, references, emulated, strict=True):
         name = f"{case['width']}x{case['height']} seed {case['seed']}, {steps} steps"
         got = bundle_image(bundle, case["prompt"], case["seed"], case["width"], case["height"], steps)
-        dynamic = any(is_dynamic(s.get("quantization")) for s in graphs.values())
         result = ImageResult(name, label, psnr(got, reference), threshold, dynamic=dynamic)
         if dequantized is not None:
             result.emulated_psnr, result.scheme_psnr = psnr(got, dequantized), psnr(dequantized, reference)
