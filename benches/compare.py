@@ -43,7 +43,8 @@ binary built with `cargo build --release`):
     python benches/compare.py --checkpoint CKPT --bundle BUNDLE_FP32 \\
         [--extra-bundle int8=BUNDLE_INT8 ...] [--diffusers-bf16 [auto|on|off]] \\
         [--prompt TEXT] [--seed 42] [--width 512 --height 512] [--steps 4] [--threads 2] [--reps 3] \\
-        [--quiet-wait 60] [--work DIR] [--klein target/release/klein] [--peak-shape M,K,N]
+        [--quiet-wait 60] [--work DIR] [--klein target/release/klein] [--peak-shape M,K,N] \\
+        [--klein-cpu-cache DIR]
 
 e.g. on the tiny checkpoint:
 
@@ -432,6 +433,11 @@ def main(argv=None) -> int:
     p.add_argument("--klein", default=str(DEFAULT_KLEIN), help="the klein binary")
     p.add_argument("--work", help="directory for images, logs and JSON (default: a new temporary one)")
     p.add_argument("--quiet-wait", type=float, default=0, metavar="SECONDS", help="before each run, wait up to this long for the other processes to use under 0.2 CPUs")
+    p.add_argument(
+        "--klein-cpu-cache",
+        metavar="DIR",
+        help="run klein with --cpu-cache DIR; one untimed run per bundle fills the cache first (its loads printed)",
+    )
     p.add_argument("--peak-shape", help="M,K,N of the peak MatMul (default: tokens,dim,3*dim of the transformer)")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:  # one diffusers run in this fresh process (see run_child)
@@ -505,6 +511,18 @@ def main(argv=None) -> int:
     images = {key: [] for key in results}
     failed = False
     child_env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    cache_args = ["--cpu-cache", str(Path(args.klein_cpu_cache).resolve())] if args.klein_cpu_cache else []
+    for name, bundle in bundles if cache_args else []:
+        stem = work / f"klein-{name}-cache-fill"
+        cmd = [
+            str(klein), "generate", args.prompt, "--model", str(bundle), "--seed", str(args.seed),
+            "--width", str(width), "--height", str(height), "--steps", str(args.steps),
+            "--threads", str(args.threads), "--timings", "-o", f"{stem}.png", *cache_args,
+        ]
+        c = run_child(cmd, Path(f"{stem}.log"))
+        loads = ", ".join(" ".join(line.split()) for _, line in c["lines"] if line.strip().startswith("load "))
+        print(f"klein {name}: CPU cache filled (exit {c['rc']}, {c['wall']:.1f} s wall; {loads})", flush=True)
+        failed = failed or c["rc"] != 0
     for rep in range(1, args.reps + 1):
         measure_peak(f"before rep {rep}")
         for d in diffusers_runs:
@@ -532,7 +550,7 @@ def main(argv=None) -> int:
             cmd = [
                 str(klein), "generate", args.prompt, "--model", str(bundle), "--seed", str(args.seed),
                 "--width", str(width), "--height", str(height), "--steps", str(args.steps),
-                "--threads", str(args.threads), "--timings", "-o", f"{stem}.png",
+                "--threads", str(args.threads), "--timings", "-o", f"{stem}.png", *cache_args,
             ]
             quiet = wait_for_quiet(args.quiet_wait) if args.quiet_wait else math.nan
             c = run_child(cmd, Path(f"{stem}.log"))

@@ -86,6 +86,10 @@ pub struct KleinOptions {
     /// Tiled VAE decoding and encoding: `"auto"` (images over 1024x1024 pixels), `"on"` (as
     /// diffusers' `vae.enable_tiling()`) or `"off"`; NULL: `"auto"`.
     pub vae_tiling: *const c_char,
+    /// CPU: directory where each graph is kept as ONNX Runtime optimised it, with its prepacked
+    /// weights (created if missing; about the bundle's size again on disk): the first load writes
+    /// it, later loads map it instead of prepacking again. NULL: prepack at every load.
+    pub cpu_cache_dir: *const c_char,
 }
 
 /// What to generate: one image. Zero-initialise, then set what you need.
@@ -538,6 +542,7 @@ unsafe fn pipeline_options(options: &KleinOptions) -> Result<PipelineOptions, Fa
         coreml_cache_dir,
         cuda_memory_limit,
         vae_tiling,
+        cpu_cache_dir,
     } = *options;
     let mut result = PipelineOptions::default();
     // SAFETY: the caller's guarantee.
@@ -557,6 +562,10 @@ unsafe fn pipeline_options(options: &KleinOptions) -> Result<PipelineOptions, Fa
     // SAFETY: the caller's guarantee.
     if let Some(library) = unsafe { optional_str(ort_library, "options.ort_library") }? {
         result = result.with_runtime(RuntimeOptions::default().with_library(library));
+    }
+    // SAFETY: the caller's guarantee.
+    if let Some(dir) = unsafe { optional_str(cpu_cache_dir, "options.cpu_cache_dir") }? {
+        result = result.with_cpu_cache_dir(dir);
     }
     let mut coreml = CoreMlOptions::default();
     // SAFETY: the caller's guarantee.

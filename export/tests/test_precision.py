@@ -10,11 +10,14 @@ and EMULATED_PSNR (80 dB against diffusers with the dequantized weights).
 
 import hashlib
 import json
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto
+from PIL import Image
 
 from klein_export import FORMAT_VERSION
 from klein_export.against import component_differences, image_difference
@@ -33,6 +36,7 @@ from klein_export.quantize import QuantizationConfig, QuantizationError, parse_c
 from klein_export.tolerances import PSNR_THRESHOLD
 from klein_export.verify import IMAGE_CASES, verify, verify_images
 
+KLEIN = Path(__file__).resolve().parents[2] / "target" / "release" / "klein"
 QUANTIZED = ("text_encoder", "transformer")
 # Matrix products of the tiny checkpoint that hold a constant weight and are exported as MatMul:
 # Qwen3 27 layers x (q, k, v, o, gate, up, down); the MM-DiT's 2 double blocks x 12 + 2 single x 2 +
@@ -327,3 +331,26 @@ def test_verify_against_the_fp32_bundle(tiny_bundle, bundles, capsys):
     out = capsys.readouterr().out
     assert out.count("rms_rel") == 4 and "fp32+int8 PSNR" in out and "(min 24)" in out
     assert main(["verify", "--bundle", str(bundles["int8"])]) == 2, "no checkpoint and no --against"
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int8-dynamic"])
+def test_cpu_cache_keeps_quantized_images(bundles, name, tmp_path):
+    """`klein generate --cpu-cache`: the first run saves each graph with its prepacked quantized
+    weights, the second maps them; both images equal the one made without the cache, byte for byte."""
+    args = ("a lantern", "--width", "64", "--height", "48", "--seed", "6", "--device", "cpu", "--threads", "1")
+    cache = tmp_path / "cpu-cache"
+    outputs = []
+    for i, extra in enumerate([(), ("--cpu-cache", str(cache)), ("--cpu-cache", str(cache))]):
+        out = tmp_path / f"{i}.png"
+        cmd = [str(KLEIN), "generate", "--model", str(bundles[name]), "-o", str(out), "--quiet", *args, *extra]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert "warning" not in done.stderr.lower(), done.stderr
+        outputs.append(np.asarray(Image.open(out)))
+    assert all(np.array_equal(outputs[0], o) for o in outputs[1:])
+    saved = {p.name: p.with_name(p.name + ".data").stat().st_size for p in cache.glob("*/*.onnx")}
+    assert sorted(saved) == ["text_encoder.onnx", "transformer.onnx", "vae_decoder.onnx"]
+    # The prepacked weights are saved beside the bundle's own: the transformer's (its weights are almost
+    # all products') is larger than the bundle's graph file.
+    own = sum(f.stat().st_size for f in bundles[name].glob("transformer.onnx*"))
+    assert saved["transformer.onnx"] > own * 1.3, (saved, own)

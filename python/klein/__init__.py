@@ -269,8 +269,10 @@ class Pipeline:
     ``keep_text_encoder``: keep the text encoder loaded between calls (faster for many prompts; by
     default its memory goes back before the transformer loads, and it loads again on the next call).
     ``vae_tiling``: ``"auto"`` (tile the VAE above 1024x1024 pixels), ``"on"`` (as diffusers'
-    ``vae.enable_tiling()``) or ``"off"``. ``ort_lib``: the ONNX Runtime library (default: the
-    ``onnxruntime`` package's).
+    ``vae.enable_tiling()``) or ``"off"``. ``cpu_cache``: a directory where the CPU keeps each graph
+    as ONNX Runtime optimised it, with its prepacked weights (the first load writes it, about the
+    bundle's size again; later loads map it and are faster). ``ort_lib``: the ONNX Runtime library
+    (default: the ``onnxruntime`` package's).
     """
 
     def __init__(
@@ -283,6 +285,7 @@ class Pipeline:
         verify_hashes: bool = True,
         keep_text_encoder: bool = False,
         vae_tiling: Literal["auto", "on", "off"] = "auto",
+        cpu_cache: str | os.PathLike[str] | None = None,
         ort_lib: str | os.PathLike[str] | None = None,
     ) -> None:
         if model is None:
@@ -299,6 +302,7 @@ class Pipeline:
             verify_hashes=bool(verify_hashes),
             keep_text_encoder=bool(keep_text_encoder),
             vae_tiling=str(vae_tiling),
+            cpu_cache=None if cpu_cache is None else os.fsdecode(cpu_cache),
             ort_lib=os.fsdecode(find_ort_library(ort_lib)),
         )
 

@@ -406,7 +406,7 @@ impl PyPipeline {
     /// Loads the bundle at `model` (see `klein.Pipeline`; here every argument is explicit).
     #[new]
     #[allow(clippy::too_many_arguments)] // the keyword arguments of a Python call
-    #[pyo3(signature = (model, *, device = "cpu", threads = None, loras = Vec::new(), verify_hashes = true, keep_text_encoder = false, vae_tiling = "auto", ort_lib = None))]
+    #[pyo3(signature = (model, *, device = "cpu", threads = None, loras = Vec::new(), verify_hashes = true, keep_text_encoder = false, vae_tiling = "auto", cpu_cache = None, ort_lib = None))]
     fn new(
         py: Python<'_>,
         model: PathBuf,
@@ -416,6 +416,7 @@ impl PyPipeline {
         verify_hashes: bool,
         keep_text_encoder: bool,
         vae_tiling: &str,
+        cpu_cache: Option<PathBuf>,
         ort_lib: Option<PathBuf>,
     ) -> PyResult<Self> {
         let device = Device::from_str(device).map_err(|e| to_py_err(py, &e))?;
@@ -436,6 +437,9 @@ impl PyPipeline {
             .with_loras(loras.clone());
         if let Some(threads) = threads {
             options = options.with_threads(threads);
+        }
+        if let Some(dir) = cpu_cache {
+            options = options.with_cpu_cache_dir(dir);
         }
         // Hashing a bundle takes seconds: other Python threads run meanwhile.
         let pipeline = py

@@ -20,6 +20,8 @@ pub(crate) struct LoadedGraphs {
     bucket: Option<usize>,
     /// Where each graph loaded so far runs, and the devices auto skipped for it.
     placements: Vec<Placement>,
+    /// Problems loading left behind (see [`Graph::take_warnings`]).
+    warnings: Vec<String>,
 }
 
 /// Where one graph runs.
@@ -65,13 +67,16 @@ impl LoadedGraphs {
                 .dir
                 .join(graph_file(source.manifest, component, bucket)?);
             let spec = source.manifest.graphs.get(component);
-            let session = source
+            let mut session = source
                 .session
                 .clone()
                 .with_auto_skip(auto_skip(spec.precision, spec.quantization.as_ref()))
                 .with_prepacking(spec.quantization.is_some() || component == Component::Transformer)
                 .without_cpu_arena(component == Component::Transformer);
-            let graph = timed(progress, load_stage(component), |_| {
+            if let Some(tag) = cache_tag(source.manifest, &path) {
+                session = session.with_cache_tag(tag);
+            }
+            let mut graph = timed(progress, load_stage(component), |_| {
                 let merged = match component {
                     Component::Transformer => {
                         source
@@ -92,6 +97,7 @@ impl LoadedGraphs {
                 check_graph(component, spec, &graph)?;
                 Ok(graph)
             })?;
+            self.warnings.extend(graph.take_warnings());
             self.placements.retain(|p| p.component != component);
             self.placements.push(Placement {
                 component,
@@ -119,6 +125,11 @@ impl LoadedGraphs {
         self.placements.last().map(|p| p.device)
     }
 
+    /// Problems that did not stop a load, taken once.
+    pub fn take_warnings(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.warnings)
+    }
+
     /// Where each graph loaded so far runs, in the order they were loaded.
     pub fn placements(&self) -> &[Placement] {
         &self.placements
@@ -144,6 +155,32 @@ fn graph_file(manifest: &Manifest, component: Component, bucket: Option<usize>) 
             })?;
     // A bundle without references keeps its dynamic VAE encoder.
     Ok(bucket.file(component).unwrap_or(&spec.file))
+}
+
+/// What identifies the graph file at `path` and its external data in the CPU cache: each file's
+/// name and sha256 from the manifest, size and modification time (so that a file changed without
+/// the manifest, under `--no-verify-hashes`, is not served from the cache). `None` when the
+/// manifest does not list the graph file.
+fn cache_tag(manifest: &Manifest, path: &Path) -> Option<String> {
+    let name = path.file_name()?.to_str()?;
+    let dir = path.parent()?;
+    let data_prefix = format!("{name}.");
+    manifest.files.get(name)?;
+    let tag = manifest
+        .files
+        .iter()
+        .filter(|(file, _)| *file == name || file.starts_with(&data_prefix))
+        .map(|(file, entry)| {
+            let modified = std::fs::metadata(dir.join(file))
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_nanos());
+            format!("{file} {} {} {modified}", entry.sha256, entry.bytes)
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    Some(tag)
 }
 
 /// The stage that loads `component`'s graph.

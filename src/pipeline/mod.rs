@@ -121,12 +121,21 @@ impl Pipeline {
         let manifest = Manifest::load(dir)?;
         // Before hashing or loading anything: can this device run the bundle at all?
         support::check_bundle(session.device, &manifest.graphs, dir)?;
-        if let Some(cache) = &session.coreml.cache_dir {
-            std::fs::create_dir_all(cache).map_err(|source| KleinError::Io {
-                path: cache.clone(),
-                action: "creating the CoreML model cache directory",
-                source,
-            })?;
+        let caches = [
+            (
+                &session.coreml.cache_dir,
+                "creating the CoreML model cache directory",
+            ),
+            (&session.cpu_cache_dir, "creating the CPU cache directory"),
+        ];
+        for (cache, action) in caches {
+            if let Some(cache) = cache {
+                std::fs::create_dir_all(cache).map_err(|source| KleinError::Io {
+                    path: cache.clone(),
+                    action,
+                    source,
+                })?;
+            }
         }
         let cache_dir = cache_dir.or_else(default_cache_dir);
         let verification = if verify_hashes {
@@ -193,7 +202,9 @@ impl Pipeline {
     /// rejected, a cache that could not be written), oldest first. The library never prints: an
     /// app shows or logs them.
     pub fn take_warnings(&mut self) -> Vec<String> {
-        std::mem::take(&mut self.warnings)
+        let mut warnings = std::mem::take(&mut self.warnings);
+        warnings.extend(self.graphs.take_warnings());
+        warnings
     }
 
     /// The execution provider of the graph loaded last (known once a graph is loaded); see

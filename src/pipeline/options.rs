@@ -118,6 +118,12 @@ impl PipelineOptions {
         self.session = self.session.with_coreml(coreml);
         self
     }
+    /// Keeps CPU sessions' optimised graphs, with their prepacked weights, in `dir` between
+    /// processes (created if missing); see [`SessionConfig::with_cpu_cache_dir`].
+    pub fn with_cpu_cache_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.session = self.session.with_cpu_cache_dir(dir);
+        self
+    }
     /// Every session setting at once.
     pub fn with_session(mut self, session: SessionConfig) -> Self {
         self.session = session;

@@ -261,6 +261,12 @@ pub struct SessionConfig {
     /// Whether this session runs without ONNX Runtime's CPU memory arena (see
     /// [`Self::without_cpu_arena`]).
     pub(crate) no_cpu_arena: bool,
+    /// Where CPU sessions keep their optimised graphs with prepacked weights between processes
+    /// (see [`Self::with_cpu_cache_dir`]); `None`: every load optimises and prepacks again.
+    pub(crate) cpu_cache_dir: Option<PathBuf>,
+    /// What identifies this graph's files in the CPU cache (set per graph by the pipeline from the
+    /// manifest's sha256s); `None`: the graph is not cached.
+    pub(crate) cache_tag: Option<String>,
 }
 
 impl SessionConfig {
@@ -318,6 +324,23 @@ impl SessionConfig {
     /// decode took 17-18 s instead of 14.5 s (README, "Memory at large sizes").
     pub(crate) fn without_cpu_arena(mut self, no: bool) -> Self {
         self.no_cpu_arena = no;
+        self
+    }
+
+    /// Keeps CPU sessions' optimised graphs, with their prepacked weights, in `dir` between
+    /// processes: the first load of a graph saves it (its weights twice over on disk: as the bundle
+    /// has them and prepacked), later loads memory-map it instead of optimising and prepacking
+    /// again. Entries are keyed by the graph's files, the ONNX Runtime build, the CPU's
+    /// instruction sets and the session settings that shape them; graphs with merged LoRA weights
+    /// are not cached (README, "Load time").
+    pub fn with_cpu_cache_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.cpu_cache_dir = Some(dir.into());
+        self
+    }
+
+    /// Tags this graph for the CPU cache with what identifies its files.
+    pub(crate) fn with_cache_tag(mut self, tag: String) -> Self {
+        self.cache_tag = Some(tag);
         self
     }
 }

@@ -8,9 +8,11 @@ use half::{bf16, f16};
 use ort::ep::ExecutionProvider;
 use ort::error::ErrorCode;
 use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
+use ort::session::builder::SessionBuilder;
 use ort::session::{IoBinding, Session, SessionInputValue};
 
-use super::device::{register_device, Device, LoadFailure, SessionConfig};
+use super::cpu_cache::CacheEntry;
+use super::device::{register_device, Device, LoadFailure, OptimizationLevel, SessionConfig};
 use super::library::{error_chain, runtime};
 use super::tensor::{
     extract_outputs, run_error, tensor_names, Dtype, Initializer, Outputs, PreparedInput,
@@ -31,6 +33,8 @@ pub struct Graph {
     inputs: Vec<TensorInfo>,
     outputs: Vec<TensorInfo>,
     metadata: BTreeMap<String, String>,
+    /// Problems that did not stop the load (a CPU cache entry that could not be written).
+    warnings: Vec<String>,
     /// [`Graph::run_with_constants`]'s bound inputs, by key, oldest first.
     bindings: Vec<(u64, IoBinding)>,
 }
@@ -67,6 +71,8 @@ pub fn load_graph(
         auto_skip,
         prepack,
         no_cpu_arena,
+        cpu_cache_dir,
+        cache_tag,
     } = config.clone();
     if !path.is_file() {
         return Err(KleinError::Bundle {
@@ -96,11 +102,21 @@ pub fn load_graph(
         None
     };
     let model_dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
-    let build = |device: Device| -> std::result::Result<Session, LoadFailure> {
+    // `from`: the file to load; `Cached` loads a saved optimised graph as it is, `Save` writes the
+    // optimised graph and its prepacked weights to the given file.
+    let build = |device: Device, from: &From| -> std::result::Result<Session, LoadFailure> {
+        let level = match from {
+            From::Cached(_) => OptimizationLevel::Disable,
+            _ => optimization,
+        };
         let builder = Session::builder(&runtime.environment)
             .map_err(|e| LoadFailure::Session(error_chain(&e)))?
-            .with_optimization_level(optimization.to_ort())
+            .with_optimization_level(level.to_ort())
             .map_err(|e| LoadFailure::Session(error_chain(&e)))?;
+        let builder = match from {
+            From::Save(file) => save_optimized(builder, file)?,
+            _ => builder,
+        };
         let builder = match patched {
             // Where a graph read from memory finds its external data.
             Some(_) => builder
@@ -141,9 +157,10 @@ pub fn load_graph(
         }
         let strict = config.device != Device::Auto;
         let mut builder = register_device(builder, device, strict, &cuda, &coreml)?;
-        let committed = match &patched {
-            Some(bytes) => builder.commit_from_memory(bytes),
-            None => builder.commit_from_file(path),
+        let committed = match (&patched, from) {
+            (_, From::Cached(file)) => builder.commit_from_file(file),
+            (Some(bytes), _) => builder.commit_from_memory(bytes),
+            (None, _) => builder.commit_from_file(path),
         };
         committed.map_err(|e| match e.code() {
             // The file itself is not a graph ONNX Runtime can read: a bad bundle, not a bad run.
@@ -174,10 +191,29 @@ pub fn load_graph(
             ),
         });
     }
+    // The CPU cache holds graphs as the bundle has them: not with merged LoRA weights.
+    let cache = match (&cpu_cache_dir, &cache_tag) {
+        (Some(dir), Some(tag)) if initializers.is_empty() => Some(CacheEntry::new(
+            dir,
+            name,
+            tag,
+            ort::info(),
+            optimization,
+            prepack,
+        )),
+        _ => None,
+    };
+    let mut warnings = Vec::new();
     let last = candidates.len() - 1;
     let mut loaded = None;
     for (i, candidate) in candidates.into_iter().enumerate() {
-        match build(candidate) {
+        let built = match &cache {
+            Some(entry) if candidate == Device::Cpu => {
+                build_cached(entry, name, |from| build(candidate, from), &mut warnings)
+            }
+            _ => build(candidate, &From::Bundle),
+        };
+        match built {
             Ok(session) => {
                 loaded = Some((candidate, session));
                 break;
@@ -238,8 +274,101 @@ pub fn load_graph(
         inputs,
         outputs,
         metadata,
+        warnings,
         bindings: Vec::new(),
     })
+}
+
+/// Which file a session is built from.
+enum From {
+    /// The bundle's graph (or its bytes with merged weights).
+    Bundle,
+    /// The bundle's graph, saving the optimised graph and its prepacked weights to this file.
+    Save(PathBuf),
+    /// A saved optimised graph, loaded without further optimisation.
+    Cached(PathBuf),
+}
+
+/// Builds a CPU session through the cache `entry`: from the saved graph if there is one, else from
+/// the bundle's, saving it. A saved graph ONNX Runtime cannot load is discarded and saved again; a
+/// save that fails (a full disk, say) is removed, and the bundle's graph is loaded without it,
+/// with a warning.
+fn build_cached(
+    entry: &CacheEntry,
+    name: &str,
+    build: impl Fn(&From) -> std::result::Result<Session, LoadFailure>,
+    warnings: &mut Vec<String>,
+) -> std::result::Result<Session, LoadFailure> {
+    if let Some(saved) = entry.saved() {
+        match build(&From::Cached(saved.clone())) {
+            Ok(session) => return Ok(session),
+            Err(failure) => {
+                warnings.push(format!(
+                    "the CPU cache's copy of the {name} graph ({}) could not be loaded, so it was saved again: {}",
+                    saved.display(),
+                    failure.message()
+                ));
+                entry.discard();
+            }
+        }
+    }
+    let (partial, file) = match entry.start() {
+        Ok(started) => started,
+        Err(error) => {
+            warnings.push(format!(
+                "the {name} graph was not saved to the CPU cache: {error}"
+            ));
+            return build(&From::Bundle);
+        }
+    };
+    match build(&From::Save(file)) {
+        Ok(session) => {
+            if let Err(error) = entry.finish(&partial) {
+                warnings.push(format!(
+                    "the {name} graph was not saved to the CPU cache ({}): {error}",
+                    partial.display()
+                ));
+            }
+            Ok(session)
+        }
+        Err(failure) => {
+            let _ = std::fs::remove_dir_all(&partial);
+            let session = build(&From::Bundle)?;
+            warnings.push(format!(
+                "the {name} graph was not saved to the CPU cache: {}",
+                failure.message()
+            ));
+            Ok(session)
+        }
+    }
+}
+
+/// Session options that write the optimised graph to `file`, its weights (the prepacked ones
+/// included) to `file` + `.data`.
+fn save_optimized(
+    builder: SessionBuilder,
+    file: &Path,
+) -> std::result::Result<SessionBuilder, LoadFailure> {
+    let fail = |e: ort::Error<SessionBuilder>| LoadFailure::Session(error_chain(&e));
+    let data = format!(
+        "{}.data",
+        file.file_name().unwrap_or_default().to_string_lossy()
+    );
+    builder
+        .with_optimized_model_path(file)
+        .map_err(fail)?
+        .with_config_entry(
+            "session.optimized_model_external_initializers_file_name",
+            data,
+        )
+        .map_err(fail)?
+        .with_config_entry(
+            "session.optimized_model_external_initializers_min_size_in_bytes",
+            "1024",
+        )
+        .map_err(fail)?
+        .with_config_entry("session.save_external_prepacked_constant_initializers", "1")
+        .map_err(fail)
 }
 
 /// The model's custom metadata map (ONNX `metadata_props`).
@@ -258,6 +387,11 @@ impl Graph {
     /// The component name given to [`load_graph`].
     pub fn name(&self) -> &'static str {
         self.name
+    }
+
+    /// Problems that did not stop the load, taken once.
+    pub fn take_warnings(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.warnings)
     }
 
     /// The `.onnx` file.

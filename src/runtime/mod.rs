@@ -31,6 +31,7 @@
 //! access to a session while it runs (some ONNX Runtime allocators are not thread safe). To share
 //! one graph between threads, put it behind a `Mutex`; ONNX Runtime parallelises inside one run.
 
+mod cpu_cache;
 mod device;
 mod graph;
 mod library;

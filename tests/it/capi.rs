@@ -185,6 +185,7 @@ pub(crate) fn cpu_options(library: &CStr, threads: u32) -> KleinOptions {
         coreml_cache_dir: ptr::null(),
         cuda_memory_limit: 0,
         vae_tiling: ptr::null(),
+        cpu_cache_dir: ptr::null(),
     }
 }
 
@@ -271,21 +272,24 @@ fn entry_points_check_their_arguments() {
     assert_eq!(status, KLEIN_ERROR_USER, "{message}");
     assert_mentions(&message, &["unknown CoreML compute units `gpu`", "cpu-ane"]);
 
-    // The CoreML cache directory is created at load, whatever the device.
+    // The CoreML and CPU cache directories are created at load, whatever the device.
     let cache = crate::util::temp_dir("capi-coreml-cache").join("compiled");
     let cache_c = CString::new(cache.to_str().unwrap()).unwrap();
+    let cpu_cache = crate::util::temp_dir("capi-cpu-cache").join("graphs");
+    let cpu_cache_c = CString::new(cpu_cache.to_str().unwrap()).unwrap();
     let with_cache = KleinOptions {
         coreml_units: c"cpu-gpu".as_ptr(),
         coreml_cache_dir: cache_c.as_ptr(),
         cuda_memory_limit: 1 << 30,
         vae_tiling: c"on".as_ptr(),
+        cpu_cache_dir: cpu_cache_c.as_ptr(),
         ..options
     };
     let mut other: *mut KleinPipeline = ptr::null_mut();
     let (status, message) =
         call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &with_cache, &mut other, m) });
     assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
-    assert!(cache.is_dir());
+    assert!(cache.is_dir() && cpu_cache.is_dir());
     unsafe { klein_pipeline_free(other) };
 
     let (status, message) = call(|m| unsafe {

@@ -82,6 +82,17 @@ fn flags_of_another_device_are_refused() {
         &[&FAST[..], &["--device", "cuda", "--coreml-units", "cpu"]].concat(),
         &["--coreml-units does not apply to --device cuda:0"],
     );
+    assert_refused(
+        &[
+            &FAST[..],
+            &["--device", "coreml", "--cpu-cache", "/tmp/klein-cpu-cache"],
+        ]
+        .concat(),
+        &[
+            "--cpu-cache does not apply to --device coreml",
+            "--device cpu or auto",
+        ],
+    );
 }
 
 #[test]

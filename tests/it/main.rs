@@ -8,6 +8,7 @@ mod bundle;
 mod cancel;
 mod capi;
 mod cli;
+mod cpu_cache;
 mod decode;
 mod devices;
 mod diffusers;

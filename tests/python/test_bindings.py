@@ -346,3 +346,16 @@ def test_previews_are_the_cli_preview_files(pipe, klein_bin, tiny_bundle, tmp_pa
     assert np.array_equal(np.asarray(out.images[0]), np.asarray(Image.open(tmp_path / "o.png")))
     with pytest.raises(klein.CancelledError):
         pipe("an owl", width=64, height=48, generator=6, preview=lambda *_: False)
+
+
+def test_cpu_cache_is_the_cli_file(tiny_bundle, klein_bin, tmp_path):
+    """A pipeline with `cpu_cache` saves the graphs on its first load and reads them on the next;
+    both give `klein generate`'s file (made without the cache)."""
+    cli(klein_bin, tiny_bundle, tmp_path / "c.png", "a quay", "--width", "64", "--height", "48", "--seed", "4")
+    cache = tmp_path / "cpu-cache"
+    for _ in range(2):
+        pipe = klein.Pipeline(tiny_bundle, cpu_cache=cache)
+        out = pipe("a quay", width=64, height=48, generator=4, output_type="png")
+        assert out.images == [(tmp_path / "c.png").read_bytes()]
+    saved = sorted(p.name for p in cache.glob("*/*.onnx"))
+    assert saved == ["text_encoder.onnx", "transformer.onnx", "vae_decoder.onnx"]

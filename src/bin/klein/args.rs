@@ -176,6 +176,11 @@ pub(crate) struct LoadArgs {
     /// ONNX Runtime shared library [default: $ORT_DYLIB_PATH, else the one set up at build time]
     #[arg(long)]
     pub(crate) ort_lib: Option<PathBuf>,
+    /// CPU: keep each graph as ONNX Runtime optimised it, with its prepacked weights, in DIR
+    /// (created if missing): the first load writes it (about the bundle's size again), later
+    /// loads map it instead of prepacking again
+    #[arg(long, value_name = "DIR")]
+    pub(crate) cpu_cache: Option<PathBuf>,
     // Last: their help headings apply to what follows them.
     #[command(flatten)]
     pub(crate) cuda: CudaArgs,
@@ -260,6 +265,9 @@ pub(crate) fn pipeline_options(
     if let Some(dir) = &args.prompt_cache {
         options = options.with_prompt_cache_dir(dir);
     }
+    if let Some(dir) = &args.cpu_cache {
+        options = options.with_cpu_cache_dir(dir);
+    }
     let mut cuda = CudaOptions::default()
         .with_arena_same_as_requested(args.cuda.cuda_arena_exact)
         .with_conv_search(args.cuda.cuda_conv_search);
@@ -304,22 +312,22 @@ pub(crate) fn check_device_flags(args: &LoadArgs, device: Device) -> Result<(), 
         ),
         ("--coreml-cache", args.coreml.coreml_cache.is_some()),
     ];
-    let (cuda_ok, coreml_ok) = match device {
-        Device::Cuda(_) => (true, false),
-        Device::CoreMl => (false, true),
-        Device::Auto => (true, true),
-        Device::Cpu => (false, false),
+    let cpu_flags = [("--cpu-cache", args.cpu_cache.is_some())];
+    let (cuda_ok, coreml_ok, cpu_ok) = match device {
+        Device::Cuda(_) => (true, false, false),
+        Device::CoreMl => (false, true, false),
+        Device::Auto => (true, true, true),
+        Device::Cpu => (false, false, true),
     };
-    for (flags, ok) in [(&cuda_flags[..], cuda_ok), (&coreml_flags[..], coreml_ok)] {
+    let groups = [
+        (&cuda_flags[..], cuda_ok, "cuda"),
+        (&coreml_flags[..], coreml_ok, "coreml"),
+        (&cpu_flags[..], cpu_ok, "cpu"),
+    ];
+    for (flags, ok, applies) in groups {
         if let Some((flag, _)) = flags.iter().find(|(_, given)| *given && !ok) {
             return Err(format!(
-                "{flag} does not apply to --device {}; it applies with --device {} or auto",
-                device,
-                if flag.starts_with("--cuda") {
-                    "cuda"
-                } else {
-                    "coreml"
-                }
+                "{flag} does not apply to --device {device}; it applies with --device {applies} or auto"
             ));
         }
     }

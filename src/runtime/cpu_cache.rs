@@ -1,0 +1,260 @@
+//! The CPU load cache ([`SessionConfig::with_cpu_cache_dir`]): each graph as ONNX Runtime optimised
+//! it for this CPU, with its prepacked weights, saved by the first load and memory-mapped by the
+//! later ones.
+//!
+//! An entry is `<dir>/<key>/<component>.onnx` and its `.data` file. The key is a SHA-256 of what
+//! the saved graph depends on: the graph's own identity (the caller's tag: the sha256s the bundle
+//! manifest records for its files), the ONNX Runtime build, the CPU's instruction sets (prepacked
+//! layouts are chosen per instruction set), the optimisation level and whether weights are
+//! prepacked. Anything else changed means another key; nothing is ever overwritten in place.
+//! An entry is written into `<key>.partial-<pid>` and renamed when complete, so a process stopped
+//! midway leaves no entry that looks whole.
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+use super::device::OptimizationLevel;
+use crate::fsutil::hex;
+
+/// Bumped when the layout of an entry changes.
+const CACHE_FORMAT: &str = "klein-cpu-cache-1";
+
+/// Where one graph's optimised copy lives (or will).
+#[derive(Debug)]
+pub(super) struct CacheEntry {
+    /// `<dir>/<key>`.
+    dir: PathBuf,
+    /// `<component>.onnx`.
+    file: String,
+}
+
+impl CacheEntry {
+    /// The entry of the graph `component` tagged `tag`, under `root`.
+    pub(super) fn new(
+        root: &Path,
+        component: &str,
+        tag: &str,
+        runtime_build: &str,
+        optimization: OptimizationLevel,
+        prepack: bool,
+    ) -> CacheEntry {
+        let material = format!(
+            "{CACHE_FORMAT}\n{runtime_build}\n{}\n{optimization:?}\nprepack={prepack}\n{component}\n{tag}",
+            cpu_identity(),
+        );
+        let key = hex(&Sha256::digest(material.as_bytes())[..16]);
+        CacheEntry {
+            dir: root.join(key),
+            file: format!("{component}.onnx"),
+        }
+    }
+
+    /// The saved graph, when the entry is complete.
+    pub(super) fn saved(&self) -> Option<PathBuf> {
+        let path = self.dir.join(&self.file);
+        path.is_file().then_some(path)
+    }
+
+    /// A fresh folder to save into, and the graph file to save there.
+    pub(super) fn start(&self) -> std::io::Result<(PathBuf, PathBuf)> {
+        let partial = self
+            .dir
+            .with_extension(format!("partial-{}", std::process::id()));
+        if partial.exists() {
+            std::fs::remove_dir_all(&partial)?;
+        }
+        std::fs::create_dir_all(&partial)?;
+        let file = partial.join(&self.file);
+        Ok((partial, file))
+    }
+
+    /// Makes the saved `partial` folder the entry. Another process that finished first wins; this
+    /// copy is then removed.
+    pub(super) fn finish(&self, partial: &Path) -> std::io::Result<()> {
+        if self.dir.exists() {
+            return std::fs::remove_dir_all(partial);
+        }
+        std::fs::rename(partial, &self.dir).or_else(|error| {
+            let _ = std::fs::remove_dir_all(partial);
+            if self.dir.exists() {
+                Ok(())
+            } else {
+                Err(error)
+            }
+        })
+    }
+
+    /// Removes an entry ONNX Runtime could not load (truncated by a full disk, say).
+    pub(super) fn discard(&self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The CPU's model and instruction sets: Linux's `/proc/cpuinfo` (model name and flags of the
+/// first processor, AMX included), else the architecture and the features the standard library
+/// detects.
+fn cpu_identity() -> String {
+    if let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") {
+        let wanted = [
+            "model name",
+            "flags",
+            "Features",
+            "CPU implementer",
+            "CPU part",
+        ];
+        let lines: Vec<&str> = info
+            .lines()
+            .take_while(|line| !line.trim().is_empty())
+            .filter(|line| wanted.iter().any(|w| line.starts_with(w)))
+            .collect();
+        if !lines.is_empty() {
+            return lines.join("\n");
+        }
+    }
+    detected_features()
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detected_features() -> String {
+    let mut found = vec![std::env::consts::ARCH];
+    macro_rules! check {
+        ($($feature:tt),*) => {$(
+            if std::arch::is_x86_feature_detected!($feature) {
+                found.push($feature);
+            }
+        )*};
+    }
+    check!(
+        "sse4.1",
+        "avx",
+        "avx2",
+        "fma",
+        "f16c",
+        "avx512f",
+        "avx512bw",
+        "avx512vl",
+        "avx512vnni"
+    );
+    found.join(" ")
+}
+
+#[cfg(target_arch = "aarch64")]
+fn detected_features() -> String {
+    let mut found = vec![std::env::consts::ARCH];
+    macro_rules! check {
+        ($($feature:tt),*) => {$(
+            if std::arch::is_aarch64_feature_detected!($feature) {
+                found.push($feature);
+            }
+        )*};
+    }
+    check!("neon", "dotprod", "i8mm", "bf16", "fp16", "sve", "sve2", "sme");
+    found.join(" ")
+}
+
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+fn detected_features() -> String {
+    std::env::consts::ARCH.to_string()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may unwrap: a failure is a test failure
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_key_changes_with_what_the_saved_graph_depends_on() {
+        let root = Path::new("/cache");
+        let base = CacheEntry::new(
+            root,
+            "transformer",
+            "abc",
+            "ort",
+            OptimizationLevel::All,
+            true,
+        );
+        let same = CacheEntry::new(
+            root,
+            "transformer",
+            "abc",
+            "ort",
+            OptimizationLevel::All,
+            true,
+        );
+        assert_eq!(base.dir, same.dir);
+        for other in [
+            CacheEntry::new(
+                root,
+                "transformer",
+                "abc",
+                "ort2",
+                OptimizationLevel::All,
+                true,
+            ),
+            CacheEntry::new(
+                root,
+                "transformer",
+                "abd",
+                "ort",
+                OptimizationLevel::All,
+                true,
+            ),
+            CacheEntry::new(
+                root,
+                "text_encoder",
+                "abc",
+                "ort",
+                OptimizationLevel::All,
+                true,
+            ),
+            CacheEntry::new(
+                root,
+                "transformer",
+                "abc",
+                "ort",
+                OptimizationLevel::Basic,
+                true,
+            ),
+            CacheEntry::new(
+                root,
+                "transformer",
+                "abc",
+                "ort",
+                OptimizationLevel::All,
+                false,
+            ),
+        ] {
+            assert_ne!(base.dir, other.dir);
+        }
+        assert!(!cpu_identity().is_empty());
+    }
+
+    #[test]
+    fn a_partial_entry_is_not_saved_until_finished() {
+        let root = std::env::temp_dir().join(format!("klein-cpu-cache-{}", std::process::id()));
+        let entry = CacheEntry::new(
+            &root,
+            "vae_decoder",
+            "t",
+            "ort",
+            OptimizationLevel::All,
+            false,
+        );
+        assert!(entry.saved().is_none());
+        let (partial, file) = entry.start().unwrap();
+        std::fs::write(&file, b"graph").unwrap();
+        assert!(entry.saved().is_none(), "a partial folder is not an entry");
+        entry.finish(&partial).unwrap();
+        assert_eq!(std::fs::read(entry.saved().unwrap()).unwrap(), b"graph");
+        assert!(!partial.exists());
+        // A second writer that finishes later leaves the first entry and removes its own copy.
+        let (partial, file) = entry.start().unwrap();
+        std::fs::write(&file, b"other").unwrap();
+        entry.finish(&partial).unwrap();
+        assert_eq!(std::fs::read(entry.saved().unwrap()).unwrap(), b"graph");
+        assert!(!partial.exists());
+        entry.discard();
+        assert!(entry.saved().is_none());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}

@@ -1,0 +1,121 @@
+//! The CPU load cache (`PipelineOptions::with_cpu_cache_dir`): the first load saves each graph as
+//! ONNX Runtime optimised it, with its prepacked weights; later loads use the saved copy and make
+//! the same image, bit for bit; a damaged entry is replaced with a warning, never an error.
+use std::path::{Path, PathBuf};
+
+use klein::pipeline::{Pipeline, PipelineOptions, Request};
+use klein::runtime::{Device, RuntimeOptions};
+
+use crate::util::{ort_library, repo, temp_dir, test_cache_dir};
+
+fn pipeline(cpu_cache: Option<&Path>) -> Pipeline {
+    let mut options = PipelineOptions::default()
+        .with_device(Device::Cpu)
+        .with_threads(1)
+        .with_runtime(RuntimeOptions::default().with_library(ort_library()))
+        .with_cache_dir(test_cache_dir());
+    if let Some(dir) = cpu_cache {
+        options = options.with_cpu_cache_dir(dir);
+    }
+    Pipeline::load(&repo().join("onnx/klein-tiny"), options).unwrap()
+}
+
+/// One image's pixels, and the pipeline's warnings after it.
+fn generate(cpu_cache: Option<&Path>) -> (Vec<u8>, Vec<String>) {
+    let request = Request::new("a lighthouse at dusk")
+        .with_seed(3)
+        .with_size(64, 48)
+        .with_steps(2);
+    let mut pipeline = pipeline(cpu_cache);
+    let generated = pipeline.generate(&request, None).unwrap();
+    (generated.images[0].pixels.clone(), pipeline.take_warnings())
+}
+
+/// The saved graphs under `cache`: `<key>/<component>.onnx`, sorted.
+fn saved_graphs(cache: &Path) -> Vec<PathBuf> {
+    let mut graphs: Vec<PathBuf> = std::fs::read_dir(cache)
+        .unwrap()
+        .flat_map(|entry| std::fs::read_dir(entry.unwrap().path()).unwrap())
+        .map(|file| file.unwrap().path())
+        .filter(|path| path.extension().is_some_and(|e| e == "onnx"))
+        .collect();
+    graphs.sort();
+    graphs
+}
+
+#[test]
+fn saved_graphs_make_the_same_image() {
+    let cache = temp_dir("cpu-cache");
+    let (plain, warnings) = generate(None);
+    assert!(warnings.is_empty(), "{warnings:?}");
+
+    let (saving, warnings) = generate(Some(&cache));
+    assert!(warnings.is_empty(), "{warnings:?}");
+    let graphs = saved_graphs(&cache);
+    let names: Vec<_> = graphs
+        .iter()
+        .map(|g| g.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    let mut expected = vec!["text_encoder.onnx", "transformer.onnx", "vae_decoder.onnx"];
+    expected.sort();
+    let mut sorted = names.clone();
+    sorted.sort();
+    assert_eq!(sorted, expected, "one entry per graph loaded");
+    for graph in &graphs {
+        let data = graph.with_extension("onnx.data");
+        assert!(data.is_file(), "{} has no weights file", graph.display());
+    }
+    // No partial folder is left behind.
+    let partial = std::fs::read_dir(&cache)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("partial"))
+        .count();
+    assert_eq!(partial, 0);
+
+    let modified: Vec<_> = graphs
+        .iter()
+        .map(|g| std::fs::metadata(g).unwrap().modified().unwrap())
+        .collect();
+    let (cached, warnings) = generate(Some(&cache));
+    assert!(warnings.is_empty(), "{warnings:?}");
+    let again: Vec<_> = graphs
+        .iter()
+        .map(|g| std::fs::metadata(g).unwrap().modified().unwrap())
+        .collect();
+    assert_eq!(
+        modified, again,
+        "a later load reads the entries, never rewrites them"
+    );
+    assert!(
+        plain == saving && plain == cached,
+        "the cache changed the image"
+    );
+}
+
+#[test]
+fn a_damaged_entry_is_saved_again_with_a_warning() {
+    let cache = temp_dir("cpu-cache-damaged");
+    let (first, _) = generate(Some(&cache));
+    let transformer = saved_graphs(&cache)
+        .into_iter()
+        .find(|g| g.ends_with("transformer.onnx"))
+        .unwrap();
+    std::fs::write(&transformer, b"not a graph").unwrap();
+
+    let (second, warnings) = generate(Some(&cache));
+    assert_eq!(first, second);
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("transformer") && w.contains("saved again")),
+        "{warnings:?}"
+    );
+    assert!(
+        std::fs::metadata(&transformer).unwrap().len() > 1000,
+        "the entry was saved again"
+    );
+    let (third, warnings) = generate(Some(&cache));
+    assert_eq!(first, third);
+    assert!(warnings.is_empty(), "{warnings:?}");
+}
