@@ -114,47 +114,40 @@ fn cpu_identity() -> String {
     detected_features()
 }
 
-#[cfg(target_arch = "x86_64")]
+/// The architecture and the instruction sets the standard library detects.
 fn detected_features() -> String {
-    let mut found = vec![std::env::consts::ARCH];
-    macro_rules! check {
-        ($($feature:tt),*) => {$(
-            if std::arch::is_x86_feature_detected!($feature) {
-                found.push($feature);
-            }
-        )*};
-    }
-    check!(
-        "sse4.1",
-        "avx",
-        "avx2",
-        "fma",
-        "f16c",
-        "avx512f",
-        "avx512bw",
-        "avx512vl",
-        "avx512vnni"
-    );
-    found.join(" ")
-}
-
-#[cfg(target_arch = "aarch64")]
-fn detected_features() -> String {
-    let mut found = vec![std::env::consts::ARCH];
-    macro_rules! check {
-        ($($feature:tt),*) => {$(
-            if std::arch::is_aarch64_feature_detected!($feature) {
-                found.push($feature);
-            }
-        )*};
-    }
-    check!("neon", "dotprod", "i8mm", "bf16", "fp16", "sve", "sve2", "sme");
-    found.join(" ")
-}
-
-#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-fn detected_features() -> String {
-    std::env::consts::ARCH.to_string()
+    #[cfg(target_arch = "x86_64")]
+    let features = {
+        use std::arch::is_x86_feature_detected as on;
+        [
+            ("avx", on!("avx")),
+            ("avx2", on!("avx2")),
+            ("fma", on!("fma")),
+            ("f16c", on!("f16c")),
+            ("avx512f", on!("avx512f")),
+            ("avx512bw", on!("avx512bw")),
+            ("avx512vnni", on!("avx512vnni")),
+        ]
+    };
+    #[cfg(target_arch = "aarch64")]
+    let features = {
+        use std::arch::is_aarch64_feature_detected as on;
+        [
+            ("dotprod", on!("dotprod")),
+            ("i8mm", on!("i8mm")),
+            ("bf16", on!("bf16")),
+            ("fp16", on!("fp16")),
+            ("sve", on!("sve")),
+            ("sve2", on!("sve2")),
+        ]
+    };
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    let features: [(&str, bool); 0] = [];
+    let found = features.iter().filter(|(_, on)| *on).map(|(name, _)| *name);
+    std::iter::once(std::env::consts::ARCH)
+        .chain(found)
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 #[cfg(test)]
