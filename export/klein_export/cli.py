@@ -6,7 +6,7 @@ import sys
 from .errors import CheckpointError, KleinExportError, QuantizationError
 from .lora_merge import parse_lora
 from .precision import PRECISIONS
-from .quantize import BITS, DEFAULT_BLOCK_SIZE, DEFAULT_COMPONENTS, METHODS, QuantizationConfig, parse_components
+from .quantize import BITS, DEFAULT_BLOCK_SIZE, METHODS, QuantizationConfig, default_components, parse_components
 
 EXIT_USER_ERROR = 2
 
@@ -26,13 +26,15 @@ def _quantization(args, required=False):
         if given or args.asymmetric or args.accuracy_level:
             raise QuantizationError(f"{', '.join(given) or 'the quantization flags'} apply with --quantize only")
         return None
+    method = METHODS[args.method or "nbits"]
+    components = ",".join(default_components(method)) if args.components is None else args.components
     return QuantizationConfig(
         bits=BITS[args.quantize],
         block_size=DEFAULT_BLOCK_SIZE if args.block_size is None else args.block_size,
         symmetric=not args.asymmetric,
         accuracy_level=args.accuracy_level,
-        components=parse_components(",".join(DEFAULT_COMPONENTS) if args.components is None else args.components),
-        method=METHODS[args.method or "nbits"],
+        components=parse_components(components, method),
+        method=method,
     )
 
 
@@ -146,7 +148,9 @@ def _add_quantization_args(p):
         choices=sorted(METHODS),
         help="nbits (default): weight-only com.microsoft.MatMulNBits, blockwise, any device but CoreML; "
         "dynamic: int8 weights per output channel and uint8 activations per tensor at run time "
-        "(com.microsoft.DynamicQuantizeMatMul, CPU only: integer GEMMs, the fastest on the CPU, larger error)",
+        "(com.microsoft.DynamicQuantizeMatMul, CPU only: integer GEMMs, the fastest on the CPU, larger error); "
+        "static: the VAE decoder's convolutions in int8 (QDQ, activation ranges calibrated on this bundle's "
+        "own latents; CPU only)",
     )
     p.add_argument(
         "--block-size",
@@ -155,8 +159,8 @@ def _add_quantization_args(p):
     )
     p.add_argument(
         "--components",
-        help=f"comma-separated components to quantize (default {','.join(DEFAULT_COMPONENTS)}; "
-        "the VAE is never quantized)",
+        help="comma-separated components to quantize (default text_encoder,transformer; with --method static: "
+        "vae_decoder, the only one it takes; the VAE encoder is never quantized)",
     )
     p.add_argument(
         "--asymmetric", action="store_true", help="a zero point per block (default: symmetric, no zero points)"

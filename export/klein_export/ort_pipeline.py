@@ -71,6 +71,13 @@ def prompt_feeds(bundle, tok: dict, prompt: str) -> dict:
 
 def bundle_image(bundle, prompt, seed, width, height, steps=None) -> np.ndarray:
     """Text to image with the bundle: float image `[H, W, 3]` in [0, 255] (not rounded)."""
+    latents = bundle_latents(bundle, prompt, seed, width, height, steps)
+    image = run_graph(bundle, read_manifest(bundle)["graphs"]["vae_decoder"], {"latents": latents})
+    return np.clip(image[0].transpose(1, 2, 0) / 2 + 0.5, 0, 1) * 255
+
+
+def bundle_latents(bundle, prompt, seed, width, height, steps=None) -> np.ndarray:
+    """Text to image with the bundle up to the VAE decoder: its input `[1, C, h, w]`."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 
@@ -111,7 +118,5 @@ def bundle_image(bundle, prompt, seed, width, height, steps=None) -> np.ndarray:
         v = transformer.run(None, feeds)[0][:, : h * w]
         x = (x + (sigmas[i + 1] - sigmas[i]) * v).astype(np.float32)
 
-    # 5. decode: [1, h*w, C] -> [1, C, h, w] -> image [1, 3, H, W]
-    latents = x.transpose(0, 2, 1).reshape(1, channels, h, w)
-    image = run_graph(bundle, graphs["vae_decoder"], {"latents": latents})
-    return np.clip(image[0].transpose(1, 2, 0) / 2 + 0.5, 0, 1) * 255
+    # 5. [1, h*w, C] -> the decoder's input [1, C, h, w]
+    return np.ascontiguousarray(x.transpose(0, 2, 1).reshape(1, channels, h, w))

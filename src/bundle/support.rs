@@ -4,9 +4,11 @@
 //! The table follows the kernels ONNX Runtime 1.31 registers for each provider:
 //! - **CPU**: float32 and float16 graphs (float16 MatMul/Conv/Gemm kernels exist, or ORT inserts
 //!   casts around the few without); `MatMulNBits` with 4 or 8 bits; `DynamicQuantizeMatMul` (int8
-//!   weights, activations quantized at run time). No bfloat16 kernels for MatMul, Conv or the norms.
+//!   weights, activations quantized at run time); `QDQ` (the VAE decoder's int8 convolutions, fused
+//!   into `QLinearConv`). No bfloat16 kernels for MatMul, Conv or the norms.
 //! - **CUDA**: float32, float16 and bfloat16; `MatMulNBits` with 4 or 8 bits. No
-//!   `DynamicQuantizeMatMul` (a CPU-only contrib kernel).
+//!   `DynamicQuantizeMatMul` (a CPU-only contrib kernel), and no QDQ (without TensorRT it would
+//!   dequantize and convolve in float: the int8 error for none of the speed).
 //! - **CoreML**: float32 and float16 (MLProgram computes in float16 on the GPU and Neural
 //!   Engine). No bfloat16, and no `MatMulNBits`: ORT would run every quantized MatMul on the CPU,
 //!   one partition per layer, copying activations back and forth (slower than the CPU alone).
@@ -24,6 +26,8 @@ use crate::runtime::Device;
 const NBITS: &str = "MatMulNBits";
 /// int8 weights per channel and activations quantized at run time (`--method dynamic`).
 const DYNAMIC: &str = "DynamicQuantizeMatMul";
+/// The VAE decoder's convolutions in int8, activation ranges calibrated (`--method static`).
+const QDQ: &str = "QDQ";
 
 /// Why `device` cannot run one graph of this precision and quantization (`None`: it can).
 pub fn unsupported(
@@ -64,15 +68,22 @@ pub fn unsupported(
              --device cpu",
             q.bits, q.method
         )),
-        Device::Cpu if q.method == DYNAMIC && q.bits == 8 => None,
+        Device::Cpu if (q.method == DYNAMIC || q.method == QDQ) && q.bits == 8 => None,
         _ if q.method == DYNAMIC => Some(format!(
             "{} cannot run {}-bit {DYNAMIC} (ONNX Runtime has it for 8 bits, on the CPU only); \
              run this bundle with --device cpu, or quantize with `--method nbits`",
             device.ep_name(),
             q.bits
         )),
+        _ if q.method == QDQ => Some(format!(
+            "{} runs {}-bit QDQ convolutions (`--method static`) as float, no faster than fp32 and \
+             with the int8 error; klein runs them on the CPU only: run this bundle with --device cpu, \
+             or use a bundle with a float VAE decoder",
+            device.ep_name(),
+            q.bits
+        )),
         _ if q.method != NBITS => Some(format!(
-            "klein runs {NBITS} and {DYNAMIC} quantization only, this graph uses `{}`",
+            "klein runs {NBITS}, {DYNAMIC} and {QDQ} quantization only, this graph uses `{}`",
             q.method
         )),
         _ if q.bits != 4 && q.bits != 8 => Some(format!(
@@ -155,8 +166,22 @@ mod tests {
             unsupported(Device::Auto, Precision::Fp32, Some(&dynamic)),
             None
         );
-        let other = unsupported(Device::Cpu, Precision::Fp32, Some(&q(8, "QDQ"))).expect("refused");
-        assert!(other.contains("`QDQ`"), "{other}");
+        let other =
+            unsupported(Device::Cpu, Precision::Fp32, Some(&q(8, "QOperator"))).expect("refused");
+        assert!(other.contains("`QOperator`"), "{other}");
+    }
+
+    #[test]
+    fn static_int8_convolutions_run_on_the_cpu_only() {
+        let qdq = q(8, QDQ);
+        for device in [Device::Cpu, Device::Auto] {
+            assert_eq!(unsupported(device, Precision::Fp32, Some(&qdq)), None);
+        }
+        for device in [Device::Cuda(0), Device::CoreMl] {
+            let reason = unsupported(device, Precision::Fp32, Some(&qdq)).expect("refused");
+            assert!(reason.contains("--device cpu"), "{reason}");
+        }
+        assert!(unsupported(Device::Cpu, Precision::Fp32, Some(&q(4, QDQ))).is_some());
     }
 
     #[test]
@@ -197,9 +222,9 @@ mod tests {
             let reason = unsupported(device, Precision::Fp32, Some(&q(3, "MatMulNBits")))
                 .expect("3 bits refused");
             assert!(reason.contains("4 or 8 bits"), "{reason}");
-            let reason =
-                unsupported(device, Precision::Fp32, Some(&q(8, "QDQ"))).expect("QDQ refused");
-            assert!(reason.contains("`QDQ`"), "{reason}");
+            let reason = unsupported(device, Precision::Fp32, Some(&q(8, "QOperator")))
+                .expect("QOperator refused");
+            assert!(reason.contains("`QOperator`"), "{reason}");
         }
         let reason = unsupported(Device::CoreMl, Precision::Fp16, Some(&q(4, "MatMulNBits")))
             .expect("CoreML refuses quantized graphs");
