@@ -158,26 +158,18 @@ fn graph_file(manifest: &Manifest, component: Component, bucket: Option<usize>) 
 }
 
 /// What identifies the graph file at `path` and its external data in the CPU cache: each file's
-/// name and sha256 from the manifest, size and modification time (so that a file changed without
-/// the manifest, under `--no-verify-hashes`, is not served from the cache). `None` when the
+/// name, size and sha256 as the manifest records them (the files were checked against them unless
+/// hashes are not verified; sizes always are). Copies of a bundle share entries. `None` when the
 /// manifest does not list the graph file.
 fn cache_tag(manifest: &Manifest, path: &Path) -> Option<String> {
     let name = path.file_name()?.to_str()?;
-    let dir = path.parent()?;
     let data_prefix = format!("{name}.");
     manifest.files.get(name)?;
     let tag = manifest
         .files
         .iter()
         .filter(|(file, _)| *file == name || file.starts_with(&data_prefix))
-        .map(|(file, entry)| {
-            let modified = std::fs::metadata(dir.join(file))
-                .and_then(|m| m.modified())
-                .ok()
-                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-                .map_or(0, |d| d.as_nanos());
-            format!("{file} {} {} {modified}", entry.sha256, entry.bytes)
-        })
+        .map(|(file, entry)| format!("{file} {} {}", entry.sha256, entry.bytes))
         .collect::<Vec<_>>()
         .join("\n");
     Some(tag)
