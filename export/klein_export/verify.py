@@ -31,9 +31,11 @@ from .tolerances import (
     EMULATED_PSNR,
     FLOOR_FACTOR,
     REL_TOLERANCE,
+    STATIC_COMPONENT_DB,
     U32,
     image_bar,
     is_dynamic,
+    is_static,
     psnr,
     scheme_name,
     unit_error,
@@ -59,6 +61,7 @@ class CaseResult:
     emulated_abs: float = None  # against torch with the dequantized weights (quantized fp32 graphs)
     emulated_floor: float = 0.0
     dynamic: bool = False  # activations quantized too (tolerances.DYNAMIC_EMULATED_SHARE)
+    psnr: float = None  # `--method static` graphs: PSNR against torch fp32 (tolerances.STATIC_COMPONENT_DB)
 
     @property
     def tolerance(self) -> float:
@@ -71,11 +74,18 @@ class CaseResult:
 
     @property
     def ok(self) -> bool:
+        if self.psnr is not None:
+            return self.psnr >= STATIC_COMPONENT_DB
         emulated_ok = self.emulated_abs is None or self.emulated_abs <= self.emulated_tolerance
         return self.max_abs <= self.tolerance and emulated_ok
 
     def line(self) -> str:
         status = "ok" if self.ok else "FAIL"
+        if self.psnr is not None:
+            return (
+                f"{self.component:13s} {self.case:38s} {self.scheme:9s} max_abs {self.max_abs:.2e}  "
+                f"PSNR vs torch fp32 {self.psnr:5.1f} dB (min {STATIC_COMPONENT_DB:.0f})  {status}"
+            )
         vacuous = ", uninformative" if self.tolerance >= self.scale else ""
         emulated = (
             f"  dequantized-torch {self.emulated_abs:.2e} tol {self.emulated_tolerance:.2e}"
@@ -142,7 +152,7 @@ class _Checker:
 
     def _emulated(self, args):
         """The module with the quantizer's dequantized weights (quantized float32 graphs only)."""
-        if self.quantization is None or self.precision != "fp32":
+        if self.quantization is None or self.precision != "fp32" or is_static(self.quantization):
             return None
         if self.emulated is None:
             emulated = copy.deepcopy(self.module)
@@ -168,6 +178,8 @@ class _Checker:
         unit = unit_error(self.precision, self.quantization)
         result = CaseResult(self.component, case, diff, diff / scale, floor, scale, scheme, unit)
         result.dynamic = is_dynamic(self.quantization)
+        if is_static(self.quantization):  # decoder output, [-1, 1] -> the image's [0, 255]
+            result.psnr = psnr(got * 127.5, want * 127.5)
         emulated = self._emulated(args)
         if emulated is not None:
             want_q, result.emulated_floor = _run_torch(*emulated, args)
@@ -343,7 +355,8 @@ def verify_images(checkpoint, bundle, cases=IMAGE_CASES):
     threshold, label = image_bar(graphs)
     references = reference_images(checkpoint, cases, steps)
     emulated = [None] * len(cases)
-    if any(s.get("quantization") and s["precision"] == "fp32" for s in graphs.values()):
+    emulable = any(s.get("quantization") and s["precision"] == "fp32" for s in graphs.values())
+    if emulable and not any(is_static(s.get("quantization")) for s in graphs.values()):
         layers = ckpt.text_encoder_out_layers
         emulated = reference_images(checkpoint, cases, steps, lambda pipe: _dequantize_pipeline(pipe, graphs, layers))
     dynamic = any(is_dynamic(s.get("quantization")) for s in graphs.values())

@@ -1,7 +1,7 @@
 import pytest
 
 from klein_export.convert import convert
-from klein_export.quantize import DYNAMIC, QuantizationConfig, quantize_copy
+from klein_export.quantize import DYNAMIC, STATIC, QuantizationConfig, quantize_copy
 from klein_export.tiny import build_tiny
 
 
@@ -36,6 +36,16 @@ def dynamic_bundle(tiny_bundle, tmp_path_factory):
         tiny_bundle,
         tmp_path_factory.mktemp("dynamic") / "klein-tiny-int8-dynamic",
         QuantizationConfig(bits=8, method=DYNAMIC),
+        log=lambda _: None,
+    )
+
+
+@pytest.fixture(scope="session")
+def static_bundle(tiny_bundle, tmp_path_factory):
+    return quantize_copy(
+        tiny_bundle,
+        tmp_path_factory.mktemp("static") / "klein-tiny-vae-int8",
+        QuantizationConfig(bits=8, method=STATIC, components=("vae_decoder",)),
         log=lambda _: None,
     )
 

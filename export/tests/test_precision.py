@@ -48,8 +48,14 @@ FLOAT16_OPS = {"Cast", "MatMul", "Gemm", "Conv", "Gather", "Add"}
 
 
 @pytest.fixture
-def bundles(fp16_bundle, int8_bundle, int4_bundle, dynamic_bundle):
-    return {"fp16": fp16_bundle, "int8": int8_bundle, "int4": int4_bundle, "int8-dynamic": dynamic_bundle}
+def bundles(fp16_bundle, int8_bundle, int4_bundle, dynamic_bundle, static_bundle):
+    return {
+        "fp16": fp16_bundle,
+        "int8": int8_bundle,
+        "int4": int4_bundle,
+        "int8-dynamic": dynamic_bundle,
+        "int8-static": static_bundle,
+    }
 
 
 def _manifest(bundle):
@@ -213,21 +219,98 @@ def test_dynamic_refuses_what_it_cannot_do(tiny_bundle, tmp_path, capsys):
     assert "--method apply with --quantize only" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["fp16", "int8", "int4", "int8-dynamic"])
+def test_static_manifest_and_graphs(bundles, tiny_bundle):
+    """`--method static`: every Conv of the VAE decoder takes its weight from a DequantizeLinear of int8
+    codes with one scale per output channel, and its input through a uint8 QuantizeLinear/DequantizeLinear
+    pair; ONNX Runtime's CPU provider fuses them into QLinearConv. The other graphs are the fp32 bundle's."""
+    import onnxruntime as ort
+
+    bundle = bundles["int8-static"]
+    manifest, fp32 = _manifest(bundle), _manifest(tiny_bundle)
+    _check_files(bundle, manifest)
+    for component in ("text_encoder", "transformer", "vae_encoder"):
+        assert manifest["graphs"][component] == fp32["graphs"][component], component
+    spec = manifest["graphs"]["vae_decoder"]
+    q = spec["quantization"]
+    assert {k: q[k] for k in ("method", "bits", "symmetric", "op_types")} == {
+        "method": "QDQ",
+        "bits": 8,
+        "symmetric": True,
+        "op_types": ["Conv"],
+    }
+    assert "calibrat" in q["granularity"] and "256x256" in q["calibration"]
+    assert json.loads(_metadata(bundle / spec["file"])["klein.quantization"]) == q
+    model = onnx.load(str(bundle / spec["file"]))
+    weights = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    made_by = {o: n for n in model.graph.node for o in n.output}
+    convs = [n for n in model.graph.node if n.op_type == "Conv"]
+    float_convs = [n for n in onnx.load(str(tiny_bundle / spec["file"])).graph.node if n.op_type == "Conv"]
+    assert len(convs) == len(float_convs) == q["quantized_nodes"] and "Conv" not in q["float_nodes"]
+    for conv in convs:
+        weight_dq, input_dq = made_by[conv.input[1]], made_by[conv.input[0]]
+        assert (weight_dq.op_type, input_dq.op_type) == ("DequantizeLinear", "DequantizeLinear"), conv.name
+        codes, scale = weights[weight_dq.input[0]], weights[weight_dq.input[1]]
+        assert codes.dtype == np.int8 and scale.shape == (codes.shape[0],) and (scale > 0).all(), conv.name
+        assert weights[input_dq.input[0]].dtype == np.uint8 if input_dq.input[0] in weights else True
+        assert made_by[input_dq.input[0]].op_type == "QuantizeLinear", conv.name
+    # What the CPU provider makes of it: integer convolutions.
+    opts = ort.SessionOptions()
+    opts.optimized_model_filepath = str(bundle / "optimized.onnx.tmp")
+    try:
+        ort.InferenceSession(str(bundle / spec["file"]), opts, providers=["CPUExecutionProvider"])
+        ops = {n.op_type for n in onnx.load(opts.optimized_model_filepath).graph.node}
+    finally:
+        Path(opts.optimized_model_filepath).unlink(missing_ok=True)
+    assert "QLinearConv" in ops and "Conv" not in ops, sorted(ops)
+
+
+def test_quantization_takes_the_components_its_method_covers(tiny_checkpoint, tiny_bundle, tmp_path, capsys):
+    """MatMulNBits and dynamic take the text encoder and transformer; static the VAE decoder only; the
+    VAE encoder nothing. Each refusal says why and writes nothing."""
+    for name in ("vae", "vae_encoder"):
+        with pytest.raises(QuantizationError, match="the VAE encoder is never quantized"):
+            parse_components(f"transformer,{name}")
+        with pytest.raises(QuantizationError, match="the VAE encoder is never quantized"):
+            QuantizationConfig(bits=8, method="QDQ", components=(name,))
+    with pytest.raises(QuantizationError, match="quantized with --method static only"):
+        QuantizationConfig(bits=8, components=("vae_decoder",))
+    with pytest.raises(QuantizationError, match="--method static is for the VAE decoder"):
+        QuantizationConfig(bits=8, method="QDQ", components=("transformer",))
+    with pytest.raises(QuantizationError, match="--method static quantizes to int8"):
+        QuantizationConfig(bits=4, method="QDQ", components=("vae_decoder",))
+    cases = [
+        (["--quantize", "int4", "--components", "text_encoder,vae"], "the VAE encoder is never quantized"),
+        (["--quantize", "int8", "--components", "vae_decoder"], "quantized with --method static only"),
+        (["--quantize", "int8", "--method", "static", "--components", "text_encoder"], "for the VAE decoder"),
+        (["--quantize", "int4", "--method", "static"], "--method static quantizes to int8"),
+    ]
+    for argv, message in cases:
+        assert main(["convert", "--checkpoint", str(tiny_checkpoint), "--out", str(tmp_path / "c"), *argv]) == 2
+        assert main(["quantize", "--bundle", str(tiny_bundle), "--out", str(tmp_path / "q"), *argv]) == 2
+        assert capsys.readouterr().err.count(message) == 2, argv
+    assert not any(tmp_path.iterdir()), "nothing written"
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8", "int4", "int8-dynamic", "int8-static"])
 def test_component_errors_within_tolerance(tiny_checkpoint, bundles, name):
-    # The VAE graphs of int8/int4 bundles are the fp32 bundle's (test_quantized_manifest_and_metadata).
-    components = ("text_encoder", "transformer", "vae") if name == "fp16" else QUANTIZED
+    # The VAE graphs of int8/int4 bundles are the fp32 bundle's (test_quantized_manifest_and_metadata),
+    # the text encoder and transformer of the static one too (test_static_manifest_and_graphs).
+    components = {"fp16": ("text_encoder", "transformer", "vae"), "int8-static": ("vae",)}.get(name, QUANTIZED)
     results = list(verify(tiny_checkpoint, bundles[name], components))
     print("\n".join(r.line() for r in results))
-    assert {r.component for r in results} == (set(COMPONENTS) if name == "fp16" else set(QUANTIZED))
+    expected = {"fp16": set(COMPONENTS), "int8-static": {"vae_encoder", "vae_decoder"}}.get(name, set(QUANTIZED))
+    assert {r.component for r in results} == expected
     failed = [r.line() for r in results if not r.ok]
     assert not failed, "\n".join(failed)
-    if name != "fp16":
+    if name == "int8-static":
+        # The decoder is held to its PSNR rule; the encoder, not quantized, to the fp32 one.
+        assert all((r.psnr is not None) == (r.component == "vae_decoder") for r in results)
+    elif name != "fp16":
         # The strong check: the quantized graphs compute the float32 model with dequantized weights.
         assert all(r.emulated_abs is not None for r in results if r.component in QUANTIZED)
 
 
-@pytest.mark.parametrize("name", ["fp32", "fp16", "int8", "int4", "int8-dynamic"])
+@pytest.mark.parametrize("name", ["fp32", "fp16", "int8", "int4", "int8-dynamic", "int8-static"])
 def test_end_to_end_psnr(tiny_checkpoint, tiny_bundle, bundles, name):
     bundle = tiny_bundle if name == "fp32" else bundles[name]
     (result,) = verify_images(tiny_checkpoint, bundle, cases=IMAGE_CASES[:1])
@@ -247,19 +330,7 @@ def test_bundle_sizes(tiny_bundle, bundles):
     assert sizes["int4"]["transformer.onnx"] < sizes["int8"]["transformer.onnx"] < sizes["fp32"]["transformer.onnx"]
     assert sizes["fp16"]["transformer.onnx"] < sizes["fp32"]["transformer.onnx"]
     assert sizes["int8"]["vae_decoder.onnx"] == sizes["fp32"]["vae_decoder.onnx"], "the VAE is not quantized"
-
-
-def test_vae_is_never_quantized(tiny_checkpoint, tiny_bundle, tmp_path, capsys):
-    for name in ("vae", "vae_encoder", "vae_decoder"):
-        with pytest.raises(QuantizationError, match="the VAE is never quantized"):
-            parse_components(f"transformer,{name}")
-        with pytest.raises(QuantizationError, match="the VAE is never quantized"):
-            QuantizationConfig(bits=8, components=(name,))
-    argv = ["--quantize", "int4", "--components", "text_encoder,vae"]
-    assert main(["convert", "--checkpoint", str(tiny_checkpoint), "--out", str(tmp_path / "c"), *argv]) == 2
-    assert main(["quantize", "--bundle", str(tiny_bundle), "--out", str(tmp_path / "q"), *argv]) == 2
-    assert capsys.readouterr().err.count("the VAE is never quantized") == 2
-    assert not any(tmp_path.iterdir()), "nothing written"
+    assert sizes["int8-static"]["vae_decoder.onnx"] < sizes["fp32"]["vae_decoder.onnx"] / 2
 
 
 def test_bf16_is_refused_with_the_reason(tiny_checkpoint, tmp_path, capsys):
@@ -333,7 +404,7 @@ def test_verify_against_the_fp32_bundle(tiny_bundle, bundles, capsys):
     assert main(["verify", "--bundle", str(bundles["int8"])]) == 2, "no checkpoint and no --against"
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "int8-dynamic"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int8-dynamic", "int8-static"])
 def test_cpu_cache_keeps_quantized_images(bundles, name, tmp_path):
     """`klein generate --cpu-cache`: the first run saves each graph with its prepacked quantized
     weights, the second maps them; both images equal the one made without the cache, byte for byte."""
