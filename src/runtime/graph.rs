@@ -104,9 +104,9 @@ pub fn load_graph(
     let model_dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
     // `from`: the file to load; `Cached` loads a saved optimised graph as it is, `Save` writes the
     // optimised graph and its prepacked weights to the given file.
-    let build = |device: Device, from: &From| -> std::result::Result<Session, LoadFailure> {
+    let build = |device: Device, from: &LoadFrom| -> std::result::Result<Session, LoadFailure> {
         let level = match from {
-            From::Cached(_) => OptimizationLevel::Disable,
+            LoadFrom::Cached(_) => OptimizationLevel::Disable,
             _ => optimization,
         };
         let builder = Session::builder(&runtime.environment)
@@ -114,7 +114,7 @@ pub fn load_graph(
             .with_optimization_level(level.to_ort())
             .map_err(|e| LoadFailure::Session(error_chain(&e)))?;
         let builder = match from {
-            From::Save(file) => save_optimized(builder, file)?,
+            LoadFrom::Save(file) => save_optimized(builder, file)?,
             _ => builder,
         };
         let builder = match patched {
@@ -158,7 +158,7 @@ pub fn load_graph(
         let strict = config.device != Device::Auto;
         let mut builder = register_device(builder, device, strict, &cuda, &coreml)?;
         let committed = match (&patched, from) {
-            (_, From::Cached(file)) => builder.commit_from_file(file),
+            (_, LoadFrom::Cached(file)) => builder.commit_from_file(file),
             (Some(bytes), _) => builder.commit_from_memory(bytes),
             (None, _) => builder.commit_from_file(path),
         };
@@ -211,7 +211,7 @@ pub fn load_graph(
             Some(entry) if candidate == Device::Cpu => {
                 build_cached(entry, name, |from| build(candidate, from), &mut warnings)
             }
-            _ => build(candidate, &From::Bundle),
+            _ => build(candidate, &LoadFrom::Bundle),
         };
         match built {
             Ok(session) => {
@@ -280,7 +280,7 @@ pub fn load_graph(
 }
 
 /// Which file a session is built from.
-enum From {
+enum LoadFrom {
     /// The bundle's graph (or its bytes with merged weights).
     Bundle,
     /// The bundle's graph, saving the optimised graph and its prepacked weights to this file.
@@ -296,11 +296,11 @@ enum From {
 fn build_cached(
     entry: &CacheEntry,
     name: &str,
-    build: impl Fn(&From) -> std::result::Result<Session, LoadFailure>,
+    build: impl Fn(&LoadFrom) -> std::result::Result<Session, LoadFailure>,
     warnings: &mut Vec<String>,
 ) -> std::result::Result<Session, LoadFailure> {
     if let Some(saved) = entry.saved() {
-        match build(&From::Cached(saved.clone())) {
+        match build(&LoadFrom::Cached(saved.clone())) {
             Ok(session) => return Ok(session),
             Err(failure) => {
                 warnings.push(format!(
@@ -318,10 +318,10 @@ fn build_cached(
             warnings.push(format!(
                 "the {name} graph was not saved to the CPU cache: {error}"
             ));
-            return build(&From::Bundle);
+            return build(&LoadFrom::Bundle);
         }
     };
-    match build(&From::Save(file)) {
+    match build(&LoadFrom::Save(file)) {
         Ok(session) => {
             if let Err(error) = entry.finish(&partial) {
                 warnings.push(format!(
@@ -333,7 +333,7 @@ fn build_cached(
         }
         Err(failure) => {
             let _ = std::fs::remove_dir_all(&partial);
-            let session = build(&From::Bundle)?;
+            let session = build(&LoadFrom::Bundle)?;
             warnings.push(format!(
                 "the {name} graph was not saved to the CPU cache: {}",
                 failure.message()
