@@ -423,6 +423,11 @@ def main(argv=None) -> int:
         choices=("auto", "on", "off"),
         help="also run diffusers in bfloat16: auto (the default) where the CPU has bf16 units (AVX512-BF16 or AMX)",
     )
+    p.add_argument(
+        "--no-diffusers-fp32",
+        action="store_true",
+        help="skip diffusers fp32 (at sizes where its peak memory would not fit the machine; say so with the figures)",
+    )
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--width", type=int, default=512)
@@ -463,7 +468,9 @@ def main(argv=None) -> int:
     isa = host_isa()
     bf16_units = bool({"avx512_bf16", "amx_bf16"} & set(isa))
     run_bf16 = args.diffusers_bf16 == "on" or (args.diffusers_bf16 == "auto" and bf16_units)
-    diffusers_runs = ["fp32"] + (["bf16"] if run_bf16 else [])
+    diffusers_runs = ([] if args.no_diffusers_fp32 else ["fp32"]) + (["bf16"] if run_bf16 else [])
+    if not diffusers_runs:
+        p.error("no diffusers run left: drop --no-diffusers-fp32 or run bf16")
     # A private copy: a `cargo build` elsewhere must not swap the binary between repetitions.
     klein = work / "klein-under-test"
     shutil.copy2(args.klein, klein)
@@ -483,6 +490,8 @@ def main(argv=None) -> int:
     print(f"instruction sets: {', '.join(isa) or 'none of those looked for'}")
     why = "the CPU has bf16 units" if bf16_units else "no bf16 units: diffusers' fastest CPU setting here is fp32"
     print(f"diffusers bf16: {'run' if run_bf16 else 'not run'} ({why}; --diffusers-bf16 {args.diffusers_bf16})")
+    if args.no_diffusers_fp32:
+        print("diffusers fp32: not run (--no-diffusers-fp32)")
     built = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(Path(args.klein).stat().st_mtime))
     print(f"klein binary: {args.klein} (built {built}), copied to {klein}")
 
