@@ -63,9 +63,10 @@ DYNAMIC_EMULATED_DB = 10.0
 # checkpoint, against 34.5 dB for the wide checkpoint's real-size decoder on a 512x512 image; the bar,
 # STATIC_COMPONENT_DB, is a few dB under, and far above a wrong or unfused graph (an unrelated image is
 # under 15 dB). Its image threshold (a bundle whose only quantized graph is the decoder), measured
-# 34.9 dB against diffusers fp32 on the tiny checkpoint, is PSNR_THRESHOLD[STATIC_KEY]. A bundle with a static decoder skips the comparison with dequantized
-# diffusers (the decoder's int8 error is not in that reference); its text encoder and transformer are
-# still checked against their emulation component by component.
+# 34.9 dB against diffusers fp32 on the tiny checkpoint, is PSNR_THRESHOLD[STATIC_KEY]. A bundle with a
+# static decoder skips the comparison with dequantized diffusers (the decoder's int8 error is not in
+# that reference); its text encoder and transformer are still checked against their emulation
+# component by component.
 STATIC_KEY = "int8-static"
 STATIC_COMPONENT_DB = 30.0
 PSNR_THRESHOLD[STATIC_KEY] = 28.0
