@@ -521,15 +521,17 @@ def main(argv=None) -> int:
     images = {key: [] for key in results}
     failed = False
     child_env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    def klein_cmd(bundle, stem, extra):
+        return [
+            str(klein), "generate", args.prompt, "--model", str(bundle), "--seed", str(args.seed),
+            "--width", str(width), "--height", str(height), "--steps", str(args.steps),
+            "--threads", str(args.threads), "--timings", "-o", f"{stem}.png", *extra,
+        ]  # fmt: skip
+
     cache_args = ["--cpu-cache", str(Path(args.klein_cpu_cache).resolve())] if args.klein_cpu_cache else []
     for name, bundle in bundles[1:] if cache_args else []:
         stem = work / f"klein-{name}-cache-fill"
-        cmd = [
-            str(klein), "generate", args.prompt, "--model", str(bundle), "--seed", str(args.seed),
-            "--width", str(width), "--height", str(height), "--steps", str(args.steps),
-            "--threads", str(args.threads), "--timings", "-o", f"{stem}.png", *cache_args,
-        ]
-        c = run_child(cmd, Path(f"{stem}.log"))
+        c = run_child(klein_cmd(bundle, stem, cache_args), Path(f"{stem}.log"))
         loads = ", ".join(" ".join(line.split()) for _, line in c["lines"] if line.strip().startswith("load "))
         print(f"klein {name}: CPU cache filled (exit {c['rc']}, {c['wall']:.1f} s wall; {loads})", flush=True)
         failed = failed or c["rc"] != 0
@@ -557,12 +559,7 @@ def main(argv=None) -> int:
         for name, bundle in bundles:
             key = f"klein {name}"
             stem = work / f"klein-{name}-rep{rep}"
-            cmd = [
-                str(klein), "generate", args.prompt, "--model", str(bundle), "--seed", str(args.seed),
-                "--width", str(width), "--height", str(height), "--steps", str(args.steps),
-                "--threads", str(args.threads), "--timings", "-o", f"{stem}.png",
-                *(cache_args if name != "fp32" else []),
-            ]
+            cmd = klein_cmd(bundle, stem, cache_args if name != "fp32" else [])
             quiet = wait_for_quiet(args.quiet_wait) if args.quiet_wait else math.nan
             c = run_child(cmd, Path(f"{stem}.log"))
             if c["rc"] != 0:

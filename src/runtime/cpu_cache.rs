@@ -114,32 +114,25 @@ fn cpu_identity() -> String {
     detected_features()
 }
 
+/// `[(name, detected), ...]` through the detection macro `$on` (`is_x86_feature_detected`, ...).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! detect {
+    ($on:ident: $($name:tt),*) => {
+        [$(($name, $on!($name))),*]
+    };
+}
+
 /// The architecture and the instruction sets the standard library detects.
 fn detected_features() -> String {
     #[cfg(target_arch = "x86_64")]
     let features = {
         use std::arch::is_x86_feature_detected as on;
-        [
-            ("avx", on!("avx")),
-            ("avx2", on!("avx2")),
-            ("fma", on!("fma")),
-            ("f16c", on!("f16c")),
-            ("avx512f", on!("avx512f")),
-            ("avx512bw", on!("avx512bw")),
-            ("avx512vnni", on!("avx512vnni")),
-        ]
+        detect!(on: "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vnni")
     };
     #[cfg(target_arch = "aarch64")]
     let features = {
         use std::arch::is_aarch64_feature_detected as on;
-        [
-            ("dotprod", on!("dotprod")),
-            ("i8mm", on!("i8mm")),
-            ("bf16", on!("bf16")),
-            ("fp16", on!("fp16")),
-            ("sve", on!("sve")),
-            ("sve2", on!("sve2")),
-        ]
+        detect!(on: "dotprod", "i8mm", "bf16", "fp16", "sve", "sve2")
     };
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     let features: [(&str, bool); 0] = [];
