@@ -1,15 +1,19 @@
-//! Inpainting and img2img inputs ([`Pipeline::load_source`], [`Pipeline::load_mask`]) and the
-//! per-step blend ([`Blend`]) of diffusers' `Flux2KleinInpaintPipeline`.
+//! Inpainting and img2img inputs ([`Pipeline::load_source`], [`Pipeline::load_mask`],
+//! [`Pipeline::crop_to_mask`]) and the per-step blend ([`Blend`]) of diffusers'
+//! `Flux2KleinInpaintPipeline`.
 use std::path::Path;
 
 use ndarray::{s, Array1, Array3, ArrayView3};
 
-use super::Pipeline;
-use crate::error::Result;
+use super::request::MaskCrop;
+use super::{Inpaint, Pipeline};
+use crate::error::{KleinError, Result};
 use crate::stages::inpaint::{blend, scale_noise};
 use crate::stages::mask::{preprocess_mask, Mask};
+use crate::stages::mask_crop::{crop_region, resize_and_fill};
 use crate::stages::reference::{
-    decode_image, decode_image_bytes, preprocess_source, ReferenceImage,
+    as_reference, decode_image, decode_image_bytes, preprocess_source, source_size,
+    ReferenceImage,
 };
 use crate::stages::schedule::Schedule;
 
@@ -57,6 +61,77 @@ impl Pipeline {
             source.width,
             source.height,
         ))
+    }
+}
+
+impl Pipeline {
+    /// Inpainting with diffusers' `padding_mask_crop` from files ([`Self::crop_to_mask`]).
+    pub fn load_cropped(
+        &self,
+        image: &Path,
+        mask: &Path,
+        padding: u32,
+        strength: f64,
+    ) -> Result<Inpaint> {
+        self.crop_to_mask(
+            decode_image(image)?,
+            decode_image(mask)?,
+            padding,
+            strength,
+            (image, mask),
+        )
+    }
+
+    /// Inpainting of the mask's region only, as diffusers' `padding_mask_crop`
+    /// ([`crate::stages::mask_crop`]): the box around the mask's white, `padding` pixels wider,
+    /// grown to the output's aspect ratio, is cut from the source and the mask and resized to
+    /// the size the whole source would be generated at; the result is pasted back into the
+    /// whole source through the mask, so the output has the source's size. `mask` must have the
+    /// source's size. A source above the references' `max_area` is cropped at full resolution
+    /// (diffusers crops the downscaled source, and needs a mask of that size). `labels` name
+    /// the source and mask in errors.
+    pub fn crop_to_mask(
+        &self,
+        source: image::RgbImage,
+        mask: image::RgbImage,
+        padding: u32,
+        strength: f64,
+        labels: (&Path, &Path),
+    ) -> Result<Inpaint> {
+        let mask_error = |reason: String| KleinError::Image {
+            path: labels.1.to_path_buf(),
+            reason,
+        };
+        let (width, height) = source.dimensions();
+        if mask.dimensions() != (width, height) {
+            return Err(mask_error(format!(
+                "the mask is {}x{} and the source image {width}x{height}: cropping to the mask                  needs a mask of the source's size (the result is pasted back through it)",
+                mask.width(),
+                mask.height()
+            )));
+        }
+        let (out_w, out_h) = source_size(
+            width,
+            height,
+            self.manifest.references.limits.max_area,
+            self.manifest.latents.pixel_multiple,
+            labels.0,
+        )?;
+        let region = crop_region(&mask, out_w, out_h, padding).ok_or_else(|| {
+            mask_error(
+                "the mask is black everywhere: there is nothing to repaint, so no region to                  crop to"
+                    .into(),
+            )
+        })?;
+        let image = as_reference(&resize_and_fill(&region.crop(&source), out_w, out_h));
+        let region_mask = preprocess_mask(
+            &resize_and_fill(&region.crop(&mask), out_w, out_h),
+            out_w,
+            out_h,
+        );
+        let mut inpaint = Inpaint::new(image, Some(region_mask), strength);
+        inpaint.crop = Some(MaskCrop::new(region, padding, source, mask));
+        Ok(inpaint)
     }
 }
 

@@ -57,6 +57,9 @@ impl Pipeline {
         if let Some(strength) = g.strength {
             text.push(("strength".into(), strength.to_string()));
             text.push(("mask".into(), if g.masked { "yes" } else { "no" }.into()));
+            if let Some(padding) = g.mask_crop {
+                text.push(("mask_crop".into(), padding.to_string()));
+            }
         }
         if g.vae_tiled {
             text.push(("vae_tiling".into(), "on".into()));

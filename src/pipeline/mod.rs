@@ -32,7 +32,7 @@ pub use denoise::{DenoiseContext, ReferenceTokens};
 pub use options::{PipelineOptions, VaeTiling};
 pub use progress::{Progress, ProgressFn, Stage, StepPreview, Timings};
 pub use prompts::{CacheLookup, PromptCache, PromptEmbeds, PromptMemo};
-pub use request::{Inpaint, Request};
+pub use request::{Inpaint, MaskCrop, Request};
 
 pub use graphs::Placement;
 use graphs::{GraphSource, LoadedGraphs};
@@ -73,6 +73,8 @@ pub struct Generation {
     /// Inpainting and img2img: the strength, and whether a mask limited the repaint.
     pub strength: Option<f64>,
     pub masked: bool,
+    /// `padding_mask_crop`: the padding of the region that was inpainted and pasted back.
+    pub mask_crop: Option<u32>,
     pub prompt_truncated: bool,
     pub timings: Timings,
 }
@@ -636,6 +638,15 @@ impl Pipeline {
             // 7. Decode.
             images.extend(self.decode(latents.view(), lat_h, lat_w, Some(&mut *progress))?);
         }
+        // 8. `padding_mask_crop`: the region's images pasted back into the whole source.
+        let crop = request.inpaint.as_ref().and_then(|i| i.crop.as_ref());
+        let (width, height) = match crop {
+            Some(crop) => {
+                images = images.iter().map(|image| crop.paste_back(image)).collect();
+                crop.size()
+            }
+            None => (width, height),
+        };
         Ok(Generation {
             images,
             width,
@@ -646,6 +657,7 @@ impl Pipeline {
             negative_prompt: request.negative_prompt.clone(),
             strength: request.inpaint.as_ref().map(|i| i.strength),
             masked: request.inpaint.as_ref().is_some_and(|i| i.mask.is_some()),
+            mask_crop: crop.map(|c| c.padding),
             vae_tiled: self.vae_tiles(width as usize, height as usize)?,
             prompt_truncated: embeds.truncated,
             timings: Timings::new(),

@@ -12,6 +12,8 @@ use crate::limits::{
 use crate::runtime::SessionConfig;
 use crate::stages::inpaint::first_step;
 use crate::stages::mask::Mask;
+use crate::stages::mask_crop::{paste_back, CropRegion};
+use crate::stages::output::RgbImage;
 use crate::stages::reference::ReferenceImage;
 
 /// Inpainting and img2img, as diffusers' `Flux2KleinInpaintPipeline`: the output starts from the
@@ -28,6 +30,9 @@ pub struct Inpaint {
     /// In (0, 1]: the share of the schedule that runs
     /// ([`crate::stages::inpaint::DEFAULT_STRENGTH`] says why 1.0 is klein's default).
     pub strength: f64,
+    /// `padding_mask_crop` ([`super::Pipeline::crop_to_mask`]): `image` and `mask` are then the
+    /// mask's region, and the output is pasted back into the whole source.
+    pub crop: Option<MaskCrop>,
 }
 
 impl Inpaint {
@@ -36,7 +41,56 @@ impl Inpaint {
             image,
             mask,
             strength,
+            crop: None,
         }
+    }
+}
+
+/// diffusers' `padding_mask_crop`: the region of the source that was inpainted
+/// ([`crate::stages::mask_crop`]), and the source and mask as given, to paste the result back.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct MaskCrop {
+    pub region: CropRegion,
+    /// Pixels of context added around the mask's box before it is widened to the output's
+    /// aspect ratio.
+    pub padding: u32,
+    source: image::RgbImage,
+    mask: image::RgbImage,
+}
+
+impl MaskCrop {
+    pub(crate) fn new(
+        region: CropRegion,
+        padding: u32,
+        source: image::RgbImage,
+        mask: image::RgbImage,
+    ) -> Self {
+        MaskCrop {
+            region,
+            padding,
+            source,
+            mask,
+        }
+    }
+
+    /// The whole source with `generated` (the region's image) laid in through the mask
+    /// ([`paste_back`]).
+    pub fn paste_back(&self, generated: &RgbImage) -> RgbImage {
+        let generated =
+            image::RgbImage::from_raw(generated.width, generated.height, generated.pixels.clone())
+                .unwrap_or_else(|| unreachable!("an RgbImage holds width * height * 3 bytes"));
+        let whole = paste_back(&self.source, &self.mask, &generated, self.region);
+        RgbImage {
+            width: whole.width(),
+            height: whole.height(),
+            pixels: whole.into_raw(),
+        }
+    }
+
+    /// The size of the output: the source's.
+    pub fn size(&self) -> (u32, u32) {
+        self.source.dimensions()
     }
 }
 

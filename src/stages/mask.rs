@@ -37,7 +37,7 @@ pub fn preprocess_mask(rgb: &RgbImage, width: u32, height: u32) -> Mask {
 }
 
 /// Pillow's `convert("L")` of one RGB pixel (ITU-R 601-2 luma in 16-bit fixed point, rounded).
-fn luma([r, g, b]: [u8; 3]) -> u8 {
+pub(crate) fn luma([r, g, b]: [u8; 3]) -> u8 {
     ((u32::from(r) * 19595 + u32::from(g) * 38470 + u32::from(b) * 7471 + 0x8000) >> 16) as u8
 }
 

@@ -1,10 +1,11 @@
 //! The pure stages of the pipeline, each as diffusers computes it, with no ONNX Runtime: prompt
 //! tokens, seeded noise, latent packing and position ids, the flow-matching schedule, reference
-//! preprocessing, the inpainting mask and strength, LoRA files, the output's pixels and its step previews, and the tiles of tiled VAE runs.
+//! preprocessing, the inpainting mask, its crop and the strength, LoRA files, the output's pixels and its step previews, and the tiles of tiled VAE runs.
 pub mod inpaint;
 pub mod latents;
 pub mod lora;
 pub mod mask;
+pub mod mask_crop;
 pub mod noise;
 pub mod output;
 pub mod preview;

@@ -2,7 +2,7 @@
 use std::path::PathBuf;
 
 use clap::{ArgGroup, Args, Parser, Subcommand};
-use klein::limits::MAX_BATCH;
+use klein::limits::{MAX_BATCH, MAX_SIDE};
 use klein::pipeline::{LoraSpec, PipelineOptions, VaeTiling};
 use klein::runtime::{
     ComputeUnits, ConvSearch, CoreMlOptions, CudaOptions, Device, RuntimeOptions,
@@ -74,7 +74,7 @@ pub(crate) struct ServeArgs {
 pub(crate) struct GenerateArgs {
     /// The prompt (may be empty); or --prompts for many
     pub(crate) prompt: Option<String>,
-    /// JSON Lines file, one image per line: {"prompt": "...", "seed": 7, "width": 512, "height": 512, "steps": 4, "guidance": 1.0, "refs": ["a.png"], "image": "src.png", "mask": "mask.png", "strength": 0.75, "loras": ["style.safetensors:0.8"], "name": "fox"} (only "prompt" is required; refs, image, mask and loras are relative to the file; a line without "loras" takes --lora). Other options apply to every line that does not set them
+    /// JSON Lines file, one image per line: {"prompt": "...", "seed": 7, "width": 512, "height": 512, "steps": 4, "guidance": 1.0, "refs": ["a.png"], "image": "src.png", "mask": "mask.png", "strength": 0.75, "mask_crop": 32, "loras": ["style.safetensors:0.8"], "name": "fox"} (only "prompt" is required; refs, image, mask and loras are relative to the file; a line without "loras" takes --lora). Other options apply to every line that does not set them
     #[arg(
         long,
         value_name = "FILE",
@@ -121,6 +121,9 @@ pub(crate) struct GenerateArgs {
     /// How much of --image is repainted, above 0 to 1: the share of the steps that run, from the source noised to that level [default: 1.0; diffusers' 0.8 runs the same 4 steps]
     #[arg(long, requires = "image")]
     pub(crate) strength: Option<f64>,
+    /// Inpaint only the mask's region (diffusers' padding_mask_crop): the box around the mask's white, grown by PIXELS on each side and to the output's aspect ratio, is generated at the source's processing size, then pasted back into the whole source through the mask; the output has the source's size. The mask must have the source's size
+    #[arg(long, value_name = "PIXELS", requires = "mask", value_parser = clap::value_parser!(u32).range(0..=MAX_SIDE as i64))]
+    pub(crate) mask_crop: Option<u32>,
     /// LoRA to merge into the transformer, FILE or FILE:SCALE (repeatable, at most 16; scale -100 to 100, default 1; may be negative): diffusers/PEFT, BFL/ai-toolkit, kohya and LoKr (BFL, LyCORIS) .safetensors files
     #[arg(long = "lora", value_name = "FILE[:SCALE]", value_parser = parse_lora)]
     pub(crate) loras: Vec<LoraSpec>,

@@ -12,6 +12,9 @@ use klein::stages::output::encode_png;
 use klein::KleinError;
 use serde::Serialize;
 
+/// A line's inpainting inputs: source image, mask, strength and mask crop padding.
+type InpaintFiles<'a> = (Option<&'a Path>, Option<&'a Path>, Option<f64>, Option<u32>);
+
 use crate::args::{default_model, pipeline_options, GenerateArgs};
 use crate::jsonl::{parse_batch, BatchLine};
 use crate::outputs::random_seed;
@@ -442,7 +445,7 @@ impl BatchJob<'_> {
         );
         let refs: Vec<String> = line.refs.iter().map(|r| r.display().to_string()).collect();
         let mut text = pipeline.image_metadata(&generation, &line.prompt, &refs, self.bundle_hash);
-        let (image, mask, _) = self.inpaint_files(args);
+        let (image, mask, _, _) = self.inpaint_files(args);
         text.extend(crate::inpaint_metadata(image, mask));
         let image = generation
             .images
@@ -452,19 +455,22 @@ impl BatchJob<'_> {
         Ok(())
     }
 
-    /// The line's source image, mask and strength: with its own image, its own mask and strength;
-    /// else each from the line, else from the command line.
-    fn inpaint_files<'b>(
-        &'b self,
-        args: &'b GenerateArgs,
-    ) -> (Option<&'b Path>, Option<&'b Path>, Option<f64>) {
+    /// The line's source image, mask, strength and mask crop: with its own image, its own mask,
+    /// strength and crop; else each from the line, else from the command line.
+    fn inpaint_files<'b>(&'b self, args: &'b GenerateArgs) -> InpaintFiles<'b> {
         let line = self.line;
         match &line.image {
-            Some(image) => (Some(image), line.mask.as_deref(), line.strength),
+            Some(image) => (
+                Some(image),
+                line.mask.as_deref(),
+                line.strength,
+                line.mask_crop,
+            ),
             None => (
                 args.image.as_deref(),
                 line.mask.as_deref().or(args.mask.as_deref()),
                 line.strength.or(args.strength),
+                line.mask_crop.or(args.mask_crop),
             ),
         }
     }
@@ -492,8 +498,8 @@ impl BatchJob<'_> {
             .then_some(usize::from(args.preview_every));
         // Every number, then the references from their headers, before any is decoded.
         request.check_bounds()?;
-        let (image, mask, strength) = self.inpaint_files(args);
-        request.inpaint = crate::load_inpaint(pipeline, image, mask, strength)?;
+        let (image, mask, strength, mask_crop) = self.inpaint_files(args);
+        request.inpaint = crate::load_inpaint(pipeline, image, mask, strength, mask_crop)?;
         let source_size = request
             .inpaint
             .as_ref()

@@ -6,11 +6,12 @@
 //! {"prompt": "a red fox", "seed": 7, "width": 768, "height": 512, "steps": 4, "guidance": 1.0,
 //!  "refs": ["refs/fox.png"], "loras": ["style.safetensors:0.8"], "name": "fox"}
 //! {"prompt": "a red hat", "image": "photo.png", "mask": "hat.png", "strength": 0.75}
+//! {"prompt": "a blue hat", "image": "photo.png", "mask": "hat.png", "mask_crop": 32}
 //! ```
 //!
 //! Only `prompt` is required; unknown keys are refused (a typo such as `"sead"` would otherwise be
-//! silently ignored). `image`, `mask` and `strength` inpaint (as `--image`, `--mask`,
-//! `--strength`; a line without `image` takes the command line's). `refs`, `image`, `mask` and
+//! silently ignored). `image`, `mask`, `strength` and `mask_crop` inpaint (as `--image`, `--mask`,
+//! `--strength`, `--mask-crop`; a line without `image` takes the command line's). `refs`, `image`, `mask` and
 //! `loras` are relative to the directory of the file; a line without
 //! `loras` takes the command line's `--lora`s, `"loras": []` none. `name` is the output file
 //! stem; by default the line number, zero-padded to four digits (`0007`). A line that cannot be
@@ -44,6 +45,8 @@ pub(crate) struct BatchLine {
     pub image: Option<PathBuf>,
     pub mask: Option<PathBuf>,
     pub strength: Option<f64>,
+    /// `padding_mask_crop` (as `--mask-crop`).
+    pub mask_crop: Option<u32>,
     /// LoRAs of this line, resolved against the file's directory (`None`: the command line's).
     pub loras: Option<Vec<LoraSpec>>,
 }
@@ -77,6 +80,7 @@ struct LineJson {
     image: Option<PathBuf>,
     mask: Option<PathBuf>,
     strength: Option<f64>,
+    mask_crop: Option<u32>,
     /// `FILE` or `FILE:SCALE` each.
     loras: Option<Vec<String>>,
     name: Option<String>,
@@ -161,6 +165,7 @@ pub(crate) fn parse_batch(
             image: json.image.map(|p| base_dir.join(p)),
             mask: json.mask.map(|p| base_dir.join(p)),
             strength: json.strength,
+            mask_crop: json.mask_crop,
             loras: json.loras.map(|loras| {
                 loras
                     .iter()

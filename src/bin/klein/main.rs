@@ -95,6 +95,7 @@ pub(crate) fn load_inpaint(
     image: Option<&Path>,
     mask: Option<&Path>,
     strength: Option<f64>,
+    mask_crop: Option<u32>,
 ) -> anyhow::Result<Option<Inpaint>> {
     let Some(image) = image else {
         if mask.is_some() || strength.is_some() {
@@ -104,15 +105,21 @@ pub(crate) fn load_inpaint(
         }
         return Ok(None);
     };
+    let strength = strength.unwrap_or(DEFAULT_STRENGTH);
+    if let Some(padding) = mask_crop {
+        let Some(mask) = mask else {
+            return Err(UsageError(
+                "--mask-crop needs a mask (--mask): it crops the source to the mask's region".into(),
+            )
+            .into());
+        };
+        return Ok(Some(pipeline.load_cropped(image, mask, padding, strength)?));
+    }
     let source = pipeline.load_source(image)?;
     let mask = mask
         .map(|path| pipeline.load_mask(path, &source))
         .transpose()?;
-    Ok(Some(Inpaint::new(
-        source,
-        mask,
-        strength.unwrap_or(DEFAULT_STRENGTH),
-    )))
+    Ok(Some(Inpaint::new(source, mask, strength)))
 }
 
 /// The `--preview` files for `n` images (as `-o` names outputs), PNG only; none without it.
@@ -173,6 +180,7 @@ fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
         args.image.as_deref(),
         args.mask.as_deref(),
         args.strength,
+        args.mask_crop,
     )?;
     let refs: Vec<&Path> = args.refs.iter().map(PathBuf::as_path).collect();
     let source_size = request

@@ -215,7 +215,6 @@ pub fn preprocess_source(
     pixel_multiple: u32,
     label: &Path,
 ) -> Result<ReferenceImage> {
-    let fail = image_error(label);
     let (width, height) = rgb.dimensions();
     let rgb = if u64::from(width) * u64::from(height) > max_area {
         let (w, h) = target_area_size(width, height, max_area);
@@ -223,14 +222,7 @@ pub fn preprocess_source(
     } else {
         Cow::Borrowed(rgb)
     };
-    let (full_w, full_h) = rgb.dimensions();
-    let multiple = pixel_multiple.max(1);
-    let (out_w, out_h) = (full_w / multiple * multiple, full_h / multiple * multiple);
-    if out_w == 0 || out_h == 0 {
-        return Err(fail(format!(
-            "the source image is {width}x{height}: both sides must be at least {multiple} px"
-        )));
-    }
+    let (out_w, out_h) = source_size(width, height, max_area, pixel_multiple, label)?;
     let rgb = resize::resize_lanczos(&rgb, out_w, out_h);
     Ok(ReferenceImage {
         width: out_w,
@@ -239,9 +231,57 @@ pub fn preprocess_source(
     })
 }
 
+/// An RGB image already at its processed size as the VAE encoder takes it (`x / 255 * 2 - 1`).
+pub(crate) fn as_reference(rgb: &RgbImage) -> ReferenceImage {
+    let (width, height) = rgb.dimensions();
+    ReferenceImage {
+        width,
+        height,
+        pixels: to_pixels(rgb, 0, 0, width, height),
+    }
+}
+
 /// `Image.resize((width, height), LANCZOS)` of Pillow on an RGB8 image, bit for bit.
 pub(crate) fn resize_like_pillow(rgb: &RgbImage, width: u32, height: u32) -> RgbImage {
     resize::resize_lanczos(rgb, width, height)
+}
+
+/// `Image.resize((width, height), box=bounds)` of Pillow on an RGB8 image (its default filter,
+/// BICUBIC), bit for bit: `bounds` (left, top, right, bottom) is the span of `rgb` resampled,
+/// possibly of zero width or height.
+pub(crate) fn resize_box_like_pillow(
+    rgb: &RgbImage,
+    width: u32,
+    height: u32,
+    bounds: [u32; 4],
+) -> RgbImage {
+    resize::resize_box(rgb, resize::Filter::Bicubic, width, height, bounds)
+}
+
+/// The size [`preprocess_source`] gives a `width` x `height` source: above `max_area` pixels
+/// scaled down to it, then both sides floored to `pixel_multiple`. Refuses a side that floors to
+/// nothing.
+pub(crate) fn source_size(
+    width: u32,
+    height: u32,
+    max_area: u64,
+    pixel_multiple: u32,
+    label: &Path,
+) -> Result<(u32, u32)> {
+    let (full_w, full_h) = if u64::from(width) * u64::from(height) > max_area {
+        let (w, h) = target_area_size(width, height, max_area);
+        (w.max(1), h.max(1))
+    } else {
+        (width, height)
+    };
+    let multiple = pixel_multiple.max(1);
+    let (out_w, out_h) = (full_w / multiple * multiple, full_h / multiple * multiple);
+    if out_w == 0 || out_h == 0 {
+        return Err(image_error(label)(format!(
+            "the source image is {width}x{height}: both sides must be at least {multiple} px"
+        )));
+    }
+    Ok((out_w, out_h))
 }
 
 /// The `width` x `height` window at (`left`, `top`) of `rgb` as the VAE takes it:

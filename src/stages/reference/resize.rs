@@ -1,12 +1,12 @@
-//! `Image.resize(size, LANCZOS)` of Pillow on an RGB8 image (`libImaging/Resample.c`), bit for
-//! bit: the filter taps in f64, normalised to 22-bit fixed point, the horizontal pass over the rows
-//! the vertical pass needs, then the vertical pass.
+//! `Image.resize(size, LANCZOS)` (and `BICUBIC`, Pillow's default filter) of Pillow on an RGB8
+//! image (`libImaging/Resample.c`), bit for bit: the filter taps in f64, normalised to 22-bit fixed
+//! point, the horizontal pass over the rows the vertical pass needs, then the vertical pass.
 use std::borrow::Cow;
 use std::f64::consts::PI;
 
 use image::RgbImage;
 
-/// Pillow's LANCZOS filter (`Resample.c`): a 3-lobe windowed sinc.
+/// Pillow's LANCZOS filter support (`Resample.c`): a 3-lobe windowed sinc.
 const LANCZOS_SUPPORT: f64 = 3.0;
 /// `PRECISION_BITS` of `Resample.c`: 8 bits for the result, 2 for overshoot, in an int32.
 const PRECISION_BITS: u32 = 32 - 8 - 2;
@@ -27,6 +27,42 @@ fn lanczos(x: f64) -> f64 {
     }
 }
 
+/// Pillow's BICUBIC filter (`bicubic_filter`, a = -0.5), support 2.
+fn bicubic(x: f64) -> f64 {
+    const A: f64 = -0.5;
+    let x = x.abs();
+    if x < 1.0 {
+        ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0
+    } else if x < 2.0 {
+        (((x - 5.0) * x + 8.0) * x - 4.0) * A
+    } else {
+        0.0
+    }
+}
+
+/// A resampling filter of `Resample.c`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Filter {
+    Lanczos,
+    Bicubic,
+}
+
+impl Filter {
+    fn support(self) -> f64 {
+        match self {
+            Filter::Lanczos => LANCZOS_SUPPORT,
+            Filter::Bicubic => 2.0,
+        }
+    }
+
+    fn weight(self, x: f64) -> f64 {
+        match self {
+            Filter::Lanczos => lanczos(x),
+            Filter::Bicubic => bicubic(x),
+        }
+    }
+}
+
 /// The filter taps of one axis (`precompute_coeffs` + `normalize_coeffs_8bpc` of `Resample.c`):
 /// output pixel `i` reads `count[i]` input pixels from `first[i]` with fixed-point `weights`.
 struct Taps {
@@ -38,12 +74,13 @@ struct Taps {
 }
 
 impl Taps {
-    /// For the whole input (`box` = `(0, in_size)`), as `Image.resize` without a box uses.
-    fn new(in_size: u32, out_size: u32) -> Self {
+    /// For the input span `in0..in1` (`box` of `Image.resize`; the whole axis without one).
+    /// A span of zero length samples the filter around one edge, as Pillow does.
+    fn new(filter: Filter, in_size: u32, in0: f64, in1: f64, out_size: u32) -> Self {
         // `in1 - in0` is computed in float in Pillow; exact for image sizes.
-        let scale = f64::from(in_size) / f64::from(out_size);
+        let scale = (in1 - in0) / f64::from(out_size);
         let filter_scale = scale.max(1.0);
-        let support = LANCZOS_SUPPORT * filter_scale;
+        let support = filter.support() * filter_scale;
         let stride = support.ceil() as usize * 2 + 1;
         let out_size = out_size as usize;
         let mut taps = Taps {
@@ -54,7 +91,7 @@ impl Taps {
         };
         let mut k = vec![0.0f64; stride];
         for xx in 0..out_size {
-            let center = (xx as f64 + 0.5) * scale;
+            let center = in0 + (xx as f64 + 0.5) * scale;
             let ss = 1.0 / filter_scale;
             // C `(int)` truncates toward zero, as `as` does.
             let xmin = ((center - support + 0.5) as i64).max(0);
@@ -62,7 +99,7 @@ impl Taps {
             let count = xmax.max(0) as usize;
             let mut total = 0.0;
             for (x, w) in k.iter_mut().enumerate().take(count) {
-                *w = lanczos(((x as i64 + xmin) as f64 - center + 0.5) * ss);
+                *w = filter.weight(((x as i64 + xmin) as f64 - center + 0.5) * ss);
                 total += *w;
             }
             let row = &mut taps.weights[xx * stride..(xx + 1) * stride];
@@ -96,8 +133,25 @@ impl Taps {
 /// pass over the rows the vertical pass needs, then vertical pass, in 8-bit fixed point.
 pub(super) fn resize_lanczos(src: &RgbImage, width: u32, height: u32) -> RgbImage {
     let (in_w, in_h) = src.dimensions();
-    let vertical = Taps::new(in_h, height);
-    let horizontal = (width != in_w).then(|| Taps::new(in_w, width));
+    resize_box(src, Filter::Lanczos, width, height, [0, 0, in_w, in_h])
+}
+
+/// `Image.resize((width, height), filter, box=(left, top, right, bottom))`: the box's span of
+/// the source (possibly of zero width or height) resampled to `width` x `height`.
+pub(super) fn resize_box(
+    src: &RgbImage,
+    filter: Filter,
+    width: u32,
+    height: u32,
+    bounds: [u32; 4],
+) -> RgbImage {
+    let (in_w, in_h) = src.dimensions();
+    let [left, top, right, bottom] = bounds.map(f64::from);
+    // `ImagingResampleInner`: a pass runs when its size or its span changes.
+    let need_horizontal = width != in_w || bounds[0] != 0 || bounds[2] != width;
+    let need_vertical = height != in_h || bounds[1] != 0 || bounds[3] != height;
+    let vertical = Taps::new(filter, in_h, top, bottom, height);
+    let horizontal = need_horizontal.then(|| Taps::new(filter, in_w, left, right, width));
     // Rows of the source the vertical pass reads.
     let first_row = vertical.first.first().copied().unwrap_or(0);
     let last_row = match (vertical.first.last(), vertical.count.last()) {
@@ -118,7 +172,7 @@ pub(super) fn resize_lanczos(src: &RgbImage, width: u32, height: u32) -> RgbImag
         )),
         None => Cow::Borrowed(src),
     };
-    if height == in_h {
+    if !need_vertical {
         return temp.into_owned();
     }
     // Rows of `temp` are counted from `first_row` when the horizontal pass made it.
