@@ -131,6 +131,11 @@ pub struct KleinRequest {
     pub preview_every: u32,
     pub preview: KleinPreviewFn,
     pub preview_user_data: *mut c_void,
+    /// Inpainting with `mask_path`: non-zero crops to the mask's region, as diffusers'
+    /// `padding_mask_crop` (`Pipeline::crop_to_mask`), with `mask_crop_padding` pixels of context;
+    /// the output then has the source image's size (not floored to 16). 0: the whole source.
+    pub mask_crop: u8,
+    pub mask_crop_padding: u32,
 }
 
 /// Called with a step preview of image `image` (0-based in the batch) after step `step` of
@@ -610,6 +615,8 @@ unsafe fn to_request(
         preview_every,
         preview,
         preview_user_data: _,
+        mask_crop,
+        mask_crop_padding,
     } = *request;
     // SAFETY: the caller's guarantee.
     let prompt = unsafe { required_str(prompt, "request.prompt") }?;
@@ -646,29 +653,43 @@ unsafe fn to_request(
         files.push(Path::new(path));
     }
     result.inpaint = if image_path.is_null() {
-        if !mask_path.is_null() || strength != 0.0 {
+        if !mask_path.is_null() || strength != 0.0 || mask_crop != 0 {
             return Err(Failure::invalid(
-                "request.mask_path and request.strength need request.image_path",
+                "request.mask_path, request.strength and request.mask_crop need request.image_path",
             ));
         }
         None
     } else {
         // SAFETY: the caller's guarantee.
-        let image = unsafe { required_str(image_path, "request.image_path") }?;
-        let source = pipeline.load_source(Path::new(image))?;
-        let mask = if mask_path.is_null() {
-            None
-        } else {
-            // SAFETY: the caller's guarantee.
-            let mask = unsafe { required_str(mask_path, "request.mask_path") }?;
-            Some(pipeline.load_mask(Path::new(mask), &source)?)
-        };
+        let image = Path::new(unsafe { required_str(image_path, "request.image_path") }?);
         let strength = if strength == 0.0 {
             DEFAULT_STRENGTH
         } else {
             strength
         };
-        Some(Inpaint::new(source, mask, strength))
+        let mask = if mask_path.is_null() {
+            None
+        } else {
+            // SAFETY: the caller's guarantee.
+            Some(Path::new(unsafe {
+                required_str(mask_path, "request.mask_path")
+            }?))
+        };
+        match (mask, mask_crop != 0) {
+            (Some(mask), true) => {
+                Some(pipeline.load_cropped(image, mask, mask_crop_padding, strength)?)
+            }
+            (None, true) => {
+                return Err(Failure::invalid(
+                    "request.mask_crop needs request.mask_path: it crops to the mask's region",
+                ))
+            }
+            (mask, false) => {
+                let source = pipeline.load_source(image)?;
+                let mask = mask.map(|m| pipeline.load_mask(m, &source)).transpose()?;
+                Some(Inpaint::new(source, mask, strength))
+            }
+        }
     };
     let source_size = result
         .inpaint

@@ -22,3 +22,6 @@ pub mod runtime;
 pub mod stages;
 
 pub use error::{KleinError, Result};
+/// The `image` crate whose `RgbImage` the decoding functions and [`pipeline::Pipeline::crop_to_mask`]
+/// take and return, so that callers need not match its version.
+pub use image;

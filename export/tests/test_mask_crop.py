@@ -65,9 +65,9 @@ def test_cli_equals_diffusers_padding_mask_crop(inpaint, tiny_bundle, case, tmp_
     synthetic_image(sw, sh, "RGB", seed=seed).save(source)
     box_mask((sw, sh), box).save(mask)
     prompt = f"repaint the region: {name}"
-    fitted = VaeImageProcessor().apply_overlay
-    want = diffusers_image(inpaint, prompt, source, mask, padding, strength, seed, fitted)
-    centre_crop = diffusers_image(inpaint, prompt, source, mask, padding, strength, seed, inpaint.image_processor.apply_overlay)
+    inputs = (prompt, source, mask, padding, strength, seed)
+    want = diffusers_image(inpaint, *inputs, VaeImageProcessor().apply_overlay)
+    centre_crop = diffusers_image(inpaint, *inputs, inpaint.image_processor.apply_overlay)
 
     out = tmp_path / "klein.png"
     args = [prompt, "--image", str(source), "--mask", str(mask), "--mask-crop", str(padding), "--seed", str(seed)]

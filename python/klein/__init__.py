@@ -360,6 +360,7 @@ class Pipeline:
         mask_image: ImageInput | None = None,
         image_reference: ImageInput | Sequence[ImageInput] | None = None,
         strength: float | None = None,
+        padding_mask_crop: int | None = None,
         num_inference_steps: int | None = None,
         guidance_scale: float | None = None,
         negative_prompt: str | None = None,
@@ -375,8 +376,10 @@ class Pipeline:
         source (the output has its size, floored to multiples of 16), ``mask_image`` where to
         repaint (white; black is kept; None: img2img, everything repainted), ``image_reference``
         extra references, ``strength`` in (0, 1] the share of the steps that run (default 1.0,
-        where diffusers' is 0.8: at 4 steps both run the same schedule). The other arguments are
-        ``__call__``'s."""
+        where diffusers' is 0.8: at 4 steps both run the same schedule). ``padding_mask_crop``
+        (pixels) inpaints only the mask's region, padded, and pastes it back into the whole source
+        (the output then has the source's size; the mask must have it too), as diffusers'
+        argument of that name. The other arguments are ``__call__``'s."""
         sources, masks = _references(image), _references(mask_image)
         if len(sources) != 1 or len(masks) > 1:
             raise InvalidInputError("invalid request: inpaint takes one source image and at most one mask_image")
@@ -387,6 +390,7 @@ class Pipeline:
                 "source": sources[0],
                 "mask": masks[0] if masks else None,
                 "strength": _number("strength", strength),
+                "mask_crop": _count("padding_mask_crop", padding_mask_crop),
             },
             height=None,
             width=None,

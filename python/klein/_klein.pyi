@@ -89,6 +89,7 @@ class Pipeline:
         source: str | tuple[bytes, str] | None = None,
         mask: str | tuple[bytes, str] | None = None,
         strength: float | None = None,
+        mask_crop: int | None = None,
         preview_every: int | None = None,
         preview: Callable[[int, int, list[tuple[bytes, int, int]]], object] | None = None,
     ) -> Generation: ...

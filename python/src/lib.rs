@@ -22,6 +22,7 @@ use klein::pipeline::{
 use klein::runtime::{Device, RuntimeOptions};
 use klein::stages::inpaint::DEFAULT_STRENGTH;
 use klein::stages::output::{encode_image, ImageFormat};
+use klein::stages::reference::{decode_image, decode_image_bytes};
 use klein::KleinError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -156,6 +157,8 @@ struct InpaintArgs {
     source: Reference,
     mask: Option<Reference>,
     strength: f64,
+    /// `padding_mask_crop`: crop to the mask's region with this padding.
+    mask_crop: Option<u32>,
 }
 
 impl Reference {
@@ -165,11 +168,29 @@ impl Reference {
             Reference::Encoded(_, label) => label,
         }
     }
+
+    /// The image as RGB, unprocessed.
+    fn decode(&self) -> klein::Result<klein::image::RgbImage> {
+        match self {
+            Reference::Path(path) => decode_image(Path::new(path)),
+            Reference::Encoded(bytes, label) => decode_image_bytes(bytes, Path::new(label)),
+        }
+    }
 }
 
 impl InpaintArgs {
     /// The source and mask decoded and preprocessed for `pipeline`.
     fn load(&self, pipeline: &Pipeline) -> klein::Result<Inpaint> {
+        if let (Some(padding), Some(mask)) = (self.mask_crop, &self.mask) {
+            let (source_label, mask_label) = (self.source.label(), mask.label());
+            return pipeline.crop_to_mask(
+                self.source.decode()?,
+                mask.decode()?,
+                padding,
+                self.strength,
+                (Path::new(source_label), Path::new(mask_label)),
+            );
+        }
         let source = match &self.source {
             Reference::Path(path) => pipeline.load_source(Path::new(path))?,
             Reference::Encoded(bytes, label) => pipeline.decode_source(bytes, Path::new(label))?,
@@ -473,9 +494,10 @@ impl PyPipeline {
     /// Generates `num_images` images for `prompt` with the GIL released. `references`: paths
     /// (labelled by the string as given) or `(file bytes, label)` pairs. `callback(step, total)`
     /// runs after every denoising step; returning `False` cancels. `source` (and `mask`, a path
-    /// or a pair as a reference) inpaints with `strength` (default 1.0). `preview(step, total,
+    /// or a pair as a reference) inpaints with `strength` (default 1.0), cropped to the mask's
+    /// region with `mask_crop` pixels of padding when given. `preview(step, total,
     /// [(rgb, width, height)])` gets step previews every `preview_every` steps (default 1).
-    #[pyo3(signature = (prompt, *, references = Vec::new(), width = None, height = None, steps = None, guidance = None, negative_prompt = None, seed = 0, num_images = 1, png = false, callback = None, source = None, mask = None, strength = None, preview_every = None, preview = None))]
+    #[pyo3(signature = (prompt, *, references = Vec::new(), width = None, height = None, steps = None, guidance = None, negative_prompt = None, seed = 0, num_images = 1, png = false, callback = None, source = None, mask = None, strength = None, mask_crop = None, preview_every = None, preview = None))]
     #[allow(clippy::too_many_arguments)] // the keyword arguments of a Python call
     fn generate(
         &self,
@@ -494,14 +516,24 @@ impl PyPipeline {
         source: Option<ReferenceArg<'_>>,
         mask: Option<ReferenceArg<'_>>,
         strength: Option<f64>,
+        mask_crop: Option<u32>,
         preview_every: Option<usize>,
         preview: Option<Py<PyAny>>,
     ) -> PyResult<PyGeneration> {
+        if mask_crop.is_some() && mask.is_none() {
+            return Err(to_py_err(
+                py,
+                &KleinError::Request(
+                    "padding_mask_crop needs a mask_image: it crops to the mask's region".into(),
+                ),
+            ));
+        }
         let inpaint = match source {
             Some(source) => Some(InpaintArgs {
                 source: source.into(),
                 mask: mask.map(Reference::from),
                 strength: strength.unwrap_or(DEFAULT_STRENGTH),
+                mask_crop,
             }),
             None if mask.is_some() || strength.is_some() => {
                 return Err(to_py_err(

@@ -12,8 +12,7 @@ use crate::stages::inpaint::{blend, scale_noise};
 use crate::stages::mask::{preprocess_mask, Mask};
 use crate::stages::mask_crop::{crop_region, resize_and_fill};
 use crate::stages::reference::{
-    as_reference, decode_image, decode_image_bytes, preprocess_source, source_size,
-    ReferenceImage,
+    as_reference, decode_image, decode_image_bytes, preprocess_source, source_size, ReferenceImage,
 };
 use crate::stages::schedule::Schedule;
 

@@ -430,8 +430,13 @@ impl Pipeline {
 
     /// Output size in pixels for a request: explicit, else the first reference's, else the
     /// bundle's default; floored to the latent multiple (16), as the reference pipeline does.
+    /// With a mask crop ([`MaskCrop`]): the whole source's size, which the result is pasted into.
     pub fn output_size(&self, request: &Request) -> Result<(u32, u32)> {
-        request::output_size(&self.manifest, request)
+        let generated = request::output_size(&self.manifest, request)?;
+        match request.inpaint.as_ref().and_then(|i| i.crop.as_ref()) {
+            Some(crop) => Ok(crop.size()),
+            None => Ok(generated),
+        }
     }
 
     /// Stage 4: the seed's initial noise `[batch, 128, h, w]`, drawn as

@@ -349,3 +349,57 @@ fn batch_flags_are_checked() {
     std::fs::write(&empty, "\n\n").unwrap();
     batch(&empty, &out, &FAST).assert_user_error(&[path_str(&empty), "has no lines"]);
 }
+
+/// Inpainting lines (`image`, `mask`, `strength`, `mask_crop`) equal the single runs of
+/// `--image --mask --strength --mask-crop`, byte for byte; the cropped one has the source's size.
+#[test]
+fn inpainting_lines_equal_single_runs() {
+    let dir = temp_dir("batch-inpaint");
+    image::RgbImage::from_fn(72, 52, |x, y| {
+        image::Rgb([(x * 3) as u8, (y * 4) as u8, 90])
+    })
+    .save(dir.join("source.png"))
+    .unwrap();
+    image::RgbImage::from_fn(72, 52, |x, y| {
+        let inside = (20..40).contains(&x) && (10..30).contains(&y);
+        image::Rgb([if inside { 255 } else { 0 }; 3])
+    })
+    .save(dir.join("mask.png"))
+    .unwrap();
+    let prompts = prompts_file(
+        &dir,
+        &[
+            r#"{"prompt": "a hat", "seed": 5, "image": "source.png", "mask": "mask.png", "strength": 0.75}"#,
+            r#"{"prompt": "a hat", "seed": 5, "image": "source.png", "mask": "mask.png", "mask_crop": 6}"#,
+        ],
+    );
+    let out_dir = dir.join("out");
+    let run = batch(&prompts, &out_dir, &["--steps", "2"]);
+    let outputs = ["0001.png", "0002.png"].map(|n| out_dir.join(n));
+    run.assert_success(&[&outputs[0], &outputs[1]]);
+    let (source, mask) = (dir.join("source.png"), dir.join("mask.png"));
+    let inpaint = [
+        "--image",
+        path_str(&source),
+        "--mask",
+        path_str(&mask),
+        "--seed",
+        "5",
+        "--steps",
+        "2",
+    ];
+    let singles = [&["--strength", "0.75"][..], &["--mask-crop", "6"][..]];
+    for (i, (extra, batch_output)) in singles.into_iter().zip(&outputs).enumerate() {
+        let single = dir.join(format!("single-{i}.png"));
+        generate("a hat", &single, &[&inpaint[..], extra].concat()).assert_success(&[&single]);
+        assert!(
+            std::fs::read(&single).unwrap() == std::fs::read(batch_output).unwrap(),
+            "{} differs from the single run {}",
+            batch_output.display(),
+            single.display()
+        );
+    }
+    let cropped = read_png(&outputs[1]);
+    assert_eq!((cropped.width, cropped.height), (72, 52));
+    assert_eq!(cropped.text.get("mask_crop").map(String::as_str), Some("6"));
+}

@@ -321,6 +321,8 @@ fn entry_points_check_their_arguments() {
         preview_every: 0,
         preview: None,
         preview_user_data: std::ptr::null_mut(),
+        mask_crop: 0,
+        mask_crop_padding: 0,
     };
     let (mut width, mut height) = (0u32, 0u32);
     let (status, message) =
@@ -440,6 +442,8 @@ fn c_requests_carry_num_images_and_guidance() {
         preview_every: 0,
         preview: None,
         preview_user_data: std::ptr::null_mut(),
+        mask_crop: 0,
+        mask_crop_padding: 0,
     };
     let generate = |request: &KleinRequest, buffer: &mut [u8], m| unsafe {
         generate_into(pipeline, request, buffer, m)
@@ -530,6 +534,8 @@ fn c_requests_inpaint_as_the_rust_api() {
         preview_every: 0,
         preview: None,
         preview_user_data: std::ptr::null_mut(),
+        mask_crop: 0,
+        mask_crop_padding: 0,
     };
     let (mut width, mut height) = (0u32, 0u32);
     let (status, message) =
@@ -572,6 +578,54 @@ fn c_requests_inpaint_as_the_rust_api() {
     let (status, message) = call(|m| unsafe { generate_into(pipeline, &too_strong, &mut rgba, m) });
     assert_eq!(status, KLEIN_ERROR_USER, "{message}");
     assert_mentions(&message, &["strength 1.5 must be above 0 and at most 1"]);
+
+    // `mask_crop`: a mask of the source's size; the output is the whole source (72x52).
+    let full_mask = dir.join("full-mask.png");
+    image::RgbImage::from_fn(72, 52, |x, y| {
+        let inside = (20..40).contains(&x) && (10..30).contains(&y);
+        image::Rgb([if inside { 255 } else { 0 }; 3])
+    })
+    .save(&full_mask)
+    .unwrap();
+    let c_full_mask = CString::new(full_mask.to_str().unwrap()).unwrap();
+    let cropped = KleinRequest {
+        mask_path: c_full_mask.as_ptr(),
+        mask_crop: 1,
+        mask_crop_padding: 4,
+        ..request
+    };
+    let (status, message) =
+        call(|m| unsafe { klein_output_size(pipeline, &cropped, &mut width, &mut height, m) });
+    assert_eq!(
+        (status, message.as_str(), width, height),
+        (KLEIN_OK, "", 72, 52)
+    );
+    let mut rgba = vec![0u8; 72 * 52 * 4];
+    let (status, message) = call(|m| unsafe { generate_into(pipeline, &cropped, &mut rgba, m) });
+    assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
+    let inpaint = rust.load_cropped(&source, &full_mask, 4, 0.75).unwrap();
+    let want = rust
+        .generate(
+            &Request::new("a hat")
+                .with_seed(3)
+                .with_steps(4)
+                .with_inpaint(inpaint),
+            None,
+        )
+        .unwrap();
+    let rgb: Vec<u8> = rgba.chunks_exact(4).flat_map(|p| p[..3].to_vec()).collect();
+    assert_eq!((want.width, want.height, want.mask_crop), (72, 52, Some(4)));
+    assert_eq!(
+        rgb, want.images[0].pixels,
+        "the Rust API's cropped inpainting"
+    );
+    let no_mask = KleinRequest {
+        mask_path: ptr::null(),
+        ..cropped
+    };
+    let (status, message) = call(|m| unsafe { generate_into(pipeline, &no_mask, &mut rgba, m) });
+    assert_eq!(status, KLEIN_ERROR_INVALID_ARGUMENT, "{message}");
+    assert_mentions(&message, &["request.mask_crop needs request.mask_path"]);
     unsafe { klein_pipeline_free(pipeline) };
 }
 
@@ -622,6 +676,8 @@ fn c_requests_get_step_previews() {
         preview_every: 2,
         preview: Some(record_preview),
         preview_user_data: (&mut calls as *mut Vec<_>).cast(),
+        mask_crop: 0,
+        mask_crop_padding: 0,
     };
     let mut with = vec![0u8; 2 * 64 * 32 * 4];
     let (status, message) = call(|m| unsafe { generate_into(pipeline, &request, &mut with, m) });

@@ -185,6 +185,8 @@ fn the_c_api_refuses_numbers_past_their_bounds() {
         preview_every: 0,
         preview: None,
         preview_user_data: std::ptr::null_mut(),
+        mask_crop: 0,
+        mask_crop_padding: 0,
     };
     let mut buffer = vec![0u8; 64 * 64 * 4];
     let (status, message) = call(|m| unsafe { generate_into(pipeline, &request, &mut buffer, m) });

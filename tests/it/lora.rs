@@ -527,6 +527,8 @@ fn c_api_sets_loras() {
         preview_every: 0,
         preview: None,
         preview_user_data: std::ptr::null_mut(),
+        mask_crop: 0,
+        mask_crop_padding: 0,
     };
     let path = CString::new(lora.to_str().unwrap()).unwrap();
     let paths = [path.as_ptr()];

@@ -309,6 +309,27 @@ def test_inpaint_is_the_cli_file(pipe, klein_bin, tiny_bundle, tmp_path):
         pipe.inpaint("a hat", image=[str(source), str(source)])
 
 
+def test_padding_mask_crop_is_the_cli_file(pipe, klein_bin, tiny_bundle, tmp_path):
+    """`pipe.inpaint(padding_mask_crop=)` (paths, then PIL images) gives `klein generate --mask-crop`'s
+    file, at the whole source's size; a crop without a mask is refused."""
+    source, mask = tmp_path / "source.png", tmp_path / "mask.png"
+    synthetic().resize((100, 72)).save(source)
+    box = Image.new("RGB", (100, 72))
+    box.paste((255, 255, 255), (40, 20, 64, 44))
+    box.save(mask)
+    args = ["--image", str(source), "--mask", str(mask), "--mask-crop", "8", "--seed", "9"]
+    cli(klein_bin, tiny_bundle, tmp_path / "c.png", "a hat", *args)
+    out = pipe.inpaint("a hat", image=str(source), mask_image=str(mask), padding_mask_crop=8, generator=9,
+                       output_type="png")  # fmt: skip
+    assert out.images == [(tmp_path / "c.png").read_bytes()]
+    assert (out.width, out.height) == (100, 72)
+    assert Image.open(io.BytesIO(out.images[0])).text["mask_crop"] == "8"
+    pil = pipe.inpaint("a hat", image=Image.open(source), mask_image=box, padding_mask_crop=8, generator=9)
+    assert np.array_equal(np.asarray(pil.images[0]), pixels(out.images[0]))
+    with pytest.raises(klein.InvalidInputError, match="padding_mask_crop needs a mask_image"):
+        pipe.inpaint("a hat", image=str(source), padding_mask_crop=8)
+
+
 def test_previews_are_the_cli_preview_files(pipe, klein_bin, tiny_bundle, tmp_path):
     """`preview=` gets PIL previews every `preview_every` steps and after the last, the last one
     equal to the file `klein generate --preview` leaves; returning False cancels."""

@@ -188,6 +188,20 @@ def test_inpainting_on_both_apis_gives_the_cli_file(server: Server, klein_bin: P
     assert base64.b64decode(r.json()["images"][0]) == want
     assert (r.json()["metadata"]["strength"], r.json()["metadata"]["mask"]) == ("0.75", "yes")
 
+    # padding_mask_crop: the native route gives `--mask-crop`'s file, at the whole source's size.
+    full = Image.new("RGB", (100, 72), "black")
+    full.paste((255, 255, 255), (30, 20, 60, 44))
+    full.save(cli_dir / "full.png")
+    crop_args = ("a hat", "--image", "source.png", "--mask", "full.png", "--mask-crop", "6", "--seed", "4")
+    (want,) = cli_png(klein_bin, tiny_bundle, cli_dir, *crop_args, cwd=cli_dir)
+    body = {key: body[key] for key in ("prompt", "seed", "image")}
+    body |= {"mask": {"name": "full.png", "data": b64(cli_dir / "full.png")}, "padding_mask_crop": 6}
+    r = httpx.post(f"{server.url}/v1/klein/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert base64.b64decode(r.json()["images"][0]) == want
+    assert Image.open(io.BytesIO(want)).size == (100, 72)
+    assert r.json()["metadata"]["mask_crop"] == "6"
+
 
 def test_curl_gets_the_cli_image(server: Server, klein_bin: Path, tiny_bundle: Path, tmp_path: Path):
     body = json.dumps({"prompt": PROMPT, "size": "48x64", "seed": 3})
@@ -469,6 +483,7 @@ BAD_NATIVE = [
     ({"prompt": "x", "strength": 0.5}, "image"),
     ({"prompt": "x", "preview_every": 0}, "preview_every"),
     ({"prompt": "x", "image": {"data": "AAAA"}, "strength": 0}, "strength"),
+    ({"prompt": "x", "image": {"data": "AAAA"}, "padding_mask_crop": 4}, "padding_mask_crop"),
     ({"prompt": "x", "image": {"data": "not base64!"}}, "image.data"),
     ({"prompt": "x", "image": {"data": base64.b64encode(b"GIF89a not an image").decode()}}, "image"),
     ({"prompt": "x", "width": 8}, "width"),

@@ -109,7 +109,8 @@ pub(crate) fn load_inpaint(
     if let Some(padding) = mask_crop {
         let Some(mask) = mask else {
             return Err(UsageError(
-                "--mask-crop needs a mask (--mask): it crops the source to the mask's region".into(),
+                "--mask-crop needs a mask (--mask): it crops the source to the mask's region"
+                    .into(),
             )
             .into());
         };

@@ -39,6 +39,8 @@ pub(crate) struct InpaintUpload {
     pub(crate) source: Upload,
     pub(crate) mask: Option<(Upload, MaskKind)>,
     pub(crate) strength: Option<f64>,
+    /// `padding_mask_crop` (native route): crop to the mask's region with this padding.
+    pub(crate) mask_crop: Option<u32>,
 }
 
 /// One generation, every option resolved but the pipeline's defaults.

@@ -43,6 +43,9 @@ struct NativeBody {
     image: Option<RefBody>,
     mask: Option<RefBody>,
     strength: Option<f64>,
+    /// `padding_mask_crop`: inpaint only the mask's region, padded by this many pixels, and paste
+    /// it back into the whole source (`klein generate --mask-crop`).
+    padding_mask_crop: Option<u32>,
     /// Step previews every this many steps: `preview` events on the stream (1/8-size PNGs).
     preview_every: Option<u64>,
     /// LoRAs offered by the server, `NAME` or `NAME:SCALE`.
@@ -79,6 +82,12 @@ fn spec_from(state: &AppState, body: NativeBody) -> Result<(JobSpec, ImageFormat
         .enumerate()
         .map(|(i, r)| upload(r, &format!("refs[{i}]"), format!("image-{i}")))
         .collect::<Result<Vec<_>, ApiError>>()?;
+    if body.padding_mask_crop.is_some() && body.image.is_some() && body.mask.is_none() {
+        return Err(ApiError::field(
+            "padding_mask_crop",
+            "padding_mask_crop needs a mask: it crops to the mask's region",
+        ));
+    }
     let inpaint = match body.image {
         Some(image) => Some(InpaintUpload {
             source: upload(image, "image", "image".into())?,
@@ -87,11 +96,15 @@ fn spec_from(state: &AppState, body: NativeBody) -> Result<(JobSpec, ImageFormat
                 .map(|m| upload(m, "mask", "mask".into()).map(|m| (m, MaskKind::White)))
                 .transpose()?,
             strength: check_strength(body.strength)?,
+            mask_crop: body.padding_mask_crop,
         }),
-        None if body.mask.is_some() || body.strength.is_some() => {
+        None if body.mask.is_some()
+            || body.strength.is_some()
+            || body.padding_mask_crop.is_some() =>
+        {
             return Err(ApiError::field(
                 "image",
-                "mask and strength need a source image (the image field)",
+                "mask, strength and padding_mask_crop need a source image (the image field)",
             ))
         }
         None => None,

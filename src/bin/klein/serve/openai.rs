@@ -229,6 +229,7 @@ pub(crate) async fn edits(
         source: references.remove(0),
         mask: mask.map(|m| (m, MaskKind::Transparent)),
         strength,
+        mask_crop: None,
     });
     let mut spec = spec_from(&state, body, references)?;
     spec.inpaint = inpaint;

@@ -11,6 +11,7 @@ use std::time::Instant;
 use klein::pipeline::{Inpaint, Pipeline, Progress, Request};
 use klein::stages::inpaint::DEFAULT_STRENGTH;
 use klein::stages::output::{encode_image, ImageFormat};
+use klein::stages::reference::decode_image_bytes;
 
 use super::error::{ApiError, ErrorKind};
 use super::jobs::{lock, InpaintUpload, Job, JobEvent, JobOutput, MaskKind, Queue, Upload};
@@ -92,6 +93,23 @@ fn cancelled() -> ApiError {
 
 /// The source image and mask of an inpainting job, decoded for `pipeline`.
 fn load_inpaint(pipeline: &Pipeline, upload: &InpaintUpload) -> Result<Inpaint, ApiError> {
+    let strength = upload.strength.unwrap_or(DEFAULT_STRENGTH);
+    if let (Some(padding), Some((mask, MaskKind::White))) = (upload.mask_crop, &upload.mask) {
+        let (source_label, mask_label) = (Path::new(&upload.source.label), Path::new(&mask.label));
+        let source = decode_image_bytes(&upload.source.bytes, source_label)
+            .map_err(|e| ApiError::from_klein(&e, Some("image")))?;
+        let mask_rgb = decode_image_bytes(&mask.bytes, mask_label)
+            .map_err(|e| ApiError::from_klein(&e, Some("mask")))?;
+        return pipeline
+            .crop_to_mask(
+                source,
+                mask_rgb,
+                padding,
+                strength,
+                (source_label, mask_label),
+            )
+            .map_err(|e| ApiError::from_klein(&e, Some("mask")));
+    }
     let source = pipeline
         .decode_source(&upload.source.bytes, Path::new(&upload.source.label))
         .map_err(|e| ApiError::from_klein(&e, Some("image")))?;
@@ -106,11 +124,7 @@ fn load_inpaint(pipeline: &Pipeline, upload: &InpaintUpload) -> Result<Inpaint, 
             Some(pipeline.prepare_mask(&transparent_to_white(mask)?, &source))
         }
     };
-    Ok(Inpaint::new(
-        source,
-        mask,
-        upload.strength.unwrap_or(DEFAULT_STRENGTH),
-    ))
+    Ok(Inpaint::new(source, mask, strength))
 }
 
 /// OpenAI's mask (edit where alpha is 0) as klein's (white repaints): a PNG with an alpha
