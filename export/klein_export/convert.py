@@ -12,7 +12,6 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import onnx
 import torch
 from torch.export import Dim
 
@@ -31,7 +30,6 @@ from .onnx_export import export_graph
 from .precision import check_precision, to_float16
 from .preview import fit_preview
 from .quantize import QuantizationConfig, quantize_bundle
-from .sliced_attention import slice_attention
 from .static_shapes import check_refs, make_static, parse_buckets
 from .tokenizer_facts import tokenizer_facts
 from .wrappers import TextEncoder, Transformer, VaeDecoder, VaeEncoder
@@ -139,7 +137,7 @@ def _export_vae(ckpt, out, precision, loras):
     lat_h, lat_w = Dim("lat_h", min=1, max=1024), Dim("lat_w", min=1, max=1024)
     enc_io = contract.vae_encoder_io(latent_ch)
     image = torch.rand(2, 3, 48, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    path = export_graph(
+    export_graph(
         VaeEncoder(vae).eval(),
         (image,),
         {"image": {0: Dim("batch"), 2: 16 * lat_h, 3: 16 * lat_w}},
@@ -147,22 +145,12 @@ def _export_vae(ckpt, out, precision, loras):
         out,
         precision,
     )
-    _slice_attention(path)
     dec_io = contract.vae_decoder_io(latent_ch)
     latents = torch.randn(2, latent_ch, 3, 4, generator=torch.Generator().manual_seed(0))
-    path = export_graph(
+    export_graph(
         VaeDecoder(vae).eval(), (latents,), {"latents": {0: Dim("batch"), 2: lat_h, 3: lat_w}}, dec_io, out, precision
     )
-    _slice_attention(path)
     return [GraphEntry(enc_io, precision, enc_scheme), GraphEntry(dec_io, precision, dec_scheme)]
-
-
-def _slice_attention(path):
-    """The VAE graph's mid-block attention in query slices (sliced_attention.py); the VAE's
-    weights are far below protobuf's 2 GB, so the graph is rewritten whole."""
-    model = onnx.load(str(path))
-    if slice_attention(model):
-        onnx.save(model, str(path))
 
 
 # The published widths of the named variants: text encoder hidden size, transformer hidden size

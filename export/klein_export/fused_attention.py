@@ -6,9 +6,9 @@ MatMul, and ONNX Runtime then materialises every head's [tokens, tokens] score m
 MultiHeadAttention computes attention in blocks without that matrix (flash attention), and its
 CUDA kernel runs flash or memory-efficient attention; both compute the same softmax(QK^T/sqrt(d))V.
 
-The VAE's mid-block attention is not fused: fused the same way, the wide checkpoint's decoder at
-1024x1024 ran at the same speed with a higher peak (5.65 against 4.81 GiB). It is sliced along its
-queries instead (sliced_attention.py).
+The VAE's mid-block attention is left as it is: fused the same way, the wide checkpoint's decoder
+at 1024x1024 ran at the same speed with a higher peak (5.65 against 4.81 GiB), and at 2048x2048 its
+convolutions alone do not fit in 24 GB either way (tiled decoding does).
 
 While `fused_attention()` is active, these attention calls go through the custom op
 `klein::attention` (its eager form is torch's own attention, so the traced model computes what
