@@ -1,6 +1,7 @@
 """Peak resident memory of each stage of one `klein generate` run.
 
     python benches/stage_rss.py --model BUNDLE --size 1024 [--steps 4] [--threads 2] [--klein BIN]
+        [--cpu-cache DIR]
 
 The klein process's RSS (`/proc/PID/status` VmRSS) is sampled every 0.1 s. Its stderr lines are
 time-stamped as they arrive; the stages are placed on that clock from the `--timings` summary,
@@ -41,11 +42,14 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--klein", default=str(Path(__file__).resolve().parents[1] / "target/release/klein"))
     p.add_argument("--prompt", default="a red fox in the snow, golden hour, photograph")
+    p.add_argument("--cpu-cache", help="klein's --cpu-cache DIR (prepacked graphs saved once)")
     args = p.parse_args()
     out = Path(f"/tmp/stage_rss_{os.getpid()}.png")
     cmd = [args.klein, "generate", args.prompt, "--model", args.model, "--width", str(args.size)]
     cmd += ["--height", str(args.size), "--steps", str(args.steps), "--threads", str(args.threads)]
     cmd += ["--seed", "42", "--timings", "-o", str(out)]
+    if args.cpu_cache:
+        cmd += ["--cpu-cache", args.cpu_cache]
     start = time.perf_counter()
     child = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     samples, lines = [], []

@@ -1,4 +1,5 @@
-//! `cargo bench --bench vae_tiling -- BUNDLE SIZE on|off [THREADS]`: the VAE decode stage alone,
+//! `cargo bench --bench vae_tiling -- BUNDLE SIZE on|off [THREADS [CPU_CACHE_DIR]]`: the VAE
+//! decode stage alone,
 //! on the seed-0 noise of a SIZE x SIZE image (the decoder's cost does not depend on the latents'
 //! values), with or without tiling. Prints the decode's seconds and the process's peak resident
 //! memory (VmHWM), which is the decoder's: nothing else is loaded but the tokenizer.
@@ -18,7 +19,9 @@ fn main() {
         .filter(|a| a != "--bench")
         .collect();
     if args.len() < 3 {
-        eprintln!("usage: cargo bench --bench vae_tiling -- BUNDLE SIZE on|off [THREADS]");
+        eprintln!(
+            "usage: cargo bench --bench vae_tiling -- BUNDLE SIZE on|off [THREADS [CPU_CACHE_DIR]]"
+        );
         std::process::exit(2);
     }
     let bundle = PathBuf::from(&args[0]);
@@ -30,6 +33,9 @@ fn main() {
         .with_vae_tiling(tiling);
     if let Some(threads) = args.get(3) {
         options = options.with_threads(threads.parse().expect("THREADS: a number"));
+    }
+    if let Some(cache) = args.get(4) {
+        options = options.with_cpu_cache_dir(cache);
     }
     let mut pipeline = match Pipeline::load(&bundle, options) {
         Ok(p) => p,
