@@ -1,7 +1,7 @@
 """Peak resident memory of each stage of one `klein generate` run.
 
     python benches/stage_rss.py --model BUNDLE --size 1024 [--steps 4] [--threads 2] [--klein BIN]
-        [--cpu-cache DIR]
+        [--cpu-cache DIR] [--vae-tile-size PIXELS]
 
 The klein process's RSS (`/proc/PID/status` VmRSS) is sampled every 0.1 s. Its stderr lines are
 time-stamped as they arrive; the stages are placed on that clock from the `--timings` summary,
@@ -43,6 +43,7 @@ def main() -> int:
     p.add_argument("--klein", default=str(Path(__file__).resolve().parents[1] / "target/release/klein"))
     p.add_argument("--prompt", default="a red fox in the snow, golden hour, photograph")
     p.add_argument("--cpu-cache", help="klein's --cpu-cache DIR (prepacked graphs saved once)")
+    p.add_argument("--vae-tile-size", help="klein's --vae-tile-size PIXELS (tiles the VAE)")
     args = p.parse_args()
     out = Path(f"/tmp/stage_rss_{os.getpid()}.png")
     cmd = [args.klein, "generate", args.prompt, "--model", args.model, "--width", str(args.size)]
@@ -50,6 +51,8 @@ def main() -> int:
     cmd += ["--seed", "42", "--timings", "-o", str(out)]
     if args.cpu_cache:
         cmd += ["--cpu-cache", args.cpu_cache]
+    if args.vae_tile_size:
+        cmd += ["--vae-tile-size", args.vae_tile_size]
     start = time.perf_counter()
     child = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     samples, lines = [], []

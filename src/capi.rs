@@ -90,6 +90,9 @@ pub struct KleinOptions {
     /// weights (created if missing; about the bundle's size again on disk): the first load writes
     /// it, later loads map it instead of prepacking again. NULL: prepack at every load.
     pub cpu_cache_dir: *const c_char,
+    /// The side of the VAE's tiles in pixels, a multiple of 64 (`PipelineOptions::with_vae_tile_size`);
+    /// 0: the bundle's. It applies where `vae_tiling` tiles.
+    pub vae_tile_size: u32,
 }
 
 /// What to generate: one image. Zero-initialise, then set what you need.
@@ -548,6 +551,7 @@ unsafe fn pipeline_options(options: &KleinOptions) -> Result<PipelineOptions, Fa
         cuda_memory_limit,
         vae_tiling,
         cpu_cache_dir,
+        vae_tile_size,
     } = *options;
     let mut result = PipelineOptions::default();
     // SAFETY: the caller's guarantee.
@@ -563,6 +567,9 @@ unsafe fn pipeline_options(options: &KleinOptions) -> Result<PipelineOptions, Fa
             .parse::<VaeTiling>()
             .map_err(|e| Failure::invalid(format!("options.vae_tiling {e}")))?;
         result = result.with_vae_tiling(tiling);
+    }
+    if vae_tile_size != 0 {
+        result = result.with_vae_tile_size(vae_tile_size);
     }
     // SAFETY: the caller's guarantee.
     if let Some(library) = unsafe { optional_str(ort_library, "options.ort_library") }? {

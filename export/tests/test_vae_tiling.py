@@ -75,6 +75,50 @@ def test_tiled_decode_matches_diffusers(tiled_pipe, tiny_bundle, tmp_path):
     assert "vae_tiling" not in Image.open(tmp_path / "whole.png").text
 
 
+def test_tile_size_matches_diffusers_with_that_tile(tiled_pipe, tiny_bundle, tmp_path):
+    """`--vae-tile-size 128` (which turns tiling on) against diffusers with
+    `tile_sample_min_size = 128` (and `tile_latent_min_size` 16): z 22x14 in tiles of 16 every 12
+    cells, so 2x2 tiles, where the bundle's 64-pixel tiles make 4x3. A 192-pixel reference is
+    encoded in 128-pixel tiles every 96 pixels."""
+    ref = tmp_path / "ref.png"
+    synthetic_image(192, 128, "RGB", seed=8).save(ref)
+    vae = tiled_pipe.vae
+    vae.tile_sample_min_size, vae.tile_latent_min_size = 128, 16
+    try:
+        with torch.no_grad():
+            want = tiled_pipe(
+                image=[load_image(str(ref))],
+                prompt="a harbour at night",
+                width=176,
+                height=112,
+                num_inference_steps=3,
+                guidance_scale=1.0,
+                generator=torch.Generator("cpu").manual_seed(12),
+            ).images[0]
+    finally:
+        vae.tile_sample_min_size, vae.tile_latent_min_size = 64, 8
+    args = ["a harbour at night", "--width", "176", "--height", "112", "--steps", "3", "--seed", "12"]
+    args += ["--ref", str(ref)]
+    got = klein(tiny_bundle, tmp_path / "t128.png", *args, "--vae-tile-size", "128")
+    compare(got, np.array(want), "decode and encode in 128-pixel tiles")
+    text = Image.open(tmp_path / "t128.png").text
+    assert (text["vae_tiling"], text["vae_tile_size"]) == ("on", "128")
+    default_tiles = klein(tiny_bundle, tmp_path / "t64.png", *args, "--vae-tiling", "on")
+    assert psnr(got, default_tiles) < 45, "the tile size changes the seams"
+
+
+@pytest.mark.parametrize("size, message", [("100", "VAE tile size 100"), ("0", "VAE tile size 0")])
+def test_tile_sizes_off_the_latent_grid_are_refused(tiny_bundle, tmp_path, size, message):
+    out = tmp_path / "never.png"
+    cmd = [str(KLEIN), "generate", "x", "--model", str(tiny_bundle), "-o", str(out), "--vae-tile-size", size]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr
+    assert message in run.stderr and "multiple of 64" in run.stderr, run.stderr
+    assert not out.exists()
+    off = subprocess.run([*cmd[:-2], "--vae-tile-size", "128", "--vae-tiling", "off"], capture_output=True, text=True)
+    assert off.returncode == 2 and "--vae-tiling off" in off.stderr, off.stderr
+
+
 def test_tiled_encode_matches_diffusers(tiled_pipe, tiny_bundle, tmp_path):
     # A 144x96 reference is encoded in 64-pixel tiles; the 64x64 output is one tile (z 8x8: no
     # decoder tiling, as in diffusers, which tiles only above the tile).

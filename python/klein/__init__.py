@@ -269,7 +269,9 @@ class Pipeline:
     ``keep_text_encoder``: keep the text encoder loaded between calls (faster for many prompts; by
     default its memory goes back before the transformer loads, and it loads again on the next call).
     ``vae_tiling``: ``"auto"`` (tile the VAE above 1024x1024 pixels), ``"on"`` (as diffusers'
-    ``vae.enable_tiling()``) or ``"off"``. ``cpu_cache``: a directory where the CPU keeps each graph
+    ``vae.enable_tiling()``) or ``"off"``; default ``"auto"``, or ``"on"`` with ``vae_tile_size``.
+    ``vae_tile_size``: the VAE's tile side in pixels, a multiple of 64 (default: the bundle's, 1024),
+    as diffusers' ``vae.tile_sample_min_size``. ``cpu_cache``: a directory where the CPU keeps each graph
     as ONNX Runtime optimised it, with its prepacked weights (the first load writes it, about the
     bundle's size again; later loads map it and are faster). ``ort_lib``: the ONNX Runtime library
     (default: the ``onnxruntime`` package's).
@@ -284,7 +286,8 @@ class Pipeline:
         loras: Sequence[LoraInput] | None = None,
         verify_hashes: bool = True,
         keep_text_encoder: bool = False,
-        vae_tiling: Literal["auto", "on", "off"] = "auto",
+        vae_tiling: Literal["auto", "on", "off"] | None = None,
+        vae_tile_size: int | None = None,
         cpu_cache: str | os.PathLike[str] | None = None,
         ort_lib: str | os.PathLike[str] | None = None,
     ) -> None:
@@ -301,7 +304,8 @@ class Pipeline:
             loras=_loras(loras),
             verify_hashes=bool(verify_hashes),
             keep_text_encoder=bool(keep_text_encoder),
-            vae_tiling=str(vae_tiling),
+            vae_tiling=str(vae_tiling or ("on" if vae_tile_size is not None else "auto")),
+            vae_tile_size=_count("vae_tile_size", vae_tile_size),
             cpu_cache=None if cpu_cache is None else os.fsdecode(cpu_cache),
             ort_lib=os.fsdecode(find_ort_library(ort_lib)),
         )

@@ -69,6 +69,7 @@ class Pipeline:
         verify_hashes: bool = True,
         keep_text_encoder: bool = False,
         vae_tiling: str = "auto",
+        vae_tile_size: int | None = None,
         cpu_cache: str | None = None,
         ort_lib: str | os.PathLike[str] | None = None,
     ) -> Pipeline: ...

@@ -427,7 +427,7 @@ impl PyPipeline {
     /// Loads the bundle at `model` (see `klein.Pipeline`; here every argument is explicit).
     #[new]
     #[allow(clippy::too_many_arguments)] // the keyword arguments of a Python call
-    #[pyo3(signature = (model, *, device = "cpu", threads = None, loras = Vec::new(), verify_hashes = true, keep_text_encoder = false, vae_tiling = "auto", cpu_cache = None, ort_lib = None))]
+    #[pyo3(signature = (model, *, device = "cpu", threads = None, loras = Vec::new(), verify_hashes = true, keep_text_encoder = false, vae_tiling = "auto", vae_tile_size = None, cpu_cache = None, ort_lib = None))]
     fn new(
         py: Python<'_>,
         model: PathBuf,
@@ -437,6 +437,7 @@ impl PyPipeline {
         verify_hashes: bool,
         keep_text_encoder: bool,
         vae_tiling: &str,
+        vae_tile_size: Option<u32>,
         cpu_cache: Option<PathBuf>,
         ort_lib: Option<PathBuf>,
     ) -> PyResult<Self> {
@@ -461,6 +462,9 @@ impl PyPipeline {
         }
         if let Some(dir) = cpu_cache {
             options = options.with_cpu_cache_dir(dir);
+        }
+        if let Some(pixels) = vae_tile_size {
+            options = options.with_vae_tile_size(pixels);
         }
         // Hashing a bundle takes seconds: other Python threads run meanwhile.
         let pipeline = py

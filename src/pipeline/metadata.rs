@@ -64,6 +64,9 @@ impl Pipeline {
         if g.vae_tiled {
             text.push(("vae_tiling".into(), "on".into()));
         }
+        if let Some(pixels) = g.vae_tile_size {
+            text.push(("vae_tile_size".into(), pixels.to_string()));
+        }
         text.extend([
             ("seed".into(), g.seed.to_string()),
             ("steps".into(), g.steps.to_string()),

@@ -45,6 +45,7 @@ use request::Plan;
 use crate::bundle::support;
 use crate::bundle::{default_cache_dir, Component, Manifest, Verification};
 use crate::error::{KleinError, Result};
+use crate::limits::MAX_SIDE;
 use crate::runtime::{self, Device, Graph, SessionConfig, TensorInput};
 use crate::stages::latents::{pack_latents, prepare_image_ids, unpack_latents};
 use crate::stages::noise::randn;
@@ -70,6 +71,9 @@ pub struct Generation {
     pub negative_prompt: Option<String>,
     /// Whether the VAE decoded in tiles ([`VaeTiling`]).
     pub vae_tiled: bool,
+    /// The tile side in pixels when it is not the bundle's
+    /// ([`PipelineOptions::with_vae_tile_size`]) and the VAE decoded in tiles.
+    pub vae_tile_size: Option<u32>,
     /// Inpainting and img2img: the strength, and whether a mask limited the repaint.
     pub strength: Option<f64>,
     pub masked: bool,
@@ -97,6 +101,8 @@ pub struct Pipeline {
     /// Problems that did not stop a stage ([`Pipeline::take_warnings`]).
     warnings: Vec<String>,
     vae_tiling: VaeTiling,
+    /// The VAE's tile side in pixels ([`PipelineOptions::with_vae_tile_size`], else the bundle's).
+    vae_tile: usize,
     /// KV bundles: the references' K/V `[layers, 2, B, R, width]` extracted by the first step of
     /// the denoise context with this id ([`DenoiseContext`]).
     kv_cache: Option<(u64, ArrayD<f32>)>,
@@ -117,12 +123,14 @@ impl Pipeline {
             prompt_cache_dir,
             loras,
             vae_tiling,
+            vae_tile_size,
         } = options;
         request::check_session(&session)?;
         lora::check_specs(&loras)?;
         let manifest = Manifest::load(dir)?;
         // Before hashing or loading anything: can this device run the bundle at all?
         support::check_bundle(session.device, &manifest.graphs, dir)?;
+        let vae_tile = check_vae_tile(&manifest, vae_tile_size)?;
         let caches = [
             (
                 &session.coreml.cache_dir,
@@ -165,6 +173,7 @@ impl Pipeline {
             scratch,
             warnings: Vec::new(),
             vae_tiling,
+            vae_tile,
         })
     }
 
@@ -487,9 +496,7 @@ impl Pipeline {
     /// Whether an image (or reference) of `width` x `height` pixels goes through the VAE in
     /// tiles. Static-shape graphs take their sizes only: `On` is refused there, `Auto` is off.
     fn vae_tiles(&self, width: usize, height: usize) -> Result<bool> {
-        let tiles = self
-            .vae_tiling
-            .applies(width, height, self.manifest.vae.sample_size);
+        let tiles = self.vae_tiling.applies(width, height, self.vae_tile);
         if tiles && self.manifest.static_shapes.is_some() {
             if self.vae_tiling == VaeTiling::On {
                 return Err(KleinError::Request(
@@ -502,20 +509,9 @@ impl Pipeline {
         Ok(tiles)
     }
 
-    /// The tiles of the bundle's VAE (`vae.sample_size`) for the decoder or the encoder, checked
-    /// to be slices of what the graph takes: even latent cells (the decoder takes 2x2 patches),
-    /// multiples of the pixel multiple (the encoder's images).
+    /// The VAE's tiles for the decoder or the encoder ([`vae_layout`]).
     fn vae_layout(&self, decoder: bool) -> Result<TileLayout> {
-        let vae = &self.manifest.vae;
-        if decoder {
-            let layout = TileLayout::decoder(vae.sample_size, vae.spatial_factor);
-            layout.check_aligned(vae.patch_size, "decoder")?;
-            Ok(layout)
-        } else {
-            let layout = TileLayout::encoder(vae.sample_size, vae.spatial_factor);
-            layout.check_aligned(self.manifest.latents.pixel_multiple as usize, "encoder")?;
-            Ok(layout)
-        }
+        vae_layout(&self.manifest, self.vae_tile, decoder)
     }
 
     /// Runs every stage for `request`. `progress` may cancel between steps and stages.
@@ -643,6 +639,7 @@ impl Pipeline {
             // 7. Decode.
             images.extend(self.decode(latents.view(), lat_h, lat_w, Some(&mut *progress))?);
         }
+        let vae_tiled = self.vae_tiles(width as usize, height as usize)?;
         // 8. `padding_mask_crop`: the region's images pasted back into the whole source.
         let crop = request.inpaint.as_ref().and_then(|i| i.crop.as_ref());
         let (width, height) = match crop {
@@ -663,11 +660,49 @@ impl Pipeline {
             strength: request.inpaint.as_ref().map(|i| i.strength),
             masked: request.inpaint.as_ref().is_some_and(|i| i.mask.is_some()),
             mask_crop: crop.map(|c| c.padding),
-            vae_tiled: self.vae_tiles(width as usize, height as usize)?,
+            vae_tiled,
+            vae_tile_size: (vae_tiled && self.vae_tile != self.manifest.vae.sample_size)
+                .then_some(self.vae_tile as u32),
             prompt_truncated: embeds.truncated,
             timings: Timings::new(),
         })
     }
+}
+
+/// The tiles of `tile` pixels for the decoder or the encoder, checked to be slices of what the
+/// graph takes: even latent cells (the decoder takes 2x2 patches), multiples of the pixel
+/// multiple (the encoder's images).
+fn vae_layout(manifest: &Manifest, tile: usize, decoder: bool) -> Result<TileLayout> {
+    let vae = &manifest.vae;
+    if decoder {
+        let layout = TileLayout::decoder(tile, vae.spatial_factor);
+        layout.check_aligned(vae.patch_size, "decoder")?;
+        Ok(layout)
+    } else {
+        let layout = TileLayout::encoder(tile, vae.spatial_factor);
+        layout.check_aligned(manifest.latents.pixel_multiple as usize, "encoder")?;
+        Ok(layout)
+    }
+}
+
+/// The VAE tile side: `requested`, checked to give aligned tiles for both graphs, else the
+/// bundle's `vae.sample_size`.
+fn check_vae_tile(manifest: &Manifest, requested: Option<u32>) -> Result<usize> {
+    let Some(pixels) = requested else {
+        return Ok(manifest.vae.sample_size);
+    };
+    let tile = pixels as usize;
+    let fits = tile > 0
+        && tile <= MAX_SIDE as usize
+        && vae_layout(manifest, tile, true).is_ok()
+        && vae_layout(manifest, tile, false).is_ok();
+    if !fits {
+        return Err(KleinError::Request(format!(
+            "VAE tile size {pixels}: give a multiple of 64 pixels up to {MAX_SIDE} (tiles and their \
+             strides must fall on whole 2x2 latent patches and 16-pixel blocks)"
+        )));
+    }
+    Ok(tile)
 }
 
 /// The whole image through the VAE encoder: `[1, 3, H, W]` -> `[1, 128, H/16, W/16]`.

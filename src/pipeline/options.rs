@@ -24,6 +24,8 @@ pub struct PipelineOptions {
     pub(crate) loras: Vec<LoraSpec>,
     /// Tiled VAE decoding and encoding.
     pub(crate) vae_tiling: VaeTiling,
+    /// The VAE's tile side in pixels (`None`: the bundle's `vae.sample_size`).
+    pub(crate) vae_tile_size: Option<u32>,
 }
 
 /// Tiled VAE decoding and encoding ([`crate::stages::vae_tiling`]), as diffusers'
@@ -82,6 +84,7 @@ impl Default for PipelineOptions {
             prompt_cache_dir: None,
             loras: Vec::new(),
             vae_tiling: VaeTiling::default(),
+            vae_tile_size: None,
         }
     }
 }
@@ -96,6 +99,15 @@ impl PipelineOptions {
     /// Tiled VAE decoding and encoding (default: [`VaeTiling::Auto`]).
     pub fn with_vae_tiling(mut self, tiling: VaeTiling) -> Self {
         self.vae_tiling = tiling;
+        self
+    }
+    /// The side of the VAE's tiles in pixels, a multiple of 64 (default: the bundle's
+    /// `vae.sample_size`, 1024 for FLUX.2), as diffusers' `vae.tile_sample_min_size` (with
+    /// `tile_latent_min_size` a VAE scale factor smaller). Smaller tiles hold less memory and
+    /// overlap more; it applies where [`VaeTiling`] tiles (`Auto` still tiles only above
+    /// [`AUTO_TILING_PIXELS`]).
+    pub fn with_vae_tile_size(mut self, pixels: u32) -> Self {
+        self.vae_tile_size = Some(pixels);
         self
     }
     /// Runs the graphs on `device` (default: [`Device::Auto`]).

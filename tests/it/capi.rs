@@ -186,6 +186,7 @@ pub(crate) fn cpu_options(library: &CStr, threads: u32) -> KleinOptions {
         cuda_memory_limit: 0,
         vae_tiling: ptr::null(),
         cpu_cache_dir: ptr::null(),
+        vae_tile_size: 0,
     }
 }
 
@@ -291,6 +292,16 @@ fn entry_points_check_their_arguments() {
     assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
     assert!(cache.is_dir() && cpu_cache.is_dir());
     unsafe { klein_pipeline_free(other) };
+    // A VAE tile size that does not fall on whole latent patches is refused at load.
+    let odd_tiles = KleinOptions {
+        vae_tile_size: 100,
+        ..options
+    };
+    let (status, message) =
+        call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &odd_tiles, &mut other, m) });
+    assert_eq!(status, KLEIN_ERROR_USER, "{message}");
+    assert_mentions(&message, &["VAE tile size 100", "multiple of 64"]);
+    assert!(other.is_null());
 
     let (status, message) = call(|m| unsafe {
         klein_pipeline_load(c"/no/such/bundle".as_ptr(), &options, &mut pipeline, m)

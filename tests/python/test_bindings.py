@@ -279,6 +279,14 @@ def test_vae_tiling_is_the_cli_file(tiny_bundle, klein_bin, tmp_path):
     assert out.images == [(tmp_path / "t.png").read_bytes()]
     with pytest.raises(klein.InvalidInputError, match="vae_tiling"):
         klein.Pipeline(tiny_bundle, vae_tiling="sometimes")
+    # A tile size turns tiling on, as --vae-tile-size does.
+    cli(klein_bin, tiny_bundle, tmp_path / "s.png", "a harbour", "--width", "176", "--height", "112", "--seed", "2",
+        "--vae-tile-size", "128")  # fmt: skip
+    sized = klein.Pipeline(tiny_bundle, vae_tile_size=128)
+    out = sized("a harbour", width=176, height=112, generator=2, output_type="png")
+    assert out.images == [(tmp_path / "s.png").read_bytes()]
+    with pytest.raises(klein.InvalidInputError, match="VAE tile size 100"):
+        klein.Pipeline(tiny_bundle, vae_tile_size=100)
 
 
 def test_inpaint_is_the_cli_file(pipe, klein_bin, tiny_bundle, tmp_path):

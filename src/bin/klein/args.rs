@@ -173,9 +173,12 @@ pub(crate) struct LoadArgs {
     /// the check while no file changes
     #[arg(long)]
     pub(crate) no_verify_hashes: bool,
-    /// Tiled VAE decoding and encoding, as diffusers' vae.enable_tiling(): on (every image larger than the VAE's 1024 px tile), off, or auto (images over 1024x1024 pixels)
-    #[arg(long, value_name = "on|off|auto", default_value = "auto")]
-    pub(crate) vae_tiling: VaeTiling,
+    /// Tiled VAE decoding and encoding, as diffusers' vae.enable_tiling(): on (every image larger than the VAE's 1024 px tile), off, or auto (images over 1024x1024 pixels) [default: auto; on with --vae-tile-size]
+    #[arg(long, value_name = "on|off|auto")]
+    pub(crate) vae_tiling: Option<VaeTiling>,
+    /// Side of the VAE's tiles in pixels, a multiple of 64 [default: the bundle's, 1024 for FLUX.2], as diffusers' vae.tile_sample_min_size: smaller tiles hold less memory at the cost of more overlap. Turns tiling on unless --vae-tiling is given
+    #[arg(long, value_name = "PIXELS")]
+    pub(crate) vae_tile_size: Option<u32>,
     /// ONNX Runtime shared library [default: $ORT_DYLIB_PATH, else the one set up at build time]
     #[arg(long)]
     pub(crate) ort_lib: Option<PathBuf>,
@@ -260,8 +263,17 @@ pub(crate) fn pipeline_options(
         .with_device(device)
         .with_runtime(runtime)
         .with_verify_hashes(!args.no_verify_hashes)
-        .with_vae_tiling(args.vae_tiling)
         .with_loras(loras);
+    // A tile size asks for tiles: on, unless the tiling is given.
+    let tiling = match (args.vae_tiling, args.vae_tile_size) {
+        (Some(tiling), _) => tiling,
+        (None, Some(_)) => VaeTiling::On,
+        (None, None) => VaeTiling::Auto,
+    };
+    options = options.with_vae_tiling(tiling);
+    if let Some(pixels) = args.vae_tile_size {
+        options = options.with_vae_tile_size(pixels);
+    }
     if let Some(threads) = args.threads {
         options = options.with_threads(threads);
     }
@@ -333,6 +345,9 @@ pub(crate) fn check_device_flags(args: &LoadArgs, device: Device) -> Result<(), 
                 "{flag} does not apply to --device {device}; it applies with --device {applies} or auto"
             ));
         }
+    }
+    if args.vae_tile_size.is_some() && args.vae_tiling == Some(VaeTiling::Off) {
+        return Err("--vae-tile-size does not apply with --vae-tiling off".into());
     }
     if let Some(gib) = args.cuda.cuda_mem_limit {
         if !(gib.is_finite() && gib > 0.0 && gib < 1e6) {
