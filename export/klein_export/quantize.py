@@ -31,6 +31,7 @@ synthetic images (edits and img2img), at CALIBRATION_SIZE. A wide decode at 512x
 every reference and source image), and MatMulNBits/dynamic never touch the VAE (no MatMul worth it).
 """
 
+import contextlib
 import json
 import logging
 import shutil
@@ -42,6 +43,7 @@ import onnx
 from .atomic import atomic_directory
 from .cache_key import stamp_bundle
 from .errors import BundleExistsError, QuantizationError
+from .external_data import DataWriter, is_external, load_structure, nbytes, read_tensor
 from .manifest import bundle_files, read_manifest, write_manifest
 from .onnx_export import EXTERNAL_DATA_THRESHOLD
 
@@ -183,38 +185,63 @@ def per_channel_int8(weight_kn):
     return codes, scale
 
 
-def _dynamic_matmuls(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Every MatMul with a constant 2-D float32 weight becomes DynamicQuantizeMatMul(x, codes, scale, 0)."""
+def _dynamic_matmuls(path: Path):
+    """The graph at `path` with every MatMul with a constant 2-D float32 weight as
+    DynamicQuantizeMatMul(x, codes, scale, 0), and the new weights file, or None.
+
+    Weights are read and quantized one at a time (external_data.py), so a graph larger than memory (the
+    full-size 4B transformer, 15.5 GB in float32) is quantized in about one weight's memory. When the
+    result still needs external data (`save`'s rule), its weights are written to a `.partial` file next
+    to `path`, returned with the model, which refers to them by the final `.onnx.data` name:
+    `quantize_graph` renames it into place once the old file is gone."""
     import numpy as np
     from onnx import helper, numpy_helper
 
-    graph = model.graph
+    model = load_structure(path)
+    graph, base_dir = model.graph, path.parent
     weights = {i.name: i for i in graph.initializer}
-    nodes, replaced, added = [], set(), []
+    nodes, bases = [], {}  # bases: weight name -> the names of its quantized copies
     for node in graph.node:
         w = weights.get(node.input[1]) if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") else None
         if w is None or len(w.dims) != 2 or w.data_type != onnx.TensorProto.FLOAT:
             nodes.append(node)
             continue
-        codes, scale = per_channel_int8(numpy_helper.to_array(w))
         base = (node.name or node.output[0]) + "_int8"
-        added += [
-            numpy_helper.from_array(codes, base + "_codes"),
-            numpy_helper.from_array(scale, base + "_scale"),
-            numpy_helper.from_array(np.zeros(scale.shape, np.int8), base + "_zero"),
-        ]
+        bases.setdefault(w.name, []).append(base)
         inputs = [node.input[0], base + "_codes", base + "_scale", base + "_zero"]
         nodes.append(helper.make_node(DYNAMIC, inputs, list(node.output), name=base, domain="com.microsoft"))
-        replaced.add(w.name)
     used = {name for node in nodes for name in node.input}
-    kept = [i for i in graph.initializer if i.name not in replaced or i.name in used]
+    kept = {i.name for i in graph.initializer if i.name not in bases or i.name in used}
+    out_bytes = sum(nbytes(i) for i in graph.initializer if i.name in kept)
+    for name, copies in bases.items():
+        k, n = weights[name].dims
+        out_bytes += len(copies) * (k * n + 5 * n)  # int8 codes, float32 scale, int8 zero
+    partial = path.with_name(path.name + ".data.partial") if out_bytes >= EXTERNAL_DATA_THRESHOLD * 0.9 else None
+    initializers = []
+    with DataWriter(partial, path.name + ".data") if partial else contextlib.nullcontext() as writer:
+
+        def store(name, values):  # -> a tensor in the new weights file, or in the graph
+            return writer.add(name, values) if writer else numpy_helper.from_array(values, name)
+
+        for tensor in graph.initializer:
+            if tensor.name in bases:
+                codes, scale = per_channel_int8(read_tensor(tensor, base_dir))
+                for base in bases[tensor.name]:
+                    initializers += [
+                        store(base + "_codes", codes),
+                        store(base + "_scale", scale),
+                        store(base + "_zero", np.zeros(scale.shape, np.int8)),
+                    ]
+            if tensor.name in kept:
+                external = is_external(tensor)
+                initializers.append(store(tensor.name, read_tensor(tensor, base_dir)) if external else tensor)
     del graph.initializer[:]
-    graph.initializer.extend(kept + added)
+    graph.initializer.extend(initializers)
     del graph.node[:]
     graph.node.extend(nodes)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    return model
+    return model, partial
 
 
 def _nbits_matmuls(model: onnx.ModelProto, config: QuantizationConfig) -> onnx.ModelProto:
@@ -335,9 +362,11 @@ def quantize_graph(path: Path, config: QuantizationConfig, calibration=None) -> 
         if scheme["quantized_nodes"] == 0:
             raise QuantizationError(f"{path.name}: no Conv with a constant weight to quantize")
         return _write(model, path, scheme)
-    model = onnx.load(str(path))  # external data, if any, is read into memory
     dynamic = config.method == DYNAMIC
-    model = _dynamic_matmuls(model) if dynamic else _nbits_matmuls(model, config)
+    if dynamic:
+        model, partial = _dynamic_matmuls(path)
+    else:
+        model, partial = _nbits_matmuls(onnx.load(str(path)), config), None  # external data read into memory
     quantized = sum(n.op_type == config.method for n in model.graph.node)
     if quantized == 0:
         raise QuantizationError(f"{path.name}: no MatMul with a constant weight to quantize")
@@ -358,7 +387,10 @@ def quantize_graph(path: Path, config: QuantizationConfig, calibration=None) -> 
     }
     if dynamic:
         scheme["granularity"] = "weights: int8 per output channel, symmetric; activations: uint8 per tensor at run time"
-    return _write(model, path, scheme)
+    _write(model, path, scheme)  # removes the old weights file
+    if partial is not None:
+        partial.rename(path.with_name(path.name + ".data"))
+    return scheme
 
 
 def _write(model: onnx.ModelProto, path: Path, scheme: dict) -> dict:

@@ -32,7 +32,14 @@ from klein_export.precision import (
     measure_ranges,
     summarise_ranges,
 )
-from klein_export.quantize import QuantizationConfig, QuantizationError, parse_components, quantize_copy
+from klein_export.quantize import (
+    DYNAMIC,
+    QuantizationConfig,
+    QuantizationError,
+    parse_components,
+    quantize_copy,
+    quantize_graph,
+)
 from klein_export.tolerances import PSNR_THRESHOLD
 from klein_export.verify import IMAGE_CASES, verify, verify_images
 
@@ -368,6 +375,37 @@ def test_large_quantized_graph_goes_to_external_data(tiny_checkpoint, tiny_bundl
     assert manifest["graphs"]["text_encoder"]["quantization"] is None
     results = list(verify(tiny_checkpoint, out, ("transformer",)))
     assert all(r.ok for r in results), "\n".join(r.line() for r in results)
+
+
+@pytest.mark.parametrize("threshold", [None, 100_000])
+def test_dynamic_reads_and_writes_external_weights_one_at_a_time(
+    dynamic_bundle, tiny_bundle, tmp_path, monkeypatch, threshold
+):
+    """`--method dynamic` on a graph whose weights are in a `.onnx.data` file (the 4B's case: read one
+    weight at a time, never the whole file) gives the same graph as on the in-memory one, whether the
+    result goes back to external data (`threshold`: protobuf's 2 GB limit, lowered) or into the graph."""
+    if threshold:
+        monkeypatch.setattr("klein_export.quantize.EXTERNAL_DATA_THRESHOLD", threshold)
+    path = tmp_path / "transformer.onnx"
+    model = onnx.load(str(tiny_bundle / "transformer.onnx"))
+    onnx.save_model(model, str(path), save_as_external_data=True, location=path.name + ".data", size_threshold=0)
+    assert len(onnx.load(str(path), load_external_data=False).graph.initializer[0].external_data) > 0
+    scheme = quantize_graph(path, QuantizationConfig(bits=8, method=DYNAMIC))
+    assert scheme["quantized_nodes"] == MATMUL_WEIGHTS["transformer"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["transformer.onnx"] + ["transformer.onnx.data"] * bool(
+        threshold
+    )
+    got, want = onnx.load(str(path)), onnx.load(str(dynamic_bundle / "transformer.onnx"))
+    assert [(n.op_type, list(n.input), list(n.output)) for n in got.graph.node] == [
+        (n.op_type, list(n.input), list(n.output)) for n in want.graph.node
+    ]
+    want_weights = {i.name: onnx.numpy_helper.to_array(i) for i in want.graph.initializer}
+    got_weights = {i.name: onnx.numpy_helper.to_array(i) for i in got.graph.initializer}
+    assert got_weights.keys() == want_weights.keys()
+    for name, values in want_weights.items():
+        assert got_weights[name].dtype == values.dtype and np.array_equal(got_weights[name], values), name
+    external = [i for i in onnx.load(str(path), load_external_data=False).graph.initializer if i.external_data]
+    assert bool(external) == bool(threshold)
 
 
 def test_activation_ranges_are_measured(tiny_checkpoint):
