@@ -16,4 +16,4 @@ if [ ! -e /usr/include/openblas/cblas.h ]; then
         { $sudo apt-get update -qq && $sudo apt-get install -y --no-install-recommends libopenblas-dev; }
 fi
 make -C "$src" blas
-"$src/flux" -h 2>&1 | head -1
+"$src/flux" -h 2>&1 | sed -n 1p
