@@ -7,7 +7,8 @@ threads (flux2.c: `OPENBLAS_NUM_THREADS`; its own kernels are single-threaded). 
 fresh process; repetitions are interleaved (rep 1 of every configuration and size, then rep 2, ...).
 Per run: wall time spawn to exit, peak RSS (`ru_maxrss` of the child: touched memory-mapped weights
 count, for both), CPU seconds and the CPUs other processes used meanwhile (compare.py's `run_child`).
-Stages: flux2.c's own phase lines (`Encoding text... done (5.1s)`), klein's `--timings`.
+Stages: flux2.c's own phase lines (`Encoding text... done (5.1s)`; the denoising from the arrival
+times of its `Step n/N` lines), klein's `--timings`.
 
 flux2.c expects the published checkpoint's file layout: the text encoder in two shards named
 `model-00001-of-00002.safetensors` and `model-00002-of-00002.safetensors`. A checkpoint that holds
@@ -50,7 +51,8 @@ from compare import (  # noqa: E402
     wait_for_quiet,
 )
 
-PHASE_LINE = re.compile(r"([A-Z][A-Za-z ]+)\.\.\. done \(([0-9.]+)s\)")
+PHASE_LINE = re.compile(r"(\S.*?)\.\.\. done \(([0-9.]+)s\)")  # `Loading FLUX.2 transformer... done (0.6s)`
+STEP_LINE = re.compile(r"^\s*Step \d+/\d+")  # printed as each denoising step ends
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 
 
@@ -79,12 +81,22 @@ def flux2c_view(checkpoint: Path, work: Path) -> Path:
     return view
 
 
-def flux2c_stages(text: str) -> dict:
-    """flux2.c's phase lines -> seconds per phase (summed when a phase repeats)."""
-    stages = {}
-    for name, secs in PHASE_LINE.findall(text):
-        stages[name.strip().lower()] = stages.get(name.strip().lower(), 0.0) + float(secs)
-    return stages
+def flux2c_stages(lines) -> dict:
+    """flux2.c's output lines `(seconds since spawn, text)` -> the table's stages, in seconds: load (its
+    `Loading ...` phases), text encoder (`Encoding text`), denoise (from the `Denoising` line to the
+    last `Step n/N` line, each printed as its step ends; flux2.c prints no time for it) and decode."""
+    phases = {}
+    for _, line in lines:
+        for name, secs in PHASE_LINE.findall(line):
+            phases[name.strip().lower()] = phases.get(name.strip().lower(), 0.0) + float(secs)
+    start = next((t for t, line in lines if line.startswith("Denoising")), math.nan)
+    step_ends = [t for t, line in lines if STEP_LINE.match(line)]
+    return {
+        "load": sum(v for k, v in phases.items() if k.startswith("loading")),
+        "text encoder": phases.get("encoding text", math.nan),
+        "denoise": step_ends[-1] - start if step_ends else math.nan,
+        "decode": phases.get("decoding image", math.nan),
+    }
 
 
 def image_size(path: Path):
@@ -150,7 +162,7 @@ def main(argv=None) -> int:
                     failed = True
                     continue
                 if bundle is None:
-                    c["stages"] = flux2c_stages(c["log"])
+                    c["stages"] = flux2c_stages(c["lines"])
                 else:
                     t = parse_klein_timings(c["log"], args.steps)
                     c["stages"] = {"load": t["load"], "text encoder": t["text encoder"], "denoise": t["denoise"], "decode": t["decode"]}
