@@ -1,7 +1,7 @@
 //! The graphs a pipeline holds, one slot per [`Component`], loaded on first use and checked
 //! against the manifest's contract. For static-shape bundles, the per-bucket slots hold the graphs
 //! of one bucket at a time.
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::lora::LoraSet;
 use super::progress::{timed, ProgressFn, Stage};
@@ -9,7 +9,7 @@ use crate::bundle::contract::check_graph;
 use crate::bundle::support::auto_skip;
 use crate::bundle::{Component, Manifest};
 use crate::error::{KleinError, Result};
-use crate::runtime::{load_graph, Device, Graph, SessionConfig};
+use crate::runtime::{self, load_graph, Device, Graph, SessionConfig};
 
 /// The loaded graphs of a pipeline.
 #[derive(Debug, Default)]
@@ -63,19 +63,8 @@ impl LoadedGraphs {
         }
         let slot = &mut self.slots[component.index()];
         if slot.is_none() {
-            let path = source
-                .dir
-                .join(graph_file(source.manifest, component, bucket)?);
+            let (path, session) = session_of(component, bucket, source)?;
             let spec = source.manifest.graphs.get(component);
-            let mut session = source
-                .session
-                .clone()
-                .with_auto_skip(auto_skip(spec.precision, spec.quantization.as_ref()))
-                .with_prepacking(spec.quantization.is_some() || component == Component::Transformer)
-                .without_cpu_arena(component == Component::Transformer);
-            if let Some(tag) = cache_tag(source.manifest, &path) {
-                session = session.with_cache_tag(tag);
-            }
             let mut graph = timed(progress, load_stage(component), |_| {
                 let merged = match component {
                     Component::Transformer => {
@@ -110,6 +99,23 @@ impl LoadedGraphs {
             .ok_or_else(|| unreachable!("the slot was filled above"))
     }
 
+    /// The files loading `component`'s graph (of `bucket`) will read (see [`runtime::graph_files`]);
+    /// empty when they are not known: a static-shape bundle's per-bucket graph before a bucket is
+    /// chosen, or a transformer that LoRAs are merged into (built from a rewritten graph).
+    pub fn files(
+        component: Component,
+        bucket: Option<usize>,
+        source: &GraphSource<'_>,
+    ) -> Vec<PathBuf> {
+        let merges = component == Component::Transformer && !source.loras.is_empty();
+        match session_of(component, bucket, source) {
+            Ok((path, session)) if !merges => {
+                runtime::graph_files(component.as_str(), &path, &session)
+            }
+            _ => Vec::new(),
+        }
+    }
+
     /// Releases the session of `component` (its memory goes back now).
     pub fn release(&mut self, component: Component) {
         self.slots[component.index()] = None;
@@ -134,6 +140,28 @@ impl LoadedGraphs {
     pub fn placements(&self) -> &[Placement] {
         &self.placements
     }
+}
+
+/// The graph file of `component` (of `bucket`) and the settings of its session.
+fn session_of(
+    component: Component,
+    bucket: Option<usize>,
+    source: &GraphSource<'_>,
+) -> Result<(PathBuf, SessionConfig)> {
+    let path = source
+        .dir
+        .join(graph_file(source.manifest, component, bucket)?);
+    let spec = source.manifest.graphs.get(component);
+    let mut session = source
+        .session
+        .clone()
+        .with_auto_skip(auto_skip(spec.precision, spec.quantization.as_ref()))
+        .with_prepacking(spec.quantization.is_some() || component == Component::Transformer)
+        .without_cpu_arena(component == Component::Transformer);
+    if let Some(tag) = cache_tag(source.manifest, &path) {
+        session = session.with_cache_tag(tag);
+    }
+    Ok((path, session))
 }
 
 /// The file of `component`'s graph: the bucket's for a static-shape bundle's per-bucket graphs,

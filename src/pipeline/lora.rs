@@ -126,6 +126,10 @@ impl LoraSet {
         Ok(LoraSet { adapters })
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.adapters.is_empty()
+    }
+
     pub fn specs(&self) -> Vec<LoraSpec> {
         self.adapters.iter().map(|(spec, _)| spec.clone()).collect()
     }

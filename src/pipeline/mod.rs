@@ -17,6 +17,20 @@ use ndarray::{
     concatenate, s, Array2, Array3, Array4, ArrayD, ArrayView3, ArrayView4, Axis, Ix3, Ix4,
 };
 
+/// The [`GraphSource`] of a pipeline's fields (a macro, not a method: it borrows the fields, not
+/// the whole pipeline, so that `self.graphs` can be borrowed mutably beside it).
+macro_rules! graph_source {
+    ($pipeline:expr) => {
+        GraphSource {
+            dir: &$pipeline.dir,
+            manifest: &$pipeline.manifest,
+            session: &$pipeline.session,
+            loras: &$pipeline.loras,
+            scratch: &$pipeline.scratch,
+        }
+    };
+}
+
 mod denoise;
 mod graphs;
 mod inpaint;
@@ -244,14 +258,17 @@ impl Pipeline {
         bucket: Option<usize>,
         progress: &mut Option<&mut ProgressFn<'_>>,
     ) -> Result<&mut Graph> {
-        let source = GraphSource {
-            dir: &self.dir,
-            manifest: &self.manifest,
-            session: &self.session,
-            loras: &self.loras,
-            scratch: &self.scratch,
-        };
-        self.graphs.get(component, bucket, &source, progress)
+        self.graphs
+            .get(component, bucket, &graph_source!(self), progress)
+    }
+
+    /// The files loading `component`'s graph will read: the CPU cache's saved copy when there is
+    /// one, else the bundle's graph file and its external data; empty when not known before a
+    /// request (a static-shape bundle's per-bucket graphs, a transformer with LoRAs merged). The
+    /// pipeline reads the transformer's into the page cache while the text encoder runs
+    /// ([`runtime::prefetch`]); an app can warm them the same way.
+    pub fn graph_files(&self, component: Component) -> Vec<PathBuf> {
+        LoadedGraphs::files(component, None, &graph_source!(self))
     }
 
     /// Static-shape bundles: the bucket of a `width` x `height` output (a request error when there
@@ -289,6 +306,11 @@ impl Pipeline {
             .map_err(|e| internal("token ids", e))?;
         let mask = Array2::from_shape_vec((1, seq), encoded.attention_mask)
             .map_err(|e| internal("attention mask", e))?;
+        self.graph(Component::TextEncoder, None, &mut progress)?;
+        // The transformer's files are read from disk while the text encoder computes.
+        if self.graphs.loaded(Component::Transformer).is_none() {
+            runtime::prefetch(self.graph_files(Component::Transformer));
+        }
         let graph = self.graph(Component::TextEncoder, None, &mut progress)?;
         let embeds = timed(&mut progress, Stage::EncodePrompt, |_| {
             let mut out = graph.run(&[

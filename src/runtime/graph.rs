@@ -71,8 +71,8 @@ pub fn load_graph(
         auto_skip,
         prepack,
         no_cpu_arena,
-        cpu_cache_dir,
-        cache_tag,
+        cpu_cache_dir: _,
+        cache_tag: _,
     } = config.clone();
     if !path.is_file() {
         return Err(KleinError::Bundle {
@@ -192,17 +192,10 @@ pub fn load_graph(
         });
     }
     // The CPU cache holds graphs as the bundle has them: not with merged LoRA weights.
-    let cache = match (&cpu_cache_dir, &cache_tag) {
-        (Some(dir), Some(tag)) if initializers.is_empty() => Some(CacheEntry::new(
-            dir,
-            name,
-            tag,
-            ort::info(),
-            optimization,
-            prepack,
-        )),
-        _ => None,
-    };
+    let cache = initializers
+        .is_empty()
+        .then(|| cache_entry(name, config))
+        .flatten();
     let mut warnings = Vec::new();
     let last = candidates.len() - 1;
     let mut loaded = None;
@@ -277,6 +270,35 @@ pub fn load_graph(
         warnings,
         bindings: Vec::new(),
     })
+}
+
+/// The CPU cache entry of graph `name` under `config`; `None` without a cache directory or tag.
+fn cache_entry(name: &str, config: &SessionConfig) -> Option<CacheEntry> {
+    Some(CacheEntry::new(
+        config.cpu_cache_dir.as_ref()?,
+        name,
+        config.cache_tag.as_ref()?,
+        ort::info(),
+        config.optimization,
+        config.prepack,
+    ))
+}
+
+/// The files [`load_graph`] will read for graph `name` at `path` (with no initializers replaced),
+/// those that exist: the CPU cache's saved copy when there is one and the CPU may run the graph,
+/// else the graph file; each with its external data (`<file>.data`). For [`super::prefetch`].
+pub fn graph_files(name: &str, path: &Path, config: &SessionConfig) -> Vec<PathBuf> {
+    let cpu_possible = matches!(config.device, Device::Cpu | Device::Auto);
+    let file = cpu_possible
+        .then(|| cache_entry(name, config)?.saved())
+        .flatten()
+        .unwrap_or_else(|| path.to_path_buf());
+    let mut data = file.clone().into_os_string();
+    data.push(".data");
+    [file, PathBuf::from(data)]
+        .into_iter()
+        .filter(|f| f.is_file())
+        .collect()
 }
 
 /// Which file a session is built from.

@@ -35,16 +35,18 @@ mod cpu_cache;
 mod device;
 mod graph;
 mod library;
+mod prefetch;
 mod tensor;
 
 pub use device::{
     ComputeUnits, ConvSearch, CoreMlOptions, CudaOptions, Device, OptimizationLevel, SessionConfig,
 };
-pub use graph::{describe_skipped, load_graph, Graph};
+pub use graph::{describe_skipped, graph_files, load_graph, Graph};
 pub use library::{
     init, locate_library, runtime_info, LibrarySource, LogLevel, LogSink, RuntimeInfo,
     RuntimeOptions, ORT_DYLIB_ENV,
 };
+pub use prefetch::prefetch;
 pub use tensor::{
     tensor_names, Dtype, Initializer, InitializerData, Outputs, TensorInfo, TensorInput,
 };

@@ -3,6 +3,7 @@
 //! the same image, bit for bit; a damaged entry is replaced with a warning, never an error.
 use std::path::{Path, PathBuf};
 
+use klein::bundle::Component;
 use klein::pipeline::{Pipeline, PipelineOptions, Request};
 use klein::runtime::{Device, RuntimeOptions};
 
@@ -118,4 +119,31 @@ fn a_damaged_entry_is_saved_again_with_a_warning() {
     let (third, warnings) = generate(Some(&cache));
     assert_eq!(first, third);
     assert!(warnings.is_empty(), "{warnings:?}");
+}
+
+#[test]
+fn graph_files_name_what_the_transformer_load_reads() {
+    let cache = temp_dir("cpu-cache-files");
+    let bundle_graph = repo().join("onnx/klein-tiny/transformer.onnx");
+    // Nothing saved yet (and no cache at all): the bundle's graph, which has no external data.
+    assert_eq!(
+        pipeline(Some(&cache)).graph_files(Component::Transformer),
+        vec![bundle_graph.clone()]
+    );
+    assert_eq!(
+        pipeline(None).graph_files(Component::Transformer),
+        vec![bundle_graph]
+    );
+
+    generate(Some(&cache));
+    let files = pipeline(Some(&cache)).graph_files(Component::Transformer);
+    let saved = saved_graphs(&cache)
+        .into_iter()
+        .find(|g| g.ends_with("transformer.onnx"))
+        .unwrap();
+    assert_eq!(
+        files,
+        vec![saved.clone(), saved.with_extension("onnx.data")],
+        "the saved entry the next load maps, and its weights"
+    );
 }
