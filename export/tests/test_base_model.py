@@ -3,12 +3,14 @@ guidance 4), classifier-free guidance with the empty negative prompt and with a 
 several images per prompt (the CFG batch), and the refusals (a negative prompt on a distilled
 model, or with guidance 1).
 
-Tolerance: at most 1 level anywhere, as every CLI-vs-diffusers test (tests/it/diffusers.rs,
-test_runtime_e2e.py), in at most max(1%, 2 x the noise floor) of pixels. Guidance runs the
-transformer twice per step and scales the difference of the two (by 3.5-4), so fp32's summation
-noise flips more pixels than without guidance. The floor is measured in each test, in diffusers
-itself: its image with the prompt embeddings perturbed by a relative 2e-5 (what ONNX Runtime's
-summation order gives) against its image without.
+Tolerance: at most max(1, 2 x the noise floor's) levels anywhere, in at most max(1%, 2 x the noise
+floor) of pixels. Guidance runs the transformer twice per step and scales the difference of the two
+(by 3.5-4), so fp32's summation noise flips more pixels than without guidance, and by more than one
+level: on an Intel Xeon host with AMX the CFG batch's second image differs from diffusers' by up to
+3 levels in 36.9% of pixels, where diffusers' own floor is 2 levels in 22.3% (on the AMD EPYC hosts
+before, within 1 level). The floor is measured in each test, in diffusers itself: its image with
+the prompt embeddings perturbed by a relative 2e-5 (what ONNX Runtime's summation order gives)
+against its image without; twice that, because the perturbation is one random draw.
 """
 
 import json
@@ -76,9 +78,9 @@ def differing(a: np.ndarray, b: np.ndarray) -> tuple[int, float]:
     return int(diff.max()), float((diff > 0).any(axis=-1).mean())
 
 
-def noise_floor(pipe, prompt: str, seed: int, **kwargs) -> tuple[list[np.ndarray], list[float]]:
-    """diffusers' images, and for each the fraction of its pixels that a 2e-5 relative change of
-    the prompt embeddings flips."""
+def noise_floor(pipe, prompt: str, seed: int, **kwargs) -> tuple[list[np.ndarray], list[tuple[int, float]]]:
+    """diffusers' images, and for each what a 2e-5 relative change of the prompt embeddings does to
+    it: the largest difference in levels, and the fraction of its pixels it flips."""
     with torch.no_grad():
         embeds, _ = pipe.encode_prompt(prompt)
         g = torch.Generator("cpu").manual_seed(1)
@@ -90,14 +92,18 @@ def noise_floor(pipe, prompt: str, seed: int, **kwargs) -> tuple[list[np.ndarray
             ]
             for e in (embeds, nudged)
         ]
-    return runs[0], [differing(a, b)[1] for a, b in zip(*runs, strict=True)]
+    return runs[0], [differing(a, b) for a, b in zip(*runs, strict=True)]
 
 
-def assert_close(got: np.ndarray, want: np.ndarray, floor: float, what: str) -> None:
+def assert_close(got: np.ndarray, want: np.ndarray, floor: tuple[int, float], what: str) -> None:
+    floor_top, floor_pixels = floor
     top, pixels = differing(got, want)
-    allowed = max(0.01, 2 * floor)
-    print(f"{what}: max diff {top}, {100 * pixels:.2f}% of pixels differ (diffusers' own floor {100 * floor:.2f}%)")
-    assert top <= 1 and pixels <= allowed, (top, pixels, floor)
+    allowed_top, allowed = max(1, 2 * floor_top), max(0.01, 2 * floor_pixels)
+    print(
+        f"{what}: max diff {top}, {100 * pixels:.2f}% of pixels differ "
+        f"(diffusers' own floor: max diff {floor_top}, {100 * floor_pixels:.2f}%)"
+    )
+    assert top <= allowed_top and pixels <= allowed, (top, pixels, floor)
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:

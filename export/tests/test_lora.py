@@ -2,8 +2,11 @@
 stacked, negative and fractional scales, merged by klein at load time and by the exporter.
 
 diffusers loads each file with `load_lora_weights` and `set_adapters(names, scales)`; klein gets the
-same files with `--lora FILE:SCALE`. Tolerance as the base parity tests (test_runtime_e2e.py): at
-most 1 level anywhere and in at most 1% of pixels. Each LoRA is strong enough that the image moves
+same files with `--lora FILE:SCALE`. Tolerance: at most 1 level anywhere, in at most 1% of pixels
+(as the base parity tests, test_runtime_e2e.py), or, where diffusers itself is more sensitive,
+test_base_model.py's rule from diffusers' own noise floor (twice what a relative 2e-5 change of the
+prompt embeddings does to its image): on an Intel Xeon host with AMX, LoKr at scale 1.5 differed by
+1 level in 1.32% of pixels. Each LoRA is strong enough that the image moves
 (PSNR against the image without it under 30 dB), so that equality means the LoRA was applied.
 
 Needs the release binary (`cargo test --release` builds it; scripts/test.sh runs that first).
@@ -27,6 +30,7 @@ from lora_files import (
     write_peft,
 )
 from PIL import Image
+from test_base_model import assert_close, noise_floor
 
 from klein_export.cli import main
 from klein_export.convert import convert
@@ -58,7 +62,8 @@ def loras(tiny_checkpoint, tmp_path_factory):
 
 
 def diffusers_image(checkpoint, adapters):
-    """diffusers' image with `adapters` [(file, scale)] (a fresh pipeline: LoKr may fuse its QKV)."""
+    """diffusers' image with `adapters` [(file, scale)] (a fresh pipeline: LoKr may fuse its QKV), and
+    its noise floor (test_base_model.noise_floor)."""
     pipe = Flux2KleinPipeline.from_pretrained(str(checkpoint), dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     names = []
@@ -67,16 +72,10 @@ def diffusers_image(checkpoint, adapters):
         names.append(f"a{i}")
     if names:
         pipe.set_adapters(names, [scale for _, scale in adapters])
-    with torch.no_grad():
-        image = pipe(
-            prompt=PROMPT,
-            width=SIZE,
-            height=SIZE,
-            num_inference_steps=STEPS,
-            guidance_scale=1.0,
-            generator=torch.Generator("cpu").manual_seed(SEED),
-        ).images[0]
-    return np.array(image)
+    (image,), (floor,) = noise_floor(
+        pipe, PROMPT, SEED, width=SIZE, height=SIZE, num_inference_steps=STEPS, guidance_scale=1.0
+    )
+    return image, floor
 
 
 def klein_image(bundle, adapters, out):
@@ -92,7 +91,7 @@ def klein_image(bundle, adapters, out):
 
 @pytest.fixture(scope="module")
 def base_image(tiny_checkpoint):
-    return diffusers_image(tiny_checkpoint, [])
+    return diffusers_image(tiny_checkpoint, [])[0]
 
 
 CASES = {
@@ -109,16 +108,12 @@ CASES = {
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_lora_equals_diffusers(case, loras, tiny_checkpoint, tiny_bundle, base_image, tmp_path):
     adapters = [(loras[name], scale) for name, scale in CASES[case]]
-    want = diffusers_image(tiny_checkpoint, adapters)
+    want, floor = diffusers_image(tiny_checkpoint, adapters)
     got = klein_image(tiny_bundle, adapters, tmp_path / "klein.png")
     moved = psnr(want, base_image)
-    diff = np.abs(got.astype(int) - want.astype(int))
-    pixels = float((diff > 0).any(axis=-1).mean())
-    print(
-        f"{case}: vs diffusers max {diff.max()}, {100 * pixels:.2f}% of pixels; LoRA moved the image to {moved:.1f} dB"
-    )
+    print(f"{case}: LoRA moved the image to {moved:.1f} dB")
     assert moved < 30, f"the LoRA barely changes the image ({moved:.1f} dB): parity would prove nothing"
-    assert diff.max() <= 1 and pixels <= 0.01, (diff.max(), pixels)
+    assert_close(got, want, floor, f"{case}: vs diffusers")
 
 
 def test_scale_zero_is_no_lora(loras, tiny_bundle, tmp_path):
@@ -137,12 +132,9 @@ def test_export_time_merge_equals_diffusers(loras, tiny_checkpoint, tmp_path):
         log=lambda _: None,
         loras=[LoraSpec(path, scale) for path, scale in adapters],
     )
-    want = diffusers_image(tiny_checkpoint, adapters)
+    want, floor = diffusers_image(tiny_checkpoint, adapters)
     got = klein_image(bundle, [], tmp_path / "klein.png")
-    diff = np.abs(got.astype(int) - want.astype(int))
-    pixels = float((diff > 0).any(axis=-1).mean())
-    print(f"export-time merge: max {diff.max()}, {100 * pixels:.2f}% of pixels")
-    assert diff.max() <= 1 and pixels <= 0.01, (diff.max(), pixels)
+    assert_close(got, want, floor, "export-time merge")
 
 
 def test_lora_map_covers_every_linear_layer(tiny_checkpoint, tiny_bundle):
