@@ -16,24 +16,16 @@ use std::path::PathBuf;
 /// it was.
 #[cfg(target_os = "linux")]
 pub fn prefetch(files: Vec<PathBuf>) {
-    let files: Vec<(PathBuf, u64)> = files
-        .into_iter()
-        .filter_map(|path| {
-            let bytes = std::fs::metadata(&path).ok().filter(|m| m.is_file())?.len();
-            Some((path, bytes))
-        })
+    let sizes: Vec<u64> = files
+        .iter()
+        .filter_map(|path| Some(std::fs::metadata(path).ok().filter(|m| m.is_file())?.len()))
         .collect();
-    let total: u64 = files.iter().map(|(_, bytes)| bytes).sum();
-    if files.is_empty() || !fits_in_memory(total) {
+    if sizes.is_empty() || !fits_in_memory(sizes.iter().sum()) {
         return;
     }
     let _ = std::thread::Builder::new()
         .name("klein-prefetch".into())
-        .spawn(move || {
-            for (path, _) in files {
-                read_through(&path);
-            }
-        });
+        .spawn(move || files.iter().for_each(|path| read_through(path)));
 }
 
 /// Does nothing: only Linux is asked to read ahead.
