@@ -18,7 +18,7 @@ import sys
 CHILD = r"""
 import json, resource, sys, time
 import numpy as np, onnxruntime as ort
-path, side, threads, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+path, side, threads, out, profile = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 options = ort.SessionOptions()
 options.intra_op_num_threads = threads
 session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
@@ -39,7 +39,23 @@ velocity = session.run(None, feeds)[0]
 seconds = time.perf_counter() - start
 np.save(out, velocity[0, :256])
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-print(json.dumps({"seconds": seconds, "peak_gib": peak}))
+by_op = {}
+if profile:
+    # A second session, built after the timed run, profiles its second run.
+    del session
+    options.enable_profiling = True
+    options.profile_file_prefix = profile
+    profiled = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    profiled.run(None, feeds)
+    profiled.run(None, feeds)
+    events = json.load(open(profiled.end_profiling()))
+    runs = [e for e in events if e.get("name") == "model_run"]
+    last = runs[-1]["ts"]  # the second run's nodes only
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= last:
+            op = e["args"]["op_name"]
+            by_op[op] = by_op.get(op, 0.0) + e["dur"] / 1e6
+print(json.dumps({"seconds": seconds, "peak_gib": peak, "by_op": by_op}))
 """
 
 
@@ -49,6 +65,11 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=1024, help="image side in pixels (default 1024)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also run the step once more under ONNX Runtime's profiler and print seconds per operator type",
+    )
     args = parser.parse_args()
     import numpy as np
 
@@ -58,7 +79,16 @@ def main() -> int:
         for name, path in bundles.items():
             out = f"/tmp/transformer_step_{name}.npy"
             run = subprocess.run(
-                [sys.executable, "-c", CHILD, f"{path}/transformer.onnx", str(args.size), str(args.threads), out],
+                [
+                    sys.executable,
+                    "-c",
+                    CHILD,
+                    f"{path}/transformer.onnx",
+                    str(args.size),
+                    str(args.threads),
+                    out,
+                    f"/tmp/transformer_step_{name}_profile" if args.profile else "",
+                ],
                 capture_output=True,
                 text=True,
             )
@@ -68,6 +98,12 @@ def main() -> int:
             result = json.loads(run.stdout.strip().splitlines()[-1])
             results[name].append(result)
             print(f"{name} rep {rep + 1}: step {result['seconds']:.2f} s, peak RSS {result['peak_gib']:.2f} GiB")
+            by_op = sorted(result["by_op"].items(), key=lambda kv: -kv[1])
+            if by_op:
+                total = sum(seconds for _, seconds in by_op)
+                print(f"  profiled run: {total:.2f} s in operators")
+                for op, seconds in by_op:
+                    print(f"    {op:32} {seconds:7.3f} s  {100 * seconds / total:5.1f}%")
     print(f"\n{args.size}x{args.size}, {args.threads} threads, median of {args.reps}:")
     for name, runs in results.items():
         if runs:

@@ -12,6 +12,7 @@ use ort::session::builder::SessionBuilder;
 use ort::session::{IoBinding, Session, SessionInputValue};
 
 use super::cpu_cache::CacheEntry;
+use super::denormals::Flushed;
 use super::device::{register_device, Device, LoadFailure, OptimizationLevel, SessionConfig};
 use super::library::{error_chain, runtime};
 use super::tensor::{
@@ -112,6 +113,9 @@ pub fn load_graph(
         let builder = Session::builder(&runtime.environment)
             .map_err(|e| LoadFailure::Session(error_chain(&e)))?
             .with_optimization_level(level.to_ort())
+            .map_err(|e| LoadFailure::Session(error_chain(&e)))?
+            // On the session's pool threads; the calling thread's are set around each run.
+            .with_config_entry("session.set_denormal_as_zero", "1")
             .map_err(|e| LoadFailure::Session(error_chain(&e)))?;
         let builder = match from {
             LoadFrom::Save(file) => save_optimized(builder, file)?,
@@ -157,6 +161,9 @@ pub fn load_graph(
         }
         let strict = config.device != Device::Auto;
         let mut builder = register_device(builder, device, strict, &cuda, &coreml)?;
+        // ONNX Runtime sets this thread's denormal flags when it creates its first session;
+        // the guard puts them back.
+        let _flushed = Flushed::new();
         let committed = match (&patched, from) {
             (_, LoadFrom::Cached(file)) => builder.commit_from_file(file),
             (Some(bytes), _) => builder.commit_from_memory(bytes),
@@ -460,6 +467,7 @@ impl Graph {
             let value = value.tensor(stage, path)?;
             session_inputs.push((Cow::Borrowed(*name), value.into()));
         }
+        let _flushed = Flushed::new();
         let results = self
             .session
             .run(session_inputs)
@@ -501,6 +509,7 @@ impl Graph {
                 .bind_input(name, &value)
                 .map_err(|e| run_error(stage, path, &e))?;
         }
+        let _flushed = Flushed::new();
         let results = self
             .session
             .run_binding(binding)

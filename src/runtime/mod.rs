@@ -32,6 +32,7 @@
 //! one graph between threads, put it behind a `Mutex`; ONNX Runtime parallelises inside one run.
 
 mod cpu_cache;
+mod denormals;
 mod device;
 mod graph;
 mod library;
