@@ -25,7 +25,7 @@ use crate::runtime::Device;
 /// Weight-only blockwise quantization (`--method nbits`).
 const NBITS: &str = "MatMulNBits";
 /// int8 weights per channel and activations quantized at run time (`--method dynamic`).
-const DYNAMIC: &str = "DynamicQuantizeMatMul";
+pub(crate) const DYNAMIC: &str = "DynamicQuantizeMatMul";
 /// The VAE decoder's convolutions in int8, activation ranges calibrated (`--method static`).
 const QDQ: &str = "QDQ";
 

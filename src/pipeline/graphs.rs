@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use super::lora::LoraSet;
 use super::progress::{timed, ProgressFn, Stage};
 use crate::bundle::contract::check_graph;
-use crate::bundle::support::auto_skip;
+use crate::bundle::manifest::QuantizationSpec;
+use crate::bundle::support::{auto_skip, DYNAMIC};
 use crate::bundle::{Component, Manifest};
 use crate::error::{KleinError, Result};
 use crate::runtime::{self, load_graph, Device, Graph, SessionConfig};
@@ -43,6 +44,8 @@ pub(crate) struct GraphSource<'a> {
     pub loras: &'a LoraSet,
     /// Where merged LoRA weights are written while the transformer's session is created.
     pub scratch: &'a Path,
+    /// The text encoder stays loaded after a prompt ([`super::PipelineOptions::with_keep_text_encoder`]).
+    pub keeps_text_encoder: bool,
 }
 
 impl LoadedGraphs {
@@ -156,12 +159,34 @@ fn session_of(
         .session
         .clone()
         .with_auto_skip(auto_skip(spec.precision, spec.quantization.as_ref()))
-        .with_prepacking(spec.quantization.is_some() || component == Component::Transformer)
+        .with_prepacking(prepacks(
+            component,
+            spec.quantization.as_ref(),
+            source.keeps_text_encoder,
+        ))
         .without_cpu_arena(component == Component::Transformer);
     if let Some(tag) = cache_tag(source.manifest, &path) {
         session = session.with_cache_tag(tag);
     }
     Ok((path, session))
+}
+
+/// Whether `component`'s session prepacks its weights (see [`SessionConfig::with_prepacking`]):
+/// the transformer and quantized graphs do, except a dynamic-int8 text encoder that is released
+/// after its prompt. That one runs once or twice (a prompt and its negative) and computes the same
+/// result unpacked, and prepacking at load cost more than it saves: the wide checkpoint's encoder
+/// on an AMX host loaded in 2.5 s and ran in 2.9 s prepacked, against 0.1 s and 3.6 s unpacked
+/// (README, "Load time: weight prepacking").
+fn prepacks(
+    component: Component,
+    quantization: Option<&QuantizationSpec>,
+    keeps_text_encoder: bool,
+) -> bool {
+    match (component, quantization) {
+        (Component::Transformer, _) => true,
+        (Component::TextEncoder, Some(q)) if q.method == DYNAMIC => keeps_text_encoder,
+        (_, quantization) => quantization.is_some(),
+    }
 }
 
 /// The file of `component`'s graph: the bucket's for a static-shape bundle's per-bucket graphs,
@@ -210,5 +235,35 @@ fn load_stage(component: Component) -> Stage {
         Component::Transformer => Stage::LoadTransformer,
         Component::VaeEncoder => Stage::LoadVaeEncoder,
         Component::VaeDecoder => Stage::LoadVaeDecoder,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn quantization(method: &str) -> QuantizationSpec {
+        serde_json::from_value(serde_json::json!({"method": method, "bits": 8}))
+            .expect("a valid quantization spec")
+    }
+
+    #[test]
+    fn only_a_released_dynamic_int8_text_encoder_skips_prepacking() {
+        let (dynamic, nbits) = (quantization(DYNAMIC), quantization("MatMulNBits"));
+        for keeps in [false, true] {
+            assert!(prepacks(Component::Transformer, None, keeps));
+            assert!(prepacks(Component::Transformer, Some(&dynamic), keeps));
+            // MatMulNBits runs another kernel unpacked, with another result.
+            assert!(prepacks(Component::TextEncoder, Some(&nbits), keeps));
+            assert!(!prepacks(Component::TextEncoder, None, keeps));
+            assert!(!prepacks(Component::VaeDecoder, None, keeps));
+            assert!(prepacks(
+                Component::VaeDecoder,
+                Some(&quantization("QDQ")),
+                keeps
+            ));
+        }
+        assert!(!prepacks(Component::TextEncoder, Some(&dynamic), false));
+        assert!(prepacks(Component::TextEncoder, Some(&dynamic), true));
     }
 }

@@ -27,6 +27,7 @@ macro_rules! graph_source {
             session: &$pipeline.session,
             loras: &$pipeline.loras,
             scratch: &$pipeline.scratch,
+            keeps_text_encoder: $pipeline.keep_text_encoder,
         }
     };
 }
