@@ -463,3 +463,25 @@ def test_cpu_cache_keeps_quantized_images(bundles, name, tmp_path):
     # all products') is larger than the bundle's graph file.
     own = sum(f.stat().st_size for f in bundles[name].glob("transformer.onnx*"))
     assert saved["transformer.onnx"] > own * 1.3, (saved, own)
+
+
+def test_dynamic_text_encoder_computes_the_same_unpacked(bundles):
+    """The runtime loads a dynamic-int8 text encoder that it releases after the prompt without
+    prepacking (`pipeline/graphs.rs::prepacks`): that holds only while DynamicQuantizeMatMul gives the
+    same result, to the last bit, with its weights packed at load or at each run."""
+    import onnxruntime as ort
+
+    path = str(bundles["int8-dynamic"] / "text_encoder.onnx")
+    feeds = {
+        "input_ids": np.random.default_rng(3).integers(0, 1000, (1, 40)).astype(np.int64),
+        "attention_mask": (np.arange(40) < 29).astype(np.int64)[None],
+    }
+    outputs = []
+    for disable in ("0", "1"):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 2
+        options.add_session_config_entry("session.disable_prepacking", disable)
+        session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        outputs.append(session.run(None, feeds)[0])
+    assert "DynamicQuantizeMatMul" in {n.op_type for n in onnx.load(path, load_external_data=False).graph.node}
+    assert np.array_equal(outputs[0], outputs[1])
