@@ -69,7 +69,7 @@ def main() -> int:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="also run the step once more under ONNX Runtime's profiler and print seconds per operator type",
+        help="also run the step 3 times in a profiled session and print the last run's seconds per operator type",
     )
     args = parser.parse_args()
     import numpy as np

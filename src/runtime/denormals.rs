@@ -9,21 +9,27 @@
 //! ONNX Runtime flushes on its pool threads when a session has `session.set_denormal_as_zero`
 //! (every session klein builds does), but the thread that calls `Run` computes its share of the
 //! work too, and ONNX Runtime sets the flags on a calling thread only once per process: for good,
-//! on the thread that creates the first session. [`Flushed`] sets flush-to-zero and
-//! denormals-are-zero on the current thread for its lifetime and then puts the thread's own flags
-//! back, so runs are flushed on whatever thread calls them, and an embedding application's own
+//! on the thread that creates the first session. [`flushed`] sets flush-to-zero and
+//! denormals-are-zero on the current thread while it runs a closure and then puts the thread's own
+//! flags back, so runs are flushed on whatever thread calls them, and an embedding application's own
 //! arithmetic keeps its flags (session creation is wrapped too, undoing ONNX Runtime's change).
 //! On other architectures it does nothing (ONNX Runtime flushes on x86 only).
 
+/// Runs `f` with denormals flushed on this thread, then puts the thread's own flags back.
+pub(super) fn flushed<T>(f: impl FnOnce() -> T) -> T {
+    let _flushed = Flushed::new();
+    f()
+}
+
 /// The current thread's denormal flags, set to flush until dropped.
-pub(super) struct Flushed {
+struct Flushed {
     #[cfg(target_arch = "x86_64")]
     saved: u32,
 }
 
 impl Flushed {
     /// Sets flush-to-zero and denormals-are-zero on this thread.
-    pub(super) fn new() -> Flushed {
+    fn new() -> Flushed {
         #[cfg(target_arch = "x86_64")]
         {
             let saved = mxcsr::read();
@@ -86,8 +92,7 @@ mod tests {
             black_box(tiny * 0.5) > 0.0,
             "denormal results are kept by default"
         );
-        {
-            let _flushed = Flushed::new();
+        flushed(|| {
             assert_eq!(mxcsr::read() & mxcsr::FLUSH, mxcsr::FLUSH);
             assert_eq!(
                 black_box(tiny * 0.5),
@@ -100,7 +105,7 @@ mod tests {
                 0.0,
                 "a denormal input reads as zero"
             );
-        }
+        });
         assert_eq!(control(), before);
         assert!(black_box(tiny * 0.5) > 0.0);
     }

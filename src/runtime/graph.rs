@@ -12,7 +12,7 @@ use ort::session::builder::SessionBuilder;
 use ort::session::{IoBinding, Session, SessionInputValue};
 
 use super::cpu_cache::CacheEntry;
-use super::denormals::Flushed;
+use super::denormals::flushed;
 use super::device::{register_device, Device, LoadFailure, OptimizationLevel, SessionConfig};
 use super::library::{error_chain, runtime};
 use super::tensor::{
@@ -162,13 +162,12 @@ pub fn load_graph(
         let strict = config.device != Device::Auto;
         let mut builder = register_device(builder, device, strict, &cuda, &coreml)?;
         // ONNX Runtime sets this thread's denormal flags when it creates its first session;
-        // the guard puts them back.
-        let _flushed = Flushed::new();
-        let committed = match (&patched, from) {
+        // `flushed` puts them back.
+        let committed = flushed(|| match (&patched, from) {
             (_, LoadFrom::Cached(file)) => builder.commit_from_file(file),
             (Some(bytes), _) => builder.commit_from_memory(bytes),
             (None, _) => builder.commit_from_file(path),
-        };
+        });
         committed.map_err(|e| match e.code() {
             // The file itself is not a graph ONNX Runtime can read: a bad bundle, not a bad run.
             ErrorCode::InvalidProtobuf | ErrorCode::InvalidGraph | ErrorCode::NoModel => {
@@ -467,11 +466,8 @@ impl Graph {
             let value = value.tensor(stage, path)?;
             session_inputs.push((Cow::Borrowed(*name), value.into()));
         }
-        let _flushed = Flushed::new();
-        let results = self
-            .session
-            .run(session_inputs)
-            .map_err(|e| run_error(stage, path, &e))?;
+        let results =
+            flushed(|| self.session.run(session_inputs)).map_err(|e| run_error(stage, path, &e))?;
         extract_outputs(stage, &results)
     }
 
@@ -509,10 +505,7 @@ impl Graph {
                 .bind_input(name, &value)
                 .map_err(|e| run_error(stage, path, &e))?;
         }
-        let _flushed = Flushed::new();
-        let results = self
-            .session
-            .run_binding(binding)
+        let results = flushed(|| self.session.run_binding(binding))
             .map_err(|e| run_error(stage, path, &e))?;
         extract_outputs(stage, &results)
     }
