@@ -37,7 +37,7 @@ from .wrappers import TextEncoder, Transformer, VaeDecoder, VaeEncoder
 
 def _export_component(label, checkpoint_root, out, precision, loras, fused):
     """Runs in a child process: exports one component, returns its GraphEntry list and the child's peak RSS."""
-    options = {"fused": fused} if label == "transformer" else {}
+    options = {"fused": fused} if label in ("text_encoder", "transformer") else {}
     return EXPORTS[label](Checkpoint(checkpoint_root), Path(out), precision, loras, **options), _peak_rss_mb()
 
 
@@ -66,7 +66,9 @@ def _scheme_json(scheme, prefixes=("",)):
     return None if scheme is None else scheme.subset(prefixes).to_json()
 
 
-def _export_text_encoder(ckpt, out, precision, loras):
+def _export_text_encoder(ckpt, out, precision, loras, fused=True):
+    """`fused`: norms and attention as ONNX Runtime's fused operators (onnx_export.fuse_for_ort);
+    off for CoreML's static-shape bundles, as the transformer's."""
     layers = ckpt.text_encoder_out_layers
     lm = ckpt.load_text_encoder(num_layers=max(layers))
     module = TextEncoder(lm, layers).eval()
@@ -77,10 +79,9 @@ def _export_text_encoder(ckpt, out, precision, loras):
     mask = torch.ones(2, 12, dtype=torch.int64)
     mask[1, 7:] = 0
     batch, seq = Dim("batch"), Dim("seq")
-    export_graph(
-        module, (ids, mask), {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}, io, out, precision
-    )
-    return [GraphEntry(io, precision, scheme)]
+    shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
+    _, fusions = export_graph(module, (ids, mask), shapes, io, out, precision, ort_fusions=fused)
+    return [GraphEntry(io, precision, scheme, fusions=fusions or None)]
 
 
 def _export_transformer(ckpt, out, precision, loras, fused=True):
@@ -124,7 +125,7 @@ def _export_transformer(ckpt, out, precision, loras, fused=True):
     else:
         io = contract.transformer_io(cfg.in_channels, cfg.joint_attention_dim, n_axes)
     with fused_attention() if fused else contextlib.nullcontext():
-        path = export_graph(module, args, shapes, io, out, precision, translations=TRANSLATIONS if fused else None)
+        path, _ = export_graph(module, args, shapes, io, out, precision, translations=TRANSLATIONS if fused else None)
     return [GraphEntry(io, precision, scheme, lora_targets(model, path))]
 
 

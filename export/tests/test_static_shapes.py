@@ -219,3 +219,29 @@ def test_attention_is_fused_in_dynamic_bundles_only(static_bundle, tiny_bundle, 
     assert (dynamic.count("MultiHeadAttention"), dynamic.count("Softmax")) == (blocks, 0)
     static = ops(static_bundle / "transformer.64x64.onnx")
     assert (static.count("MultiHeadAttention"), static.count("Softmax")) == (0, blocks)
+
+
+def test_text_encoder_norms_and_attention_are_fused_in_dynamic_bundles_only(static_bundle, tiny_bundle):
+    """The dynamic text encoder: one MultiHeadAttention per layer (no Softmax, IsNaN or score-sized
+    Where left), every RMSNorm one SimplifiedLayerNormalization or, with the residual add before it,
+    SkipSimplifiedLayerNormalization (no Pow); the counts are in the manifest. The static (CoreML)
+    encoder keeps the exporter's plain operators."""
+    manifest = json.loads((tiny_bundle / "manifest.json").read_text())
+    layers = manifest["text_encoder"]["layers_in_graph"]
+
+    def ops(path):
+        return [n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node]
+
+    dynamic = ops(tiny_bundle / "text_encoder.onnx")
+    assert dynamic.count("MultiHeadAttention") == layers
+    assert [dynamic.count(op) for op in ("Softmax", "IsNaN", "Pow")] == [0, 0, 0]
+    # input, q, k, post-attention norms per layer; the last layer's output is not normed
+    norms = dynamic.count("SimplifiedLayerNormalization") + dynamic.count("SkipSimplifiedLayerNormalization")
+    assert norms == 4 * layers
+    fusions = manifest["graphs"]["text_encoder"]["fusions"]
+    assert fusions["rms_normalization"] == 4 * layers and fusions["sdpa_via_mha"] == layers
+    static_manifest = json.loads((static_bundle / "manifest.json").read_text())
+    static_file = static_manifest["graphs"]["text_encoder"]["file"]
+    static = ops(static_bundle / static_file)
+    assert (static.count("MultiHeadAttention"), static.count("Softmax"), static.count("Pow")) == (0, layers, 4 * layers)
+    assert "fusions" not in static_manifest["graphs"]["text_encoder"]
