@@ -448,6 +448,14 @@ def main(argv=None) -> int:
         help="run the --extra-bundle bundles with --cpu-cache DIR (the fp32 bundle without); one untimed run "
         "per bundle fills the cache first (its loads printed)",
     )
+    p.add_argument(
+        "--warm-up",
+        action="store_true",
+        help="before every timed run, one untimed run of the same configuration (its image and JSON "
+        "overwritten by the timed one), so that each reads its weights from the page cache; without it a "
+        "run finds whatever the run before it left there (diffusers bf16 the checkpoint that diffusers "
+        "fp32 has just read, klein its files pushed out by diffusers)",
+    )
     p.add_argument("--peak-shape", help="M,K,N of the peak MatMul (default: tokens,dim,3*dim of the transformer)")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:  # one diffusers run in this fresh process (see run_child)
@@ -502,6 +510,8 @@ def main(argv=None) -> int:
         print("diffusers fp32: not run (--no-diffusers-fp32)")
     built = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(Path(args.klein).stat().st_mtime))
     print(f"klein binary: {args.klein} (built {built}), copied to {klein}")
+    warm = "each timed run follows an untimed one of the same configuration (--warm-up)"
+    print(f"page cache: {warm if args.warm_up else 'as the run before left it (no --warm-up)'}")
 
     # 1. The ONNX Runtime fp32 matmul peak: before every repetition and after the last one (on a
     # shared or virtual machine the attainable peak moves: hypervisor placement, other tenants). The
@@ -536,6 +546,13 @@ def main(argv=None) -> int:
             "--threads", str(args.threads), "--timings", "-o", f"{stem}.png", *extra,
         ]  # fmt: skip
 
+    def warm_up(key, cmd, stem, env):
+        """The untimed run before a timed one (--warm-up); False when it failed (its log printed)."""
+        c = run_child(cmd, Path(f"{stem}-warm-up.log"), env=env)
+        if c["rc"] != 0:
+            print(f"{key} warm-up: exit {c['rc']}; log {stem}-warm-up.log:\n{c['log'][-2000:]}", file=sys.stderr)
+        return c["rc"] == 0
+
     cache_args = ["--cpu-cache", str(Path(args.klein_cpu_cache).resolve())] if args.klein_cpu_cache else []
     for name, bundle in [b for b in bundles if b[0] != "fp32"] if cache_args else []:
         stem = work / f"klein-{name}-cache-fill"
@@ -553,6 +570,8 @@ def main(argv=None) -> int:
                 steps=args.steps, threads=args.threads, image=f"{stem}.png", json=f"{stem}.json",
             )
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+            if args.warm_up:
+                failed |= not warm_up(key, cmd, stem, child_env)
             quiet = wait_for_quiet(args.quiet_wait) if args.quiet_wait else math.nan
             c = run_child(cmd, Path(f"{stem}.log"), env=child_env)
             if c["rc"] != 0:
@@ -568,6 +587,8 @@ def main(argv=None) -> int:
             key = f"klein {name}"
             stem = work / f"klein-{name}-rep{rep}"
             cmd = klein_cmd(bundle, stem, cache_args if name != "fp32" else [])
+            if args.warm_up:
+                failed |= not warm_up(key, cmd, stem, None)
             quiet = wait_for_quiet(args.quiet_wait) if args.quiet_wait else math.nan
             c = run_child(cmd, Path(f"{stem}.log"))
             if c["rc"] != 0:

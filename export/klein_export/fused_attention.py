@@ -24,18 +24,31 @@ from onnxscript import opset18 as op  # the exporter builds at 18, then converts
 
 
 def _register_schema():
-    """ONNX Runtime's MultiHeadAttention (its query, key, value and output, the `num_heads`
-    attribute) known to onnx.defs, so that onnxscript can write the node."""
+    """ONNX Runtime's MultiHeadAttention (its query, key, value, optional bias, key padding mask and
+    attention bias, and output; the `num_heads` attribute) known to onnx.defs, so that onnxscript can
+    write the node and ONNX's shape inference accepts the text encoder's (onnx_export.fuse_for_ort),
+    which takes the attention bias."""
     if onnx.defs.has("MultiHeadAttention", "com.microsoft"):
         return
     param = onnx.defs.OpSchema.FormalParameter
+    optional = onnx.defs.OpSchema.FormalParameterOption.Optional
     schema = onnx.defs.OpSchema(
         "MultiHeadAttention",
         "com.microsoft",
         1,
-        inputs=[param("query", "T"), param("key", "T"), param("value", "T")],
+        inputs=[
+            param("query", "T"),
+            param("key", "T"),
+            param("value", "T"),
+            param("bias", "T", param_option=optional),
+            param("key_padding_mask", "M", param_option=optional),
+            param("attention_bias", "T", param_option=optional),
+        ],
         outputs=[param("output", "T")],
-        type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "float tensors")],
+        type_constraints=[
+            ("T", ["tensor(float)", "tensor(float16)"], "float tensors"),
+            ("M", ["tensor(int32)"], "key padding mask"),
+        ],
         attributes=[onnx.defs.OpSchema.Attribute("num_heads", onnx.defs.OpSchema.AttrType.INT, "heads")],
     )
     onnx.defs.register_schema(schema)

@@ -4,7 +4,8 @@
 //! releases; the blast radius stays in this folder). Everything else sees [`Graph`],
 //! [`TensorInput`] and owned `ndarray` outputs. [`library`] finds and loads ONNX Runtime,
 //! [`device`] turns a [`Device`] and its options into execution providers, [`tensor`] converts
-//! data in and out, and [`graph`] builds, binds and runs sessions.
+//! data in and out, and [`graph`] builds, binds and runs sessions. [`retain_freed_memory`] keeps
+//! the memory runs free in glibc's heap for the next run (the CLI and server call it).
 //!
 //! # Finding the ONNX Runtime library
 //! `ort` is built with `load-dynamic`: the library is opened at run time, never linked or
@@ -35,6 +36,7 @@ mod cpu_cache;
 mod denormals;
 mod device;
 mod graph;
+mod heap;
 mod library;
 mod prefetch;
 mod tensor;
@@ -43,6 +45,7 @@ pub use device::{
     ComputeUnits, ConvSearch, CoreMlOptions, CudaOptions, Device, OptimizationLevel, SessionConfig,
 };
 pub use graph::{describe_skipped, graph_files, load_graph, Graph};
+pub use heap::retain_freed_memory;
 pub use library::{
     init, locate_library, runtime_info, LibrarySource, LogLevel, LogSink, RuntimeInfo,
     RuntimeOptions, ORT_DYLIB_ENV,

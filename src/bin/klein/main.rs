@@ -33,6 +33,10 @@ const INTERRUPTED: i32 = 130;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Info(_)) {
+        // Freed activations stay mapped for the next step and image (runtime/heap.rs).
+        klein::runtime::retain_freed_memory();
+    }
     let result = match cli.command {
         Command::Generate(args) => {
             install_interrupt_handler();
