@@ -5,7 +5,6 @@ written to a sibling temporary directory and renamed into place only when comple
 export leaves nothing half-written behind.
 """
 
-import contextlib
 import multiprocessing
 import shutil
 import time
@@ -21,12 +20,15 @@ from .cache_key import stamp_bundle
 from .checkpoint import Checkpoint
 from .contract import GraphEntry
 from .errors import BundleExistsError, CheckpointError, StaticShapesError
-from .fused_attention import TRANSLATIONS, fused_attention
+from .fused_attention import TRANSLATIONS as ATTENTION
+from .fused_attention import fused_attention
+from .fused_rotary import TRANSLATIONS as ROTARY
+from .fused_rotary import fused_rotary
 from .kv_cache import KvTransformer, kv_layers
 from .lora_map import lora_targets
 from .lora_merge import check_loras, merge_loras
 from .manifest import build_manifest, bundle_files, write_manifest
-from .onnx_export import export_graph
+from .onnx_export import export_graph, fuse_for_ort, fuse_rms_norms
 from .precision import check_precision, to_float16
 from .preview import fit_preview
 from .quantize import QuantizationConfig, quantize_bundle
@@ -80,13 +82,15 @@ def _export_text_encoder(ckpt, out, precision, loras, fused=True):
     mask[1, 7:] = 0
     batch, seq = Dim("batch"), Dim("seq")
     shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
-    _, fusions = export_graph(module, (ids, mask), shapes, io, out, precision, ort_fusions=fused)
+    _, fusions = export_graph(module, (ids, mask), shapes, io, out, precision, fuse=fuse_for_ort if fused else None)
     return [GraphEntry(io, precision, scheme, fusions=fusions or None)]
 
 
 def _export_transformer(ckpt, out, precision, loras, fused=True):
-    """`fused`: attention as one MultiHeadAttention node (fused_attention.py); off for CoreML's
-    static-shape bundles, whose provider does not run ONNX Runtime's own operators. A KV
+    """`fused`: attention as one MultiHeadAttention node (fused_attention.py), rotary embeddings as
+    RotaryEmbedding (fused_rotary.py), RMSNorms as SimplifiedLayerNormalization
+    (onnx_export.fuse_rms_norms); off for CoreML's static-shape bundles, whose provider does not run
+    ONNX Runtime's own operators. A KV
     checkpoint's transformer is exported in its KV form (kv_cache.py), always fused."""
     model = merge_loras(ckpt.load_transformer(), loras)
     cfg = model.config
@@ -124,9 +128,13 @@ def _export_transformer(ckpt, out, precision, loras, fused=True):
         shapes.update({"ref_latents": {0: b, 1: r}, "ref_ids": {0: r}, "cached_kv": {2: b, 3: k}})
     else:
         io = contract.transformer_io(cfg.in_channels, cfg.joint_attention_dim, n_axes)
-    with fused_attention() if fused else contextlib.nullcontext():
-        path, _ = export_graph(module, args, shapes, io, out, precision, translations=TRANSLATIONS if fused else None)
-    return [GraphEntry(io, precision, scheme, lora_targets(model, path))]
+    if fused:
+        with fused_attention(), fused_rotary():
+            translations = {**ATTENTION, **ROTARY}
+            path, fusions = export_graph(module, args, shapes, io, out, precision, translations, fuse_rms_norms)
+    else:
+        path, fusions = export_graph(module, args, shapes, io, out, precision)
+    return [GraphEntry(io, precision, scheme, lora_targets(model, path), fusions or None)]
 
 
 def _export_vae(ckpt, out, precision, loras):

@@ -12,12 +12,13 @@ EXTERNAL_DATA_THRESHOLD = 1 << 31  # protobuf's 2 GB limit
 
 
 def export_graph(
-    module, example_args, dynamic_shapes, io, out_dir: Path, precision="fp32", translations=None, ort_fusions=False
+    module, example_args, dynamic_shapes, io, out_dir: Path, precision="fp32", translations=None, fuse=None
 ):
     """Export `module` to `out_dir / io.file` with the contract's names and metadata (unquantized:
     quantize.py rewrites `klein.quantization`). `translations`: the exporter's custom translation
-    table (fused_attention.py). `ort_fusions`: rewrite the graph with ONNX Runtime's fused operators
-    (`fuse_for_ort`); returns the path and the count of each fusion applied (empty without)."""
+    table (fused_attention.py, fused_rotary.py). `fuse`: a rewrite of the exported graph into ONNX
+    Runtime's fused operators (`fuse_for_ort`, `fuse_rms_norms`), which returns the count of each
+    fusion it applied. Returns the path and those counts (empty without `fuse`)."""
     path = Path(out_dir) / io.file
     param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     external = param_bytes >= EXTERNAL_DATA_THRESHOLD * 0.9
@@ -34,7 +35,7 @@ def export_graph(
             verbose=False,
             custom_translation_table=translations,
         )
-    fusions = fuse_for_ort(program.model) if ort_fusions else {}
+    fusions = fuse(program.model) if fuse else {}
     # Drop the exporter's per-node debug metadata (stack traces with local paths: a third of the file).
     for node in program.model.graph.all_nodes():
         node.metadata_props.clear()
@@ -66,6 +67,34 @@ def fuse_for_ort(model) -> dict:
 
     _, counts = optimize_for_ort(model)
     return {name: count for name, count in counts.items() if count}
+
+
+def fuse_rms_norms(model) -> dict:
+    """Rewrites `model`'s RMSNorms (in place) as SimplifiedLayerNormalization; returns the count.
+
+    For the transformer, where `optimize_for_ort` as a whole would also rewrite the Gemm nodes whose
+    weights the LoRA targets name. torch.nn.RMSNorm (the transformer's query and key norms) exports
+    its mean over the last axis as a positive axis, which onnxscript's rule does not recognise: those
+    axes are written as -1 first."""
+    import onnx_ir as ir
+    from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass
+    from onnxscript.rewriter.ort_fusions.rms_normalization import fuse_rms_normalization
+
+    last = None
+    for node in model.graph:
+        if node.op_type != "ReduceMean" or len(node.inputs) < 2 or node.inputs[0].shape is None:
+            continue
+        axes = node.inputs[1].const_value
+        rank = len(node.inputs[0].shape)
+        if axes is not None and axes.numpy().tolist() == [rank - 1]:
+            if last is None:
+                last = ir.Value(name="klein_last_axis", const_value=ir.tensor([-1], dtype=ir.DataType.INT64))
+                model.graph.register_initializer(last)
+            node.replace_input_with(1, last)
+    ShapeInferencePass()(model)
+    count = fuse_rms_normalization(model)
+    RemoveUnusedNodesPass()(model)  # the replaced chains' constants
+    return {"rms_normalization": count} if count else {}
 
 
 def check_names(path: Path, io):

@@ -219,6 +219,15 @@ def test_attention_is_fused_in_dynamic_bundles_only(static_bundle, tiny_bundle, 
     assert (dynamic.count("MultiHeadAttention"), dynamic.count("Softmax")) == (blocks, 0)
     static = ops(static_bundle / "transformer.64x64.onnx")
     assert (static.count("MultiHeadAttention"), static.count("Softmax")) == (0, blocks)
+    # Rotary embeddings (query and key of every block) and the query/key RMSNorms (image and text
+    # streams in double blocks, one stream in single blocks) fused too; none left in the static graph.
+    norms = 4 * config["num_layers"] + 2 * config["num_single_layers"]
+    assert (dynamic.count("RotaryEmbedding"), dynamic.count("Neg")) == (2 * blocks, 0)
+    assert (dynamic.count("SimplifiedLayerNormalization"), dynamic.count("Pow")) == (norms, 0)
+    fusions = json.loads((tiny_bundle / "manifest.json").read_text())["graphs"]["transformer"]["fusions"]
+    assert fusions == {"rms_normalization": norms}
+    assert (static.count("RotaryEmbedding"), static.count("SimplifiedLayerNormalization")) == (0, 0)
+    assert static.count("Pow") == norms
 
 
 def test_text_encoder_norms_and_attention_are_fused_in_dynamic_bundles_only(static_bundle, tiny_bundle):
