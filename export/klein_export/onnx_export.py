@@ -66,6 +66,19 @@ def fuse_for_ort(model) -> dict:
     from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
     _, counts = optimize_for_ort(model)
+    # ONNX's shape inference does not know SkipSimplifiedLayerNormalization: its output and residual
+    # sum (outputs 0 and 3) are typed as its input, its unused statistics (1, 2) as float32, so that
+    # the graph says every value's type.
+    import onnx_ir as ir
+
+    for node in model.graph:
+        if node.op_type != "SkipSimplifiedLayerNormalization":
+            continue
+        for index, out in enumerate(node.outputs):
+            if out.type is None and index in (0, 3):
+                out.type, out.shape = node.inputs[0].type, node.inputs[0].shape
+            elif out.type is None:
+                out.type = ir.TensorType(ir.DataType.FLOAT)
     return {name: count for name, count in counts.items() if count}
 
 
