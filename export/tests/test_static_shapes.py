@@ -249,6 +249,13 @@ def test_text_encoder_norms_and_attention_are_fused_in_dynamic_bundles_only(stat
     assert norms == 4 * layers
     fusions = manifest["graphs"]["text_encoder"]["fusions"]
     assert fusions["rms_normalization"] == 4 * layers and fusions["sdpa_via_mha"] == layers
+    # Every attention reads its keys, values and bias trimmed to the batch's last real token
+    # (verify's padded batches check the outputs against torch).
+    assert fusions["attention_keys_trimmed"] == layers
+    model = onnx.load(str(tiny_bundle / "text_encoder.onnx"), load_external_data=False)
+    made_by = {out: node.op_type for node in model.graph.node for out in node.output}
+    attentions = [n for n in model.graph.node if n.op_type == "MultiHeadAttention"]
+    assert all([made_by[n.input[i]] for i in (1, 2, 5)] == ["Slice"] * 3 for n in attentions)
     static_manifest = json.loads((static_bundle / "manifest.json").read_text())
     static_file = static_manifest["graphs"]["text_encoder"]["file"]
     static = ops(static_bundle / static_file)
