@@ -45,7 +45,7 @@ class GraphEntry:
     precision: str  # "fp32" | "fp16"
     precision_scheme: dict | None = None  # PrecisionScheme.to_json() of an fp16 graph
     lora_targets: dict | None = None  # lora_map.lora_targets() of the transformer graph
-    fusions: dict | None = None  # onnx_export.fuse_for_ort()'s counts: ONNX Runtime operators written
+    fusions: dict | None = None  # ort_fusions.fuse_for_ort()'s counts: ONNX Runtime operators written
 
     def to_json(self) -> dict:
         entry = {

@@ -28,7 +28,8 @@ from .kv_cache import KvTransformer, kv_layers
 from .lora_map import lora_targets
 from .lora_merge import check_loras, merge_loras
 from .manifest import build_manifest, bundle_files, write_manifest
-from .onnx_export import export_graph, fuse_for_ort, fuse_rms_norms
+from .onnx_export import export_graph
+from .ort_fusions import fuse_for_ort, fuse_rms_norms
 from .precision import check_precision, to_float16
 from .preview import fit_preview
 from .quantize import QuantizationConfig, quantize_bundle
@@ -69,7 +70,7 @@ def _scheme_json(scheme, prefixes=("",)):
 
 
 def _export_text_encoder(ckpt, out, precision, loras, fused=True):
-    """`fused`: norms and attention as ONNX Runtime's fused operators (onnx_export.fuse_for_ort);
+    """`fused`: norms and attention as ONNX Runtime's fused operators (ort_fusions.fuse_for_ort);
     off for CoreML's static-shape bundles, as the transformer's."""
     layers = ckpt.text_encoder_out_layers
     lm = ckpt.load_text_encoder(num_layers=max(layers))
@@ -89,7 +90,7 @@ def _export_text_encoder(ckpt, out, precision, loras, fused=True):
 def _export_transformer(ckpt, out, precision, loras, fused=True):
     """`fused`: attention as one MultiHeadAttention node (fused_attention.py), rotary embeddings as
     RotaryEmbedding (fused_rotary.py), RMSNorms as SimplifiedLayerNormalization
-    (onnx_export.fuse_rms_norms); off for CoreML's static-shape bundles, whose provider does not run
+    (ort_fusions.fuse_rms_norms); off for CoreML's static-shape bundles, whose provider does not run
     ONNX Runtime's own operators. A KV
     checkpoint's transformer is exported in its KV form (kv_cache.py), always fused."""
     model = merge_loras(ckpt.load_transformer(), loras)

@@ -26,7 +26,7 @@ from onnxscript import opset18 as op  # the exporter builds at 18, then converts
 def _register_schema():
     """ONNX Runtime's MultiHeadAttention (its query, key, value, optional bias, key padding mask and
     attention bias, and output; the `num_heads` attribute) known to onnx.defs, so that onnxscript can
-    write the node and ONNX's shape inference accepts the text encoder's (onnx_export.fuse_for_ort),
+    write the node and ONNX's shape inference accepts the text encoder's (ort_fusions.fuse_for_ort),
     which takes the attention bias."""
     if onnx.defs.has("MultiHeadAttention", "com.microsoft"):
         return
