@@ -111,8 +111,14 @@ def test_bucket_graphs_have_fixed_shapes_and_compute_what_the_dynamic_graphs_do(
             tolerance = 1e-5 if component == "transformer" else 1e-6  # attention's summation order
             assert np.abs(got - want).max() <= tolerance * np.abs(want).max(), f"{path.name}"
     ids = {"input_ids": rng.integers(0, 1000, (1, 512)), "attention_mask": np.ones((1, 512), np.int64)}
-    te = static_bundle / "text_encoder.onnx"
-    assert np.array_equal(_session(te).run(None, ids)[0], _session(tiny_bundle / "text_encoder.onnx").run(None, ids)[0])
+    # The static encoder keeps the plain operators, the dynamic one ONNX Runtime's fused norms and
+    # attention: float32 rounding in another order, which the tiny encoder amplifies over its layers
+    # (`verify`: torch's own fp32-vs-fp64 error on 512 tokens is up to 6.2e-3 of outputs up to 21,
+    # 2.9e-4 relative; these two measured 1.2e-4). 1e-3 relative: a few times that floor, far under a
+    # wrong graph's error (of the order of the outputs).
+    got = _session(static_bundle / "text_encoder.onnx").run(None, ids)[0]
+    want = _session(tiny_bundle / "text_encoder.onnx").run(None, ids)[0]
+    assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
     with pytest.raises(Exception, match="latents"):
         _session(static_bundle / "transformer.64x64.onnx").run(None, _feeds("transformer", 96, 64, rng))
 
