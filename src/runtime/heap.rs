@@ -7,9 +7,9 @@
 //! every step pays for its memory anew. [`retain_freed_memory`] makes glibc serve those blocks from
 //! its heap and never give the heap back, so later steps and the VAE decoder reuse pages that are
 //! already mapped. Measured on the wide checkpoint, int8 bundle, 2 threads, AMX host (README,
-//! "Heap: freed memory kept"): 512x512 step 1.19 -> 1.00 s, end to end 15.0 -> 13.7 s, peak RSS
-//! 3.04 -> 3.06 GB; 1024x1024 end to end 52.8 -> 47.0 s, peak 6.36 -> 6.56 GB (with 512-pixel VAE
-//! tiles 51.9 -> 50.1 s, 3.96 -> 4.35 GB).
+//! "Heap: freed memory kept"): 512x512 end to end 14.9 -> 13.8 s, peak RSS 3.04 -> 3.06 GB;
+//! 1024x1024 52.8 -> 47.0 s, peak 6.36 -> 6.56 GB; with 512-pixel VAE tiles 55.5 -> 49.8 s, but
+//! 3.55 -> 4.62 GB.
 //!
 //! It changes the whole process's allocator, so the library never calls it by itself: the `klein`
 //! CLI and server do, at start. A process started with `GLIBC_TUNABLES` set keeps glibc's settings
@@ -30,24 +30,22 @@ mod glibc {
     /// `mallopt` parameters (glibc's malloc.h).
     const M_TRIM_THRESHOLD: c_int = -1;
     const M_MMAP_MAX: c_int = -4;
-    const M_ARENA_MAX: c_int = -8;
 
     extern "C" {
         fn mallopt(param: c_int, value: c_int) -> c_int;
     }
 
-    /// No block served by `mmap` (every one from the heap), the heap never trimmed, and one heap
-    /// for every thread: glibc gives other threads heaps of at most 64 MB, and serves larger blocks
-    /// of theirs by `mmap` whatever `M_MMAP_MAX` says (the server runs generations on its own thread).
+    /// No block served by `mmap` (every one from the heap) and the heap never trimmed. Threads
+    /// other than the main one allocate from heaps of at most 64 MB, and glibc serves their larger
+    /// blocks by `mmap` whatever `M_MMAP_MAX` says: the CLI runs generations on its main thread.
+    /// One heap for every thread (`M_ARENA_MAX` 1) would cover the server's worker thread too, but
+    /// ONNX Runtime's pool threads then share it: the wide checkpoint at 1024x1024 with 512-pixel
+    /// tiles peaked at 6.3-7.3 GB with it against 4.6 GB without.
     pub(super) fn keep_freed() -> bool {
         // SAFETY: `mallopt` only sets thresholds of glibc's allocator; it takes the allocator's
         // lock, so any thread may call it at any time, and blocks already allocated stay valid
         // (those mapped before are still unmapped when freed).
-        unsafe {
-            mallopt(M_MMAP_MAX, 0) == 1
-                && mallopt(M_TRIM_THRESHOLD, -1) == 1
-                && mallopt(M_ARENA_MAX, 1) == 1
-        }
+        unsafe { mallopt(M_MMAP_MAX, 0) == 1 && mallopt(M_TRIM_THRESHOLD, -1) == 1 }
     }
 }
 
