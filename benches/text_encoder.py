@@ -28,6 +28,7 @@ if no_prepack == "1":
     options.add_session_config_entry("session.disable_prepacking", "1")
 if profile == "1":
     options.enable_profiling = True
+    options.profile_file_prefix = out[: -len(".npy")] + "-profile"  # in the temporary directory
 session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 feeds = {
     "input_ids": np.random.default_rng(0).integers(0, 1000, (1, 512)).astype(np.int64),
