@@ -91,8 +91,8 @@ def _export_transformer(ckpt, out, precision, loras, fused=True):
     """`fused`: attention as one MultiHeadAttention node (fused_attention.py), rotary embeddings as
     RotaryEmbedding (fused_rotary.py), RMSNorms as SimplifiedLayerNormalization
     (ort_fusions.fuse_rms_norms); off for CoreML's static-shape bundles, whose provider does not run
-    ONNX Runtime's own operators. A KV
-    checkpoint's transformer is exported in its KV form (kv_cache.py), always fused."""
+    ONNX Runtime's own operators. A KV checkpoint's transformer is exported in its KV form
+    (kv_cache.py), always fused."""
     model = merge_loras(ckpt.load_transformer(), loras)
     cfg = model.config
     module = (KvTransformer(model) if ckpt.is_kv else Transformer(model)).eval()

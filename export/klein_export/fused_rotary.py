@@ -16,9 +16,10 @@ form is diffusers' own function, so the traced model computes what diffusers com
 import contextlib
 
 import onnx
-import onnxscript
 import torch
 from onnxscript import opset18 as op  # the exporter builds at 18, then converts
+
+from .fused_attention import MSFT
 
 
 def _register_schema():
@@ -47,7 +48,6 @@ def _register_schema():
 
 
 _register_schema()
-MSFT = onnxscript.values.Opset("com.microsoft", 1)
 
 
 @torch.library.custom_op("klein::rotary", mutates_args=())
