@@ -85,6 +85,22 @@ PIXELS_PER_TOKEN_SIDE = 16
 # --------------------------------------------------------------------------------------------
 
 
+def generate_image(pipe, spec: dict):
+    """One text-to-image call of the pipeline with the spec's prompt, size, steps and seed (a CPU
+    generator, as diffusers' docs seed it); the PIL image."""
+    import torch
+
+    return pipe(
+        prompt=spec["prompt"],
+        height=spec["height"],
+        width=spec["width"],
+        num_inference_steps=spec["steps"],
+        guidance_scale=1.0,
+        generator=torch.Generator("cpu").manual_seed(spec["seed"]),
+        output_type="pil",
+    ).images[0]
+
+
 def diffusers_worker(spec: dict) -> None:
     t_import = time.perf_counter()
     import torch
@@ -119,17 +135,8 @@ def diffusers_worker(spec: dict) -> None:
     pipe.transformer.register_forward_pre_hook(lambda module, args: step_start.append(time.perf_counter()))
     pipe.transformer.register_forward_hook(lambda module, args, out: steps.append(time.perf_counter() - step_start[-1]))
 
-    generator = torch.Generator("cpu").manual_seed(spec["seed"])
     t = time.perf_counter()
-    image = pipe(
-        prompt=spec["prompt"],
-        height=spec["height"],
-        width=spec["width"],
-        num_inference_steps=spec["steps"],
-        guidance_scale=1.0,
-        generator=generator,
-        output_type="pil",
-    ).images[0]
+    image = generate_image(pipe, spec)
     call_s = time.perf_counter() - t
     image.save(spec["image"])
     result = {

@@ -64,9 +64,10 @@ def _to_precision(module, component, precision):
     return to_float16(module, component) if precision == "fp16" else None
 
 
-def _scheme_json(scheme, prefixes=("",)):
-    """The manifest's `precision_scheme` of the graph holding the modules under `prefixes`."""
-    return None if scheme is None else scheme.subset(prefixes).to_json()
+def _scheme_json(scheme, prefixes=("",), half_attention=False):
+    """The manifest's `precision_scheme` of the graph holding the modules under `prefixes`;
+    `half_attention`: the graph's attention runs in float16 (fused_attention's `half`)."""
+    return None if scheme is None else scheme.subset(prefixes).to_json(half_attention)
 
 
 def _export_text_encoder(ckpt, out, precision, loras, fused=True):
@@ -96,7 +97,7 @@ def _export_transformer(ckpt, out, precision, loras, fused=True):
     model = merge_loras(ckpt.load_transformer(), loras)
     cfg = model.config
     module = (KvTransformer(model) if ckpt.is_kv else Transformer(model)).eval()
-    scheme = _scheme_json(_to_precision(module, "transformer", precision))
+    scheme = _scheme_json(_to_precision(module, "transformer", precision), half_attention=fused)
     n_axes = len(cfg.axes_dims_rope)
     g = torch.Generator().manual_seed(0)
     tokens, seq = 20, 10
@@ -130,7 +131,7 @@ def _export_transformer(ckpt, out, precision, loras, fused=True):
     else:
         io = contract.transformer_io(cfg.in_channels, cfg.joint_attention_dim, n_axes)
     if fused:
-        with fused_attention(), fused_rotary():
+        with fused_attention(half=precision == "fp16"), fused_rotary():
             translations = {**ATTENTION, **ROTARY}
             path, fusions = export_graph(module, args, shapes, io, out, precision, translations, fuse_rms_norms)
     else:

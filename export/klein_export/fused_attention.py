@@ -90,9 +90,12 @@ OPSETS = {"com.microsoft": 1}
 
 
 @contextlib.contextmanager
-def fused_attention():
+def fused_attention(half: bool = False):
     """Routes the Flux2 transformer's unmasked attention (diffusers' `dispatch_attention_fn`)
-    through `klein::attention`."""
+    through `klein::attention`. `half` (fp16 bundles): query, key and value are cast to float16
+    and the output back, so that the graph's MultiHeadAttention runs in float16, the form ONNX
+    Runtime's CUDA provider runs as flash attention (its float32 kernel is the slower
+    memory-efficient one)."""
     from diffusers.models.transformers import transformer_flux2
 
     original = transformer_flux2.dispatch_attention_fn
@@ -100,7 +103,10 @@ def fused_attention():
     def dispatch(query, key, value, attn_mask=None, **kwargs):
         if attn_mask is not None:
             return original(query, key, value, attn_mask=attn_mask, **kwargs)
-        return torch.ops.klein.attention(query, key, value, query.shape[2])
+        if not half:
+            return torch.ops.klein.attention(query, key, value, query.shape[2])
+        q, k, v = (t.to(torch.float16) for t in (query, key, value))
+        return torch.ops.klein.attention(q, k, v, query.shape[2]).to(query.dtype)
 
     transformer_flux2.dispatch_attention_fn = dispatch
     try:

@@ -42,8 +42,11 @@ def _attend_to_real_keys_only(model) -> int:
     Under the causal and padding mask no query attends to a key after the last real token of the
     batch: such a key's bias is the lowest float in every row, its weight exactly 0. Each attention
     therefore takes its keys, values and bias up to `L` = 1 + the last position where
-    `attention_mask` is 1 in any row, and computes the same output from `L` keys instead of all (a
-    prompt of 40 tokens padded to 512: 40). The rows of the padding still get their outputs (they
+    `attention_mask` is 1 in any row, rounded up to a multiple of 16 (at most all keys), and computes
+    the same output from `L` keys instead of all (a prompt of 40 tokens padded to 512: 48). The
+    multiple keeps the bias rows aligned as ONNX Runtime's CUDA kernel (cutlass memory-efficient
+    attention) requires: with 41 keys it refused to run on an H200 ("attn_bias is not correctly
+    aligned"). The rows of the padding still get their outputs (they
     attend to the real tokens), as diffusers computes them. Written for any mask, not only right
     padding."""
     mask = next((v for v in model.graph.inputs if v.name == "attention_mask"), None)
@@ -70,15 +73,20 @@ def _attend_to_real_keys_only(model) -> int:
         const("klein_axis_last", [-1]),
         const("klein_shape_1", [1]),
     )
-    # attention_mask [B, S] -> L [1]: max over b, s of mask[b, s] * (s + 1)
+    # attention_mask [B, S] -> L [1]: max over b, s of mask[b, s] * (s + 1), rounded up to a multiple
+    # of 16 (Slice clamps it to S)
     length = ir.Node("", "Shape", [mask], [ir.AttrInt64("start", 1), ir.AttrInt64("end", 2)])
     scalar = ir.Node("", "Squeeze", [length.outputs[0]])
     limit = ir.Node("", "Add", [scalar.outputs[0], one])
     positions = ir.Node("", "Range", [one, limit.outputs[0], one])  # [S]: 1..S
     masked = ir.Node("", "Mul", [mask, positions.outputs[0]])  # [B, S]
     last = ir.Node("", "ReduceMax", [masked.outputs[0]], [ir.AttrInt64("keepdims", 1)])  # [1, 1]
-    end = ir.Node("", "Reshape", [last.outputs[0], flat])  # [1]
-    model.graph.insert_before(attentions[0], [length, scalar, limit, positions, masked, last, end])
+    padded = ir.Node("", "Add", [last.outputs[0], const("klein_fifteen", 15)])
+    blocks = ir.Node("", "Div", [padded.outputs[0], const("klein_sixteen", 16)])  # int64: floor
+    rounded = ir.Node("", "Mul", [blocks.outputs[0], const("klein_sixteen_", 16)])
+    end = ir.Node("", "Reshape", [rounded.outputs[0], flat])  # [1]
+    nodes = [length, scalar, limit, positions, masked, last, padded, blocks, rounded, end]
+    model.graph.insert_before(attentions[0], nodes)
     for attention in attentions:
         trims = []
         for index, axis in ((1, seq_axis), (2, seq_axis), (5, last_axis)):

@@ -79,14 +79,19 @@ class PrecisionScheme:
             {n: r for n, r in self.kept_float32.items() if n.startswith(prefixes)},
         )
 
-    def to_json(self) -> dict:
-        return {
+    def to_json(self, half_attention: bool = False) -> dict:
+        """`half_attention`: the graph's fused attention runs in float16 (the transformer of dynamic-shape
+        bundles, fused_attention.py), the rest as the scheme says."""
+        attention = "" if half_attention else "attention scores and softmax, "
+        scheme = {
             "float16": sorted({_pattern(n) for n in self.float16_modules}),
             "float16_module_count": len(self.float16_modules),
             "kept_float32": {_pattern(n): reason for n, reason in sorted(self.kept_float32.items())},
-            "float32_ops": "everything else: residual stream, norms, modulation, attention scores and softmax, "
-            "RoPE, graph I/O",
+            "float32_ops": f"everything else: residual stream, norms, modulation, {attention}RoPE, graph I/O",
         }
+        if half_attention:
+            scheme["float16_ops"] = "attention (MultiHeadAttention: query, key and value cast to float16)"
+        return scheme
 
 
 def _pattern(name: str) -> str:

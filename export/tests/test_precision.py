@@ -52,6 +52,9 @@ MATMUL_WEIGHTS = {"text_encoder": 27 * 7, "transformer": 2 * 12 + 2 * 2 + 3}
 # Ops allowed to see a float16 tensor in an fp16 graph: the products, their bias Add, the embedding
 # lookup and the casts around them. Everything else (norms, softmax, RoPE, modulation) is float32.
 FLOAT16_OPS = {"Cast", "MatMul", "Gemm", "Conv", "Gather", "Add"}
+# The transformer's fused attention also runs in float16 (fused_attention.py, `half`): its query, key and
+# value are cast, flattened to [B, S, H*D] and back (Shape, Slice... of their shapes are int64).
+ATTENTION_OPS = {"MultiHeadAttention", "Reshape", "Shape"}
 
 
 @pytest.fixture
@@ -111,11 +114,12 @@ def test_fp16_manifest_and_metadata(fp16_bundle, tiny_bundle):
             "klein.quantization": "none",
             "klein.format_version": str(FORMAT_VERSION),
         }
+    assert {c for c in COMPONENTS if "float16_ops" in manifest["graphs"][c]["precision_scheme"]} == {"transformer"}
     kept = manifest["graphs"]["transformer"]["precision_scheme"]["kept_float32"]
     assert {name.split(".")[1] for name in kept} == set(KEEP_FLOAT32["transformer"]), kept
 
 
-def test_fp16_graphs_keep_norms_attention_and_modulation_in_float32(fp16_bundle):
+def test_fp16_graphs_keep_norms_and_modulation_in_float32(fp16_bundle):
     for component in COMPONENTS:
         model = onnx.load(str(fp16_bundle / f"{component}.onnx"))
         types = _tensor_types(model)
@@ -128,7 +132,11 @@ def test_fp16_graphs_keep_norms_attention_and_modulation_in_float32(fp16_bundle)
         for node in model.graph.node:
             if TensorProto.FLOAT16 in (types[name] for name in [*node.input, *node.output] if name):
                 half.setdefault(node.op_type, []).append(node)
-        assert set(half) <= FLOAT16_OPS, f"{component}: float16 reaches {set(half) - FLOAT16_OPS}"
+        allowed = FLOAT16_OPS | (ATTENTION_OPS if component == "transformer" else set())
+        assert set(half) <= allowed, f"{component}: float16 reaches {set(half) - allowed}"
+        if component == "transformer":
+            attention = [n for n in model.graph.node if n.op_type == "MultiHeadAttention"]
+            assert attention and all(n in half["MultiHeadAttention"] for n in attention)
         assert "MatMul" in half or "Conv" in half, f"{component}: no product runs in float16"
         # A float16 Add is a bias (one operand a weight), never the residual stream.
         assert all(any(i in initializers for i in n.input) for n in half.get("Add", [])), component

@@ -262,8 +262,23 @@ def test_text_encoder_norms_and_attention_are_fused_in_dynamic_bundles_only(stat
     made_by = {out: node.op_type for node in model.graph.node for out in node.output}
     attentions = [n for n in model.graph.node if n.op_type == "MultiHeadAttention"]
     assert all([made_by[n.input[i]] for i in (1, 2, 5)] == ["Slice"] * 3 for n in attentions)
+    _trimmed_key_counts_are_multiples_of_16(model, attentions[0])
     static_manifest = json.loads((static_bundle / "manifest.json").read_text())
     static_file = static_manifest["graphs"]["text_encoder"]["file"]
     static = ops(static_bundle / static_file)
     assert (static.count("MultiHeadAttention"), static.count("Softmax"), static.count("Pow")) == (0, layers, 4 * layers)
     assert "fusions" not in static_manifest["graphs"]["text_encoder"]
+
+
+def _trimmed_key_counts_are_multiples_of_16(model, attention):
+    """The keys an attention keeps: 1 + the last real position, rounded up to a multiple of 16 and at
+    most all of them (ONNX Runtime's CUDA attention refused a 41-key bias: rows must be aligned)."""
+    made_by = {out: node for node in model.graph.node for out in node.output}
+    end = made_by[attention.input[1]].input[2]
+    model.graph.output.append(onnx.helper.make_tensor_value_info(end, onnx.TensorProto.INT64, [1]))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    seq = 512
+    for real, expected in ((1, 16), (40, 48), (48, 48), (49, 64), (500, 512), (512, 512)):
+        mask = (np.arange(seq) < real).astype(np.int64)[None]
+        feeds = {"input_ids": np.zeros((1, seq), np.int64), "attention_mask": mask}
+        assert session.run([end], feeds)[0].tolist() == [expected], real

@@ -363,9 +363,11 @@ impl LoadFailure {
 
 /// Registers the execution provider of a concrete (non-`Auto`) device, failing loudly.
 ///
-/// With `strict` (a device the user named), ONNX Runtime may not place a node the device cannot
-/// run on the CPU (`session.disable_cpu_ep_fallback`): such a graph fails to load, and ONNX
-/// Runtime's message names the nodes. Auto allows the fallback.
+/// With `strict` (a device the user named), a CoreML session may not place a node the device
+/// cannot run on the CPU (`session.disable_cpu_ep_fallback`): such a graph fails to load. CUDA
+/// sessions are not restricted so: ONNX Runtime places shape computations on the CPU on purpose,
+/// and with the fallback disabled even the tiny bundle's text encoder failed to load on an H200.
+/// Registering the named provider still fails loudly on both.
 pub(super) fn register_device(
     builder: SessionBuilder,
     device: Device,
@@ -375,7 +377,7 @@ pub(super) fn register_device(
 ) -> std::result::Result<SessionBuilder, LoadFailure> {
     let builder = match device {
         Device::Cpu | Device::Auto => return Ok(builder),
-        Device::Cuda(id) => register_cuda(builder, id, cuda)?,
+        Device::Cuda(id) => return register_cuda(builder, id, cuda),
         Device::CoreMl => register_coreml(builder, coreml)?,
     };
     if strict {
