@@ -4,10 +4,12 @@
 the text encoder's embedding table) in float16 and computes those products in float16. Everything
 between them stays float32: the residual stream, every norm (LayerNorm, RMSNorm, GroupNorm), the
 modulation (timestep embedder, shift/scale/gate projections, the final AdaLayerNorm), attention
-(scores, softmax, weighted sum) and RoPE. Each converted module is wrapped in a `Float16Island`, which
-casts its floating input to float16 and its output back to float32, so every graph keeps the float32
-inputs and outputs of the contract and the dynamo exporter sees an ordinary torch module (rewriting
-the exported graph with onnx's `float16.convert_float_to_float16` breaks dynamo graphs).
+(scores, softmax, weighted sum) and RoPE. One exception: the fused attention of dynamic-shape
+transformers runs in float16 (fused_attention.py, `half`), the form CUDA runs as flash attention.
+Each converted module is wrapped in a `Float16Island`, which casts its floating input to float16 and
+its output back to float32, so every graph keeps the float32 inputs and outputs of the contract and
+the dynamo exporter sees an ordinary torch module (rewriting the exported graph with onnx's
+`float16.convert_float_to_float16` breaks dynamo graphs).
 
 Why these and not more: see `measure_ranges` (forward hooks on the diffusers pipeline) and the
 "Precision and quantization" section of onnx/README.md. In short, diffusers itself clips the Flux2
