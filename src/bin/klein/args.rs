@@ -207,7 +207,7 @@ pub(crate) struct CudaArgs {
     /// CUDA: cuDNN convolution algorithm search: heuristic, exhaustive or default
     #[arg(long, value_name = "SEARCH", default_value = "heuristic")]
     pub(crate) cuda_conv_search: ConvSearch,
-    /// CUDA: TF32 tensor cores for float32 products (Ampere and newer) [default: ONNX Runtime's]
+    /// CUDA: TF32 tensor cores for float32 products (Ampere and newer; faster, 10-bit mantissa) [default: off]
     #[arg(long, value_name = "on|off", value_parser = on_off)]
     pub(crate) cuda_tf32: Option<bool>,
 }
