@@ -194,6 +194,17 @@ pub(crate) struct LoadArgs {
     pub(crate) coreml: CoreMlArgs,
 }
 
+impl LoadArgs {
+    /// The VAE tiling asked for: a tile size asks for tiles, on unless the tiling is given.
+    pub(crate) fn vae_tiling(&self) -> VaeTiling {
+        match (self.vae_tiling, self.vae_tile_size) {
+            (Some(tiling), _) => tiling,
+            (None, Some(_)) => VaeTiling::On,
+            (None, None) => VaeTiling::Auto,
+        }
+    }
+}
+
 /// The CUDA provider's flags (with `--device cuda` or `auto`).
 #[derive(Args)]
 #[command(next_help_heading = "CUDA (--device cuda or auto)")]
@@ -264,13 +275,7 @@ pub(crate) fn pipeline_options(
         .with_runtime(runtime)
         .with_verify_hashes(!args.no_verify_hashes)
         .with_loras(loras);
-    // A tile size asks for tiles: on, unless the tiling is given.
-    let tiling = match (args.vae_tiling, args.vae_tile_size) {
-        (Some(tiling), _) => tiling,
-        (None, Some(_)) => VaeTiling::On,
-        (None, None) => VaeTiling::Auto,
-    };
-    options = options.with_vae_tiling(tiling);
+    options = options.with_vae_tiling(args.vae_tiling());
     if let Some(pixels) = args.vae_tile_size {
         options = options.with_vae_tile_size(pixels);
     }
