@@ -46,9 +46,8 @@ def _attend_to_real_keys_only(model) -> int:
     the same output from `L` keys instead of all (a prompt of 40 tokens padded to 512: 48). The
     multiple keeps the bias rows aligned as ONNX Runtime's CUDA kernel (cutlass memory-efficient
     attention) requires: with 41 keys it refused to run on an H200 ("attn_bias is not correctly
-    aligned"). The rows of the padding still get their outputs (they
-    attend to the real tokens), as diffusers computes them. Written for any mask, not only right
-    padding."""
+    aligned"). The rows of the padding still get their outputs (they attend to the real tokens), as
+    diffusers computes them. Written for any mask, not only right padding."""
     mask = next((v for v in model.graph.inputs if v.name == "attention_mask"), None)
     attentions = [
         n
