@@ -2,6 +2,7 @@
 //! against the manifest's contract. For static-shape bundles, the per-bucket slots hold the graphs
 //! of one bucket at a time.
 use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
 
 use super::lora::LoraSet;
 use super::progress::{timed, ProgressFn, Stage};
@@ -23,6 +24,8 @@ pub(crate) struct LoadedGraphs {
     placements: Vec<Placement>,
     /// Problems loading left behind (see [`Graph::take_warnings`]).
     warnings: Vec<String>,
+    /// A graph loading on a thread of its own ([`LoadedGraphs::start_loading`]).
+    loading: Option<(Component, JoinHandle<Result<Graph>>)>,
 }
 
 /// Where one graph runs.
@@ -64,11 +67,18 @@ impl LoadedGraphs {
             }
             self.bucket = bucket;
         }
+        if self.slots[component.index()].is_none() {
+            if let Some(graph) = self.wait_for(component, progress)? {
+                self.install(component, graph);
+            }
+        }
         let slot = &mut self.slots[component.index()];
         if slot.is_none() {
             let (path, session) = session_of(component, bucket, source)?;
+            // Its threads leave the cores to a load running beside it.
+            let session = session.without_spinning(self.loading.is_some());
             let spec = source.manifest.graphs.get(component);
-            let mut graph = timed(progress, load_stage(component), |_| {
+            let graph = timed(progress, load_stage(component), |_| {
                 let merged = match component {
                     Component::Transformer => {
                         source
@@ -89,17 +99,64 @@ impl LoadedGraphs {
                 check_graph(component, spec, &graph)?;
                 Ok(graph)
             })?;
-            self.warnings.extend(graph.take_warnings());
-            self.placements.retain(|p| p.component != component);
-            self.placements.push(Placement {
-                component,
-                device: graph.device(),
-                skipped: graph.skipped_devices().to_vec(),
-            });
-            *slot = Some(graph);
+            self.install(component, graph);
         }
-        slot.as_mut()
+        self.slots[component.index()]
+            .as_mut()
             .ok_or_else(|| unreachable!("the slot was filled above"))
+    }
+
+    /// Starts loading `component`'s graph (from the bundle, without LoRAs; not a per-bucket
+    /// graph) on a thread of its own; [`LoadedGraphs::get`] waits for it.
+    pub fn start_loading(&mut self, component: Component, source: &GraphSource<'_>) -> Result<()> {
+        let (path, session) = session_of(component, None, source)?;
+        let spec = source.manifest.graphs.get(component).clone();
+        let loading = std::thread::spawn(move || {
+            let graph = load_graph(component.as_str(), &path, &session, &[])?;
+            check_graph(component, &spec, &graph)?;
+            Ok(graph)
+        });
+        self.loading = Some((component, loading));
+        Ok(())
+    }
+
+    /// Whether `component`'s graph is loading on a thread of its own.
+    pub fn is_loading(&self, component: Component) -> bool {
+        self.loading.as_ref().is_some_and(|(c, _)| *c == component)
+    }
+
+    /// The graph loading on a thread for `component`, once loaded (`None`: none is loading). The
+    /// load stage reports the time spent waiting for it.
+    fn wait_for(
+        &mut self,
+        component: Component,
+        progress: &mut Option<&mut ProgressFn<'_>>,
+    ) -> Result<Option<Graph>> {
+        if !self.is_loading(component) {
+            return Ok(None);
+        }
+        let Some((_, loading)) = self.loading.take() else {
+            return Ok(None);
+        };
+        timed(progress, load_stage(component), |_| {
+            let graph = loading.join().map_err(|_| KleinError::Inference {
+                stage: component.as_str(),
+                message: "loading the graph panicked".to_string(),
+            })?;
+            graph.map(Some)
+        })
+    }
+
+    /// Puts a loaded graph in its slot.
+    fn install(&mut self, component: Component, mut graph: Graph) {
+        self.warnings.extend(graph.take_warnings());
+        self.placements.retain(|p| p.component != component);
+        self.placements.push(Placement {
+            component,
+            device: graph.device(),
+            skipped: graph.skipped_devices().to_vec(),
+        });
+        self.slots[component.index()] = Some(graph);
     }
 
     /// The files loading `component`'s graph (of `bucket`) will read (see [`runtime::graph_files`]);
@@ -122,6 +179,10 @@ impl LoadedGraphs {
     /// Releases the session of `component` (its memory goes back now).
     pub fn release(&mut self, component: Component) {
         self.slots[component.index()] = None;
+        if self.is_loading(component) {
+            // The thread ends on its own; its graph is dropped with it.
+            self.loading = None;
+        }
     }
 
     /// The graph of `component` if it is loaded (of the current bucket, for per-bucket graphs).

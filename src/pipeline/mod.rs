@@ -4,8 +4,10 @@
 //!
 //! Every stage is public and takes the progress callback (`None`: no reports), so an app can cache
 //! prompt embeddings or inject its own latents. Graphs are loaded on first use ([`graphs`]); the
-//! text encoder is released before the transformer is loaded unless
-//! [`PipelineOptions::with_keep_text_encoder`] is set.
+//! text encoder is released after the prompt unless [`PipelineOptions::with_keep_text_encoder`] is
+//! set. On the CPU, when both graphs' files fit in half the memory available, the transformer
+//! loads on a thread of its own while the prompt is encoded; otherwise it loads after the text
+//! encoder is released.
 //!
 //! Thread safety: a `Pipeline` is `Send` but its stages take `&mut self` (ONNX Runtime sessions are
 //! run through `&mut`): use one pipeline per thread, or a mutex around a shared one.
@@ -70,7 +72,7 @@ use crate::stages::reference::{
     ReferenceImage,
 };
 use crate::stages::schedule::{compute_empirical_mu, schedule, Schedule};
-use crate::stages::tokenize::PromptTokenizer;
+use crate::stages::tokenize::ParsedTokenizer;
 use crate::stages::vae_tiling::{patchify, stitch, unpatchify, TileLayout};
 
 /// The result of [`Pipeline::generate`].
@@ -102,7 +104,7 @@ pub struct Generation {
 pub struct Pipeline {
     dir: PathBuf,
     manifest: Manifest,
-    tokenizer: PromptTokenizer,
+    tokenizer: ParsedTokenizer,
     session: SessionConfig,
     keep_text_encoder: bool,
     prompt_cache: Option<PromptCache>,
@@ -125,9 +127,11 @@ pub struct Pipeline {
 
 impl Pipeline {
     /// Opens the bundle at `dir`: reads and checks the manifest (file sizes; hashes unless
-    /// [`PipelineOptions::with_verify_hashes`] is off, skipped while a stamp vouches for the files)
-    /// and the tokenizer, and initialises ONNX Runtime. A bundle whose files do not match its
-    /// manifest is refused before any graph is loaded. Graphs are loaded on first use.
+    /// [`PipelineOptions::with_verify_hashes`] is off, skipped while a stamp vouches for the files),
+    /// starts parsing the tokenizer on a thread of its own (a tokenizer that does not fit the
+    /// manifest is reported by the first prompt, or by [`Pipeline::load_all_graphs`]), and
+    /// initialises ONNX Runtime. A bundle whose files do not match its manifest is refused before
+    /// any graph is loaded. Graphs are loaded on first use.
     pub fn load(dir: &Path, options: PipelineOptions) -> Result<Pipeline> {
         let PipelineOptions {
             session,
@@ -169,8 +173,10 @@ impl Pipeline {
             None
         };
         let scratch = cache_dir.unwrap_or_else(std::env::temp_dir);
-        let tokenizer =
-            PromptTokenizer::load(&dir.join(&manifest.tokenizer.file), &manifest.tokenizer)?;
+        let tokenizer = ParsedTokenizer::start(
+            dir.join(&manifest.tokenizer.file),
+            manifest.tokenizer.clone(),
+        );
         runtime::init(runtime_options)?;
         let prompt_cache = prompt_cache_dir.map(|cache_dir| PromptCache::new(cache_dir, &manifest));
         let loras = LoraSet::load(&loras, &manifest, dir)?;
@@ -244,11 +250,13 @@ impl Pipeline {
         self.graphs.placements()
     }
 
-    /// Loads every graph now (instead of on first use) and checks each against the manifest.
+    /// Loads every graph now (instead of on first use) and checks each against the manifest, and
+    /// the tokenizer.
     pub fn load_all_graphs(&mut self) -> Result<()> {
         for component in Component::ALL {
             self.graph(component, None, &mut None)?;
         }
+        self.tokenizer.get()?;
         Ok(())
     }
 
@@ -290,26 +298,29 @@ impl Pipeline {
         mut progress: Option<&mut ProgressFn<'_>>,
     ) -> Result<PromptEmbeds> {
         request::check_prompt(prompt)?;
-        let encoded = self.tokenizer.encode(prompt)?;
         match self.prompt_cache.as_ref().map(|c| c.get(prompt)) {
             Some(CacheLookup::Hit(embeds)) => {
                 return Ok(PromptEmbeds {
                     embeds,
-                    truncated: encoded.truncated,
+                    truncated: self.tokenizer.get()?.encode(prompt)?.truncated,
                 })
             }
             Some(CacheLookup::Rejected(warning)) => self.warnings.push(warning),
             Some(CacheLookup::Miss) | None => {}
         }
+        // The encoder loads while the tokenizer's parse ends ([`ParsedTokenizer`]).
+        self.graph(Component::TextEncoder, None, &mut progress)?;
+        let encoded = self.tokenizer.get()?.encode(prompt)?;
         let seq = encoded.input_ids.len();
         // [L] -> [1, L]
         let ids = Array2::from_shape_vec((1, seq), encoded.input_ids)
             .map_err(|e| internal("token ids", e))?;
         let mask = Array2::from_shape_vec((1, seq), encoded.attention_mask)
             .map_err(|e| internal("attention mask", e))?;
-        self.graph(Component::TextEncoder, None, &mut progress)?;
         // The transformer's files are read from disk while the text encoder computes.
-        if self.graphs.loaded(Component::Transformer).is_none() {
+        if self.graphs.loaded(Component::Transformer).is_none()
+            && !self.graphs.is_loading(Component::Transformer)
+        {
             runtime::prefetch(self.graph_files(Component::Transformer));
         }
         let graph = self.graph(Component::TextEncoder, None, &mut progress)?;
@@ -335,6 +346,35 @@ impl Pipeline {
             embeds,
             truncated: encoded.truncated,
         })
+    }
+
+    /// Whether the transformer's session is created on a thread of its own while the prompt is
+    /// encoded: on the CPU, for the bundle's own transformer (no LoRA, not a static-shape
+    /// bundle's per-bucket graph), when it is not loaded yet and the files of both graphs are at
+    /// most half of the memory available (Linux's `MemAvailable`; elsewhere never). Creating the
+    /// session (reading, optimising or mapping its cached form, prepacking its weights) is mostly
+    /// single-threaded work; meanwhile the text encoder runs, and both sessions are held at once.
+    fn loads_transformer_early(&mut self) -> bool {
+        let on_cpu = match self.session.device {
+            Device::Cpu => true,
+            Device::Auto => Device::auto_candidates() == [Device::Cpu],
+            _ => false,
+        };
+        if !on_cpu
+            || !self.loras.is_empty()
+            || self.manifest.static_shapes.is_some()
+            || self.graphs.is_loading(Component::Transformer)
+            || self.graphs.loaded(Component::Transformer).is_some()
+        {
+            return false;
+        }
+        let bytes = [Component::TextEncoder, Component::Transformer]
+            .into_iter()
+            .flat_map(|component| self.graph_files(component))
+            .filter_map(|file| std::fs::metadata(file).ok())
+            .map(|metadata| metadata.len())
+            .sum();
+        runtime::fits_in_memory(bytes)
     }
 
     /// Releases the text-encoder session (its memory goes back before the transformer loads).
@@ -537,7 +577,9 @@ impl Pipeline {
         vae_layout(&self.manifest, self.vae_tile, decoder)
     }
 
-    /// Runs every stage for `request`. `progress` may cancel between steps and stages.
+    /// Runs every stage for `request`. `progress` may cancel between steps and stages. On the
+    /// CPU the transformer may load while the prompt is encoded (see the module docs); its load
+    /// stage then reports the time generation waited for it.
     pub fn generate(
         &mut self,
         request: &Request,
@@ -586,7 +628,11 @@ impl Pipeline {
         };
 
         // 2. Prompt (and the negative prompt for guidance: empty unless given), then free the
-        //    text encoder.
+        //    text encoder. On the CPU the transformer loads meanwhile.
+        if self.loads_transformer_early() {
+            self.graphs
+                .start_loading(Component::Transformer, &graph_source!(self))?;
+        }
         let encoded;
         let embeds = match &request.prompt_embeds {
             Some(given) => given,

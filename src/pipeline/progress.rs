@@ -13,6 +13,8 @@ pub enum Stage {
     EncodePrompt,
     LoadVaeEncoder,
     EncodeReferences,
+    /// When the transformer loaded while the prompt was encoded ([`super::Pipeline::generate`]):
+    /// the time generation then waited for it.
     LoadTransformer,
     Denoise,
     LoadVaeDecoder,

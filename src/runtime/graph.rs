@@ -72,6 +72,7 @@ pub fn load_graph(
         auto_skip,
         prepack,
         no_cpu_arena,
+        no_spinning,
         cpu_cache_dir: _,
         cache_tag: _,
     } = config.clone();
@@ -116,6 +117,11 @@ pub fn load_graph(
             .map_err(|e| LoadFailure::Session(error_chain(&e)))?
             // On the session's pool threads; the calling thread's are set around each run.
             .with_config_entry("session.set_denormal_as_zero", "1")
+            .map_err(|e| LoadFailure::Session(error_chain(&e)))?
+            .with_config_entry(
+                "session.intra_op.allow_spinning",
+                if no_spinning { "0" } else { "1" },
+            )
             .map_err(|e| LoadFailure::Session(error_chain(&e)))?;
         let builder = match from {
             LoadFrom::Save(file) => save_optimized(builder, file)?,

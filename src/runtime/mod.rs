@@ -50,7 +50,7 @@ pub use library::{
     init, locate_library, runtime_info, LibrarySource, LogLevel, LogSink, RuntimeInfo,
     RuntimeOptions, ORT_DYLIB_ENV,
 };
-pub use prefetch::prefetch;
+pub use prefetch::{fits_in_memory, prefetch};
 pub use tensor::{
     tensor_names, Dtype, Initializer, InitializerData, Outputs, TensorInfo, TensorInput,
 };

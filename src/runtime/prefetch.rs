@@ -34,11 +34,17 @@ pub fn prefetch(_files: Vec<PathBuf>) {}
 
 /// Whether `bytes` are at most half of `MemAvailable` (`/proc/meminfo`).
 #[cfg(target_os = "linux")]
-fn fits_in_memory(bytes: u64) -> bool {
+pub fn fits_in_memory(bytes: u64) -> bool {
     let available_kib = std::fs::read_to_string("/proc/meminfo")
         .ok()
         .and_then(|info| mem_available_kib(&info));
     available_kib.is_some_and(|kib| bytes <= kib.saturating_mul(1024) / 2)
+}
+
+/// False: the memory available is only read on Linux.
+#[cfg(not(target_os = "linux"))]
+pub fn fits_in_memory(_bytes: u64) -> bool {
+    false
 }
 
 /// `MemAvailable` in KiB from the text of `/proc/meminfo`.

@@ -15,7 +15,8 @@
 //! 4. Pad to exactly `max_sequence_length` with `pad_token_id` on `padding_side`; the attention mask
 //!    is 1 for real tokens, 0 for padding.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
 
 use serde::{Deserialize, Serialize};
 use tokenizers::Tokenizer;
@@ -159,5 +160,46 @@ impl PromptTokenizer {
     /// tokenises prompt by prompt), so all results have the same length.
     pub fn encode_batch<S: AsRef<str>>(&self, prompts: &[S]) -> Result<Vec<Encoded>> {
         prompts.iter().map(|p| self.encode(p.as_ref())).collect()
+    }
+}
+
+/// A [`PromptTokenizer`] parsed on a thread of its own: reading the Qwen3 `tokenizer.json` takes
+/// 0.3-0.6 s, which then overlaps with ONNX Runtime's start and the text encoder's load. Its
+/// errors are those of [`PromptTokenizer::load`], returned by [`ParsedTokenizer::get`].
+#[derive(Debug)]
+pub struct ParsedTokenizer {
+    path: PathBuf,
+    /// The parse, until [`ParsedTokenizer::get`] waits for it.
+    running: Option<JoinHandle<Result<PromptTokenizer>>>,
+    /// The tokenizer, or why the file is not one (set when `running` is taken).
+    parsed: std::result::Result<PromptTokenizer, String>,
+}
+
+impl ParsedTokenizer {
+    /// Starts parsing the tokenizer at `path`.
+    pub fn start(path: PathBuf, spec: TokenizerSpec) -> Self {
+        let file = path.clone();
+        let running = std::thread::spawn(move || PromptTokenizer::load(&file, &spec));
+        ParsedTokenizer {
+            path,
+            running: Some(running),
+            parsed: Err("not parsed yet".to_string()),
+        }
+    }
+
+    /// The tokenizer, once its parse has ended; every call after a failure returns it again.
+    pub fn get(&mut self) -> Result<&PromptTokenizer> {
+        if let Some(running) = self.running.take() {
+            self.parsed = match running.join() {
+                Ok(Ok(tokenizer)) => Ok(tokenizer),
+                Ok(Err(KleinError::Bundle { reason, .. })) => Err(reason),
+                Ok(Err(error)) => Err(crate::error::chain(&error)),
+                Err(_) => Err("parsing the tokenizer panicked".to_string()),
+            };
+        }
+        self.parsed.as_ref().map_err(|reason| KleinError::Bundle {
+            path: self.path.clone(),
+            reason: reason.clone(),
+        })
     }
 }

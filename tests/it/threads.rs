@@ -2,7 +2,7 @@
 //! parallel threads give exactly the images that one pipeline gives running the same requests in
 //! turn, and `Pipeline` is `Send`.
 
-use klein::pipeline::{Pipeline, Request};
+use klein::pipeline::{Pipeline, Request, Stage};
 
 use crate::util::tiny_pipeline;
 
@@ -88,4 +88,29 @@ fn parallel_pipelines_match_sequential() {
             want.len()
         );
     }
+}
+
+/// On the CPU the transformer loads on a thread of its own while the prompt is encoded (the tiny
+/// bundle fits in memory). Its image equals, byte for byte, that of a pipeline whose graphs were
+/// all loaded before the request, and its load is reported once, after the prompt's encoding.
+#[test]
+fn a_transformer_loaded_beside_the_text_encoder_gives_the_same_image() {
+    let request = Request::new("a red fox in the snow")
+        .with_seed(3)
+        .with_size(64, 48)
+        .with_steps(2);
+    let mut preloaded = tiny_pipeline();
+    preloaded.load_all_graphs().unwrap();
+    let expected = preloaded.generate(&request, None).unwrap();
+
+    let generation = tiny_pipeline().generate(&request, None).unwrap();
+    assert_eq!(generation.images[0].pixels, expected.images[0].pixels);
+    let stages: Vec<Stage> = generation.timings.iter().map(|(stage, _)| *stage).collect();
+    let at = |wanted: Stage| {
+        let found: Vec<usize> = (0..stages.len()).filter(|&i| stages[i] == wanted).collect();
+        assert_eq!(found.len(), 1, "{wanted:?} in {stages:?}");
+        found[0]
+    };
+    assert!(at(Stage::EncodePrompt) < at(Stage::LoadTransformer));
+    assert!(at(Stage::LoadTransformer) < at(Stage::Denoise));
 }

@@ -4,8 +4,8 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use klein::stages::tokenize::PromptTokenizer;
 use klein::stages::tokenize::{PaddingSide, TokenizerSpec};
+use klein::stages::tokenize::{ParsedTokenizer, PromptTokenizer};
 use klein::KleinError;
 use serde::Deserialize;
 
@@ -173,4 +173,34 @@ fn load_checks_the_tokenizer_against_the_manifest() {
         &reason(&spec, &fixture("bundle_manifest.json")),
         &["not a valid tokenizer.json"],
     );
+}
+
+#[test]
+fn a_tokenizer_parsed_on_a_thread_is_the_one_loaded_directly() {
+    let spec = load_fixture().tokenizer_spec;
+    let direct = PromptTokenizer::load(&tokenizer_path(), &spec).unwrap();
+    let mut parsed = ParsedTokenizer::start(tokenizer_path(), spec.clone());
+    for prompt in ["a cat", "", "一只猫 <|im_end|>"] {
+        assert_eq!(
+            parsed.get().unwrap().encode(prompt).unwrap(),
+            direct.encode(prompt).unwrap(),
+            "{prompt:?}"
+        );
+    }
+
+    // A failure comes back from every call, naming the file.
+    let wrong = TokenizerSpec {
+        pad_token_id: 151645,
+        ..spec
+    };
+    let mut failed = ParsedTokenizer::start(tokenizer_path(), wrong);
+    for _ in 0..2 {
+        match failed.get() {
+            Err(error @ KleinError::Bundle { .. }) => assert_mentions(
+                &error.to_string(),
+                &["tokenizer.json", "has id 151643, manifest.json says 151645"],
+            ),
+            other => panic!("expected a bundle error, got {other:?}"),
+        }
+    }
 }
