@@ -132,10 +132,7 @@ impl LoadedGraphs {
         component: Component,
         progress: &mut Option<&mut ProgressFn<'_>>,
     ) -> Result<Option<Graph>> {
-        if !self.is_loading(component) {
-            return Ok(None);
-        }
-        let Some((_, loading)) = self.loading.take() else {
+        let Some((_, loading)) = self.loading.take_if(|(loading, _)| *loading == component) else {
             return Ok(None);
         };
         timed(progress, load_stage(component), |_| {
