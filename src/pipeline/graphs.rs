@@ -28,6 +28,12 @@ pub(crate) struct LoadedGraphs {
     loading: Option<(Component, JoinHandle<Result<Graph>>)>,
 }
 
+impl Drop for LoadedGraphs {
+    fn drop(&mut self) {
+        self.finish_loading();
+    }
+}
+
 /// Where one graph runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
@@ -177,8 +183,16 @@ impl LoadedGraphs {
     pub fn release(&mut self, component: Component) {
         self.slots[component.index()] = None;
         if self.is_loading(component) {
-            // The thread ends on its own; its graph is dropped with it.
-            self.loading = None;
+            self.finish_loading();
+        }
+    }
+
+    /// Waits for the graph loading on a thread, if any, and drops it. A process must not exit
+    /// while ONNX Runtime creates a session on another thread: its exit handlers then crash it
+    /// (seen as a signal, not exit code 2, after an error in the text encoder).
+    fn finish_loading(&mut self) {
+        if let Some((_, loading)) = self.loading.take() {
+            let _ = loading.join();
         }
     }
 
