@@ -12,8 +12,9 @@
 //! 3.55 -> 4.62 GB.
 //!
 //! It changes the whole process's allocator, so the library never calls it by itself: the `klein`
-//! CLI and server do, at start, unless VAE tiles were asked for (with them, the kept heap raised
-//! the 1024x1024 peak from 3.4 GB to 4.1-8.9 GB, no faster). A process started with `GLIBC_TUNABLES` set keeps glibc's settings
+//! CLI and server do, at start, unless VAE tiles were asked for or the CLI's `--width` x
+//! `--height` is a size auto tiles (with tiles, the kept heap raised the 1024x1024 peak from 3.4 GB
+//! to 4.1-8.9 GB, no faster). A process started with `GLIBC_TUNABLES` set keeps glibc's settings
 //! as the user tuned them (that is also the way to opt out: `GLIBC_TUNABLES=glibc.malloc.mmap_max=65536`).
 //! Elsewhere (macOS, Windows, musl) it does nothing.
 
