@@ -29,7 +29,7 @@ from .lora_map import lora_targets
 from .lora_merge import check_loras, merge_loras
 from .manifest import build_manifest, bundle_files, write_manifest
 from .onnx_export import export_graph
-from .ort_fusions import fuse_for_ort, fuse_rms_norms
+from .ort_fusions import fuse_for_ort, fuse_transformer
 from .precision import check_precision, to_float16
 from .preview import fit_preview
 from .quantize import QuantizationConfig, quantize_bundle
@@ -90,10 +90,10 @@ def _export_text_encoder(ckpt, out, precision, loras, fused=True):
 
 def _export_transformer(ckpt, out, precision, loras, fused=True):
     """`fused`: attention as one MultiHeadAttention node (fused_attention.py), rotary embeddings as
-    RotaryEmbedding (fused_rotary.py), RMSNorms as SimplifiedLayerNormalization
-    (ort_fusions.fuse_rms_norms); off for CoreML's static-shape bundles, whose provider does not run
-    ONNX Runtime's own operators. A KV checkpoint's transformer is exported in its KV form
-    (kv_cache.py), always fused."""
+    RotaryEmbedding (fused_rotary.py), RMSNorms as SimplifiedLayerNormalization and the per-image
+    projections with the weight first (ort_fusions.fuse_transformer); off for CoreML's static-shape
+    bundles, whose provider does not run ONNX Runtime's own operators. A KV checkpoint's transformer
+    is exported in its KV form (kv_cache.py), always fused."""
     model = merge_loras(ckpt.load_transformer(), loras)
     cfg = model.config
     module = (KvTransformer(model) if ckpt.is_kv else Transformer(model)).eval()
@@ -133,7 +133,7 @@ def _export_transformer(ckpt, out, precision, loras, fused=True):
     if fused:
         with fused_attention(half=precision == "fp16"), fused_rotary():
             translations = {**ATTENTION, **ROTARY}
-            path, fusions = export_graph(module, args, shapes, io, out, precision, translations, fuse_rms_norms)
+            path, fusions = export_graph(module, args, shapes, io, out, precision, translations, fuse_transformer)
     else:
         path, fusions = export_graph(module, args, shapes, io, out, precision)
     return [GraphEntry(io, precision, scheme, lora_targets(model, path), fusions or None)]
