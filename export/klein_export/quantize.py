@@ -7,9 +7,10 @@ blockwise along K); `klein-export quantize` does the same to a copy of an existi
 MLPs of Qwen3 and of the MM-DiT blocks, and the transformer's input/output projections. Left in
 float, by construction:
 
-- `Gemm` nodes: the transformer's timestep embedder, the shift/scale/gate modulation projections and
-  the final AdaLayerNorm (their input is 2-D `[batch, dim]`, so the exporter writes Gemm). Errors there
-  scale every token.
+- the transformer's per-image projections: the timestep embedder, the shift/scale/gate modulation
+  projections and the final AdaLayerNorm (their input is 2-D `[batch, dim]`; the exporter writes them
+  as MatMul with the weight first, ort_fusions.weight_first_vector_products, or Gemm in static-shape
+  bundles: neither has a constant second operand to quantize). Errors there scale every token.
 - `MatMul` of two activations: attention scores and the attention-weighted sum.
 - the text encoder's embedding table (`Gather`; the quantizer offers 4-bit `GatherBlockQuantized` only).
 - norms, RoPE, the residual stream: not matrix products.
@@ -64,7 +65,8 @@ CALIBRATION_SIZE = 256
 DEFAULT_BLOCK_SIZE = 32
 VAE_NAMES = ("vae", "vae_encoder", "vae_decoder")
 LEFT_IN_FLOAT = (
-    "Gemm (timestep embedder, modulation, final AdaLayerNorm), MatMul of two activations (attention), "
+    "the per-image projections (timestep embedder, modulation, final AdaLayerNorm), "
+    "MatMul of two activations (attention), "
     "Gather (embedding table), norms, RoPE, residual stream"
 )
 
@@ -505,7 +507,8 @@ def dequantized(weight_kn, config: QuantizationConfig):
 
 def emulate_quantization(module, config: QuantizationConfig, example_args):
     """Replaces, in place, the weight of every `nn.Linear` of `module` that the exported graph holds as
-    a MatMul (input of rank 3 or more on `example_args`; rank-2 inputs export as Gemm, left in float)
+    a MatMul (input of rank 3 or more on `example_args`; rank-2 inputs are the per-image projections,
+    left in float)
     by its dequantized value; for `--method dynamic`, its input also goes through `quantized_activations`
     (a forward pre-hook that stays on the module). Returns the number of weights replaced (the graph's
     quantized node count)."""

@@ -26,7 +26,7 @@ pub struct LoraTarget {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum WeightLayout {
-    /// `[out, in]`, as torch stores it (Gemm with transB).
+    /// `[out, in]`, as torch stores it (Gemm with transB, or MatMul with the weight first).
     OutIn,
     /// `[in, out]`, transposed for MatMul.
     InOut,
