@@ -1,5 +1,5 @@
 //! The pure stages of the pipeline, each as diffusers computes it, with no ONNX Runtime: prompt
-//! tokens, seeded noise, latent packing and position ids, the flow-matching schedule, reference
+//! tokens (and the reading of `tokenizer.json`), seeded noise, latent packing and position ids, the flow-matching schedule, reference
 //! preprocessing, the inpainting mask, its crop and the strength, LoRA files, the output's pixels and its step previews, and the tiles of tiled VAE runs.
 pub mod inpaint;
 pub mod latents;
@@ -12,4 +12,5 @@ pub mod preview;
 pub mod reference;
 pub mod schedule;
 pub mod tokenize;
+mod tokenizer_file;
 pub mod vae_tiling;

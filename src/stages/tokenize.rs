@@ -21,6 +21,7 @@ use std::thread::JoinHandle;
 use serde::{Deserialize, Serialize};
 use tokenizers::Tokenizer;
 
+use super::tokenizer_file::read_tokenizer;
 use crate::error::{KleinError, Result};
 
 /// `tokenizer`: how a prompt becomes `input_ids` and `attention_mask` (the manifest's `tokenizer` section).
@@ -84,7 +85,7 @@ impl PromptTokenizer {
         if !path.is_file() {
             return Err(bundle_error("tokenizer file is missing".to_string()));
         }
-        let mut tokenizer = Tokenizer::from_file(path)
+        let mut tokenizer = read_tokenizer(path)
             .map_err(|e| bundle_error(format!("not a valid tokenizer.json: {e}")))?;
         tokenizer
             .with_truncation(None)
