@@ -200,9 +200,12 @@ mod tests {
         path
     }
 
+    /// A change to a `tokenizer.json`'s JSON.
+    type Edit = dyn FnOnce(&mut serde_json::Value);
+
     #[test]
     fn files_the_reader_does_not_know_are_read_by_from_file() {
-        let cases: [(&str, Box<dyn FnOnce(&mut serde_json::Value)>); 3] = [
+        let cases: [(&str, Box<Edit>); 3] = [
             // merges as "a b" strings, the format before tokenizers 0.20
             (
                 "legacy-merges",
