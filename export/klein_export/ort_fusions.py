@@ -146,8 +146,8 @@ def weight_first_vector_products(model) -> dict:
         x_t = ir.Node("", "Transpose", [padded.outputs[0]], [ir.AttrInt64s("perm", [1, 0])])  # [K, B + 1]
         product = ir.Node("", "MatMul", [weight, x_t.outputs[0]])  # [N, K] . [K, B + 1] -> [N, B + 1]
         y_t = ir.Node("", "Transpose", [product.outputs[0]], [ir.AttrInt64s("perm", [1, 0])])  # [B + 1, N]
-        start, end, axis = const("klein_zero_", [0]), const("klein_minus_one", [-1]), const("klein_zero_", [0])
-        out = ir.Node("", "Slice", [y_t.outputs[0], start, end, axis])  # [B, N]
+        zero, last = const("klein_zero_", [0]), const("klein_minus_one", [-1])
+        out = ir.Node("", "Slice", [y_t.outputs[0], zero, last, zero])  # rows 0..B: [B, N]
         ir.convenience.replace_nodes_and_values(
             model.graph, node, [node], [padded, x_t, product, y_t, out], node.outputs, out.outputs
         )

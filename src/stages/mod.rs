@@ -1,6 +1,6 @@
 //! The pure stages of the pipeline, each as diffusers computes it, with no ONNX Runtime: prompt
-//! tokens (and the reading of `tokenizer.json`), seeded noise, latent packing and position ids, the flow-matching schedule, reference
-//! preprocessing, the inpainting mask, its crop and the strength, LoRA files, the output's pixels and its step previews, and the tiles of tiled VAE runs.
+//! tokens (and the reading of `tokenizer.json`), seeded noise, latent packing and position ids,
+//! the flow-matching schedule, reference preprocessing, the inpainting mask, its crop and the strength, LoRA files, the output's pixels and its step previews, and the tiles of tiled VAE runs.
 pub mod inpaint;
 pub mod latents;
 pub mod lora;

@@ -18,7 +18,7 @@ use std::path::Path;
 
 use serde::de::IgnoredAny;
 use serde::Deserialize;
-use tokenizers::models::bpe::{Merges, Vocab, BPE};
+use tokenizers::models::bpe::{BpeBuilder, Merges, Vocab, BPE};
 use tokenizers::{
     AddedToken, DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper,
     Tokenizer,
@@ -63,8 +63,7 @@ struct AddedTokenEntry {
     special: bool,
 }
 
-/// `model` of a BPE tokenizer, merges as pairs (the format `tokenizers` writes since 0.20); a
-/// missing or null option keeps the builder's default, as in the crate.
+/// `model` of a BPE tokenizer, merges as pairs (the format `tokenizers` writes since 0.20).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct BpeModel {
@@ -89,51 +88,57 @@ fn read_bpe(bytes: &[u8]) -> Option<Tokenizer> {
     if file.version.is_some_and(|v| v != "1.0") || model.kind != "BPE" {
         return None;
     }
-    let mut builder = BPE::builder().vocab_and_merges(model.vocab, model.merges);
-    if let Some(fuse) = model.fuse_unk {
-        builder = builder.fuse_unk(fuse);
+    // A missing or null option keeps the builder's default.
+    fn set<T>(
+        builder: BpeBuilder,
+        value: Option<T>,
+        with: fn(BpeBuilder, T) -> BpeBuilder,
+    ) -> BpeBuilder {
+        match value {
+            Some(value) => with(builder, value),
+            None => builder,
+        }
     }
-    if let Some(fallback) = model.byte_fallback {
-        builder = builder.byte_fallback(fallback);
-    }
-    if let Some(ignore) = model.ignore_merges {
-        builder = builder.ignore_merges(ignore);
-    }
-    if let Some(dropout) = model.dropout {
-        builder = builder.dropout(dropout);
-    }
-    if let Some(unk) = model.unk_token {
-        builder = builder.unk_token(unk);
-    }
-    if let Some(prefix) = model.continuing_subword_prefix {
-        builder = builder.continuing_subword_prefix(prefix);
-    }
-    if let Some(suffix) = model.end_of_word_suffix {
-        builder = builder.end_of_word_suffix(suffix);
-    }
+    let builder = BPE::builder().vocab_and_merges(model.vocab, model.merges);
+    let builder = set(builder, model.fuse_unk, BpeBuilder::fuse_unk);
+    let builder = set(builder, model.byte_fallback, BpeBuilder::byte_fallback);
+    let builder = set(builder, model.ignore_merges, BpeBuilder::ignore_merges);
+    let builder = set(builder, model.dropout, BpeBuilder::dropout);
+    let builder = set(builder, model.unk_token, BpeBuilder::unk_token);
+    let builder = set(
+        builder,
+        model.continuing_subword_prefix,
+        BpeBuilder::continuing_subword_prefix,
+    );
+    let builder = set(
+        builder,
+        model.end_of_word_suffix,
+        BpeBuilder::end_of_word_suffix,
+    );
     let mut tokenizer = Tokenizer::new(builder.build().ok()?);
     tokenizer
         .with_normalizer(file.normalizer)
         .with_pre_tokenizer(file.pre_tokenizer)
         .with_post_processor(file.post_processor)
         .with_decoder(file.decoder);
-    let tokens: Vec<AddedToken> = file
+    let (ids, tokens): (Vec<u32>, Vec<AddedToken>) = file
         .added_tokens
-        .iter()
-        .map(|entry| AddedToken {
-            content: entry.content.clone(),
-            single_word: entry.single_word,
-            lstrip: entry.lstrip,
-            rstrip: entry.rstrip,
-            normalized: entry.normalized,
-            special: entry.special,
+        .into_iter()
+        .map(|entry| {
+            let token = AddedToken {
+                content: entry.content,
+                single_word: entry.single_word,
+                lstrip: entry.lstrip,
+                rstrip: entry.rstrip,
+                normalized: entry.normalized,
+                special: entry.special,
+            };
+            (entry.id, token)
         })
-        .collect();
+        .unzip();
     tokenizer.add_tokens(&tokens);
-    let ids_kept = file
-        .added_tokens
-        .iter()
-        .all(|entry| tokenizer.token_to_id(&entry.content) == Some(entry.id));
+    let ids_kept = (tokens.iter().zip(ids))
+        .all(|(token, id)| tokenizer.token_to_id(&token.content) == Some(id));
     ids_kept.then_some(tokenizer)
 }
 
