@@ -149,6 +149,7 @@ def diffusers_worker(spec: dict) -> None:
         "load + generate": load_s + call_s,
         "torch": torch.__version__,
         "torch threads": torch.get_num_threads(),
+        "torch cpu capability": torch.backends.cpu.get_cpu_capability(),
     }
     Path(spec["json"]).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
@@ -510,7 +511,8 @@ def main(argv=None) -> int:
         print(f"klein bundle {name}: {b}")
     print(f'prompt: "{args.prompt}", seed {args.seed}, {width}x{height}, {args.steps} steps, {args.threads} threads, {args.reps} reps')
     print(f"machine: {os.cpu_count()} CPUs, {_meminfo_gb()}, {cpu_model()}")
-    print(f"instruction sets: {', '.join(isa) or 'none of those looked for'}")
+    masked = " (CPUID masked to an AVX2 host by benches/avx2-host.sh)" if masked_to_avx2() else ""
+    print(f"instruction sets: {', '.join(isa) or 'none of those looked for'}{masked}")
     why = "the CPU has bf16 units" if bf16_units else "no bf16 units: diffusers' fastest CPU setting here is fp32"
     print(f"diffusers bf16: {'run' if run_bf16 else 'not run'} ({why}; --diffusers-bf16 {args.diffusers_bf16})")
     if args.no_diffusers_fp32:
@@ -719,7 +721,8 @@ def klein_phases(lines, wall) -> dict:
 def report_run(key, rep, r):
     print(
         f"{key} rep {rep}: {r['wall']:.1f} s, peak RSS {r['rss'] / 2**30:.2f} GiB, {r['cpu']:.1f} CPU s, "
-        f"other processes {r['others']:.2f} CPUs" + ("" if math.isnan(r.get("quiet", math.nan)) else f" (before: {r['quiet']:.2f})"),
+        f"other processes {r['others']:.2f} CPUs" + ("" if math.isnan(r.get("quiet", math.nan)) else f" (before: {r['quiet']:.2f})")
+        + (f", torch kernels {r['torch cpu capability']}" if "torch cpu capability" in r else ""),
         flush=True,
     )
 
@@ -728,14 +731,25 @@ def report_run(key, rep, r):
 ISA_FLAGS = ("fma", "avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
 
+# What benches/avx2-host.sh leaves of them (it masks CPUID for this process and its children).
+AVX2_HOST_FLAGS = ("fma", "avx2")
+
+
 def host_isa() -> list:
-    """The ISA_FLAGS this CPU has, from /proc/cpuinfo (empty elsewhere)."""
+    """The ISA_FLAGS the libraries see: this CPU's, from /proc/cpuinfo (empty elsewhere), less what
+    benches/avx2-host.sh masks when it runs this script."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return []
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    if masked_to_avx2():
+        flags = [f for f in flags if f in AVX2_HOST_FLAGS]
     return [f for f in ISA_FLAGS if f in flags]
+
+
+def masked_to_avx2() -> bool:
+    return os.environ.get("KLEIN_BENCH_ISA_MASK") == "avx2" and "libavx2_host.so" in os.environ.get("LD_PRELOAD", "")
 
 
 def cpu_model() -> str:

@@ -5,14 +5,15 @@
 //! An entry is `<dir>/<key>/<component>.onnx` and its `.data` file. The key is a SHA-256 of what
 //! the saved graph depends on: the graph's own identity (the caller's tag: the sha256s the bundle
 //! manifest records for its files), the ONNX Runtime build, the CPU's instruction sets (prepacked
-//! layouts are chosen per instruction set), the optimisation level and whether weights are
-//! prepacked. Anything else changed means another key; nothing is ever overwritten in place.
+//! layouts are chosen per instruction set, and hosts without VNNI store int8 weights as uint8), the
+//! optimisation level and whether weights are prepacked. Anything else changed means another key; nothing is ever overwritten in place.
 //! An entry is written into `<key>.partial-<pid>` and renamed when complete, so a process stopped
 //! midway leaves no entry that looks whole.
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
+use super::cpu_features::{detected_features, int8_products_saturate};
 use super::device::OptimizationLevel;
 use crate::fsutil::hex;
 
@@ -91,9 +92,12 @@ impl CacheEntry {
 }
 
 /// The CPU's model and instruction sets: Linux's `/proc/cpuinfo` (model name and flags of the
-/// first processor, AMX included), else the architecture and the features the standard library
-/// detects.
+/// first processor, AMX included) where there is one, the features the standard library detects
+/// (CPUID's own answer, which a hypervisor or CPUID faulting can make differ from the kernel's
+/// flags), and whether sessions turn int8 weights into uint8 here ([`int8_products_saturate`]:
+/// the saved graph holds the converted weights).
 fn cpu_identity() -> String {
+    let mut parts = Vec::new();
     if let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") {
         let wanted = [
             "model name",
@@ -102,45 +106,16 @@ fn cpu_identity() -> String {
             "CPU implementer",
             "CPU part",
         ];
-        let lines: Vec<&str> = info
-            .lines()
-            .take_while(|line| !line.trim().is_empty())
-            .filter(|line| wanted.iter().any(|w| line.starts_with(w)))
-            .collect();
-        if !lines.is_empty() {
-            return lines.join("\n");
-        }
+        parts.extend(
+            info.lines()
+                .take_while(|line| !line.trim().is_empty())
+                .filter(|line| wanted.iter().any(|w| line.starts_with(w)))
+                .map(str::to_string),
+        );
     }
-    detected_features()
-}
-
-/// `[(name, detected), ...]` through the detection macro `$on` (`is_x86_feature_detected`, ...).
-#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-macro_rules! detect {
-    ($on:ident: $($name:tt),*) => {
-        [$(($name, $on!($name))),*]
-    };
-}
-
-/// The architecture and the instruction sets the standard library detects.
-fn detected_features() -> String {
-    #[cfg(target_arch = "x86_64")]
-    let features = {
-        use std::arch::is_x86_feature_detected as on;
-        detect!(on: "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vnni")
-    };
-    #[cfg(target_arch = "aarch64")]
-    let features = {
-        use std::arch::is_aarch64_feature_detected as on;
-        detect!(on: "dotprod", "i8mm", "bf16", "fp16", "sve", "sve2")
-    };
-    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-    let features: [(&str, bool); 0] = [];
-    let found = features.iter().filter(|(_, on)| *on).map(|(name, _)| *name);
-    std::iter::once(std::env::consts::ARCH)
-        .chain(found)
-        .collect::<Vec<_>>()
-        .join(" ")
+    parts.push(detected_features());
+    parts.push(format!("uint8 weights: {}", int8_products_saturate()));
+    parts.join("\n")
 }
 
 #[cfg(test)]

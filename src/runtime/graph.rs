@@ -12,6 +12,7 @@ use ort::session::builder::SessionBuilder;
 use ort::session::{IoBinding, Session, SessionInputValue};
 
 use super::cpu_cache::CacheEntry;
+use super::cpu_features::int8_products_saturate;
 use super::denormals::flushed;
 use super::device::{register_device, Device, LoadFailure, OptimizationLevel, SessionConfig};
 use super::library::{error_chain, runtime};
@@ -123,6 +124,13 @@ pub fn load_graph(
                 if no_spinning { "0" } else { "1" },
             )
             .map_err(|e| LoadFailure::Session(error_chain(&e)))?;
+        let builder = if int8_products_saturate() {
+            builder
+                .with_config_entry("session.x64quantprecision", "1")
+                .map_err(|e| LoadFailure::Session(error_chain(&e)))?
+        } else {
+            builder
+        };
         let builder = match from {
             LoadFrom::Save(file) => save_optimized(builder, file)?,
             _ => builder,

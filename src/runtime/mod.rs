@@ -33,6 +33,7 @@
 //! one graph between threads, put it behind a `Mutex`; ONNX Runtime parallelises inside one run.
 
 mod cpu_cache;
+mod cpu_features;
 mod denormals;
 mod device;
 mod graph;

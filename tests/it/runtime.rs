@@ -374,3 +374,40 @@ fn devices_parse_and_print() {
         );
     }
 }
+
+/// int8 products come out right on this CPU. `int8_products.onnx` is the worst case for the u8 x s8
+/// kernels of x86-64 CPUs without VNNI, which sum pairs of products in 16 bits with saturation:
+/// activations 255 (x = 1, the top of its range) against weight codes 127 make every pair
+/// 64770 > 32767, so a run without `session.x64quantprecision` there returns about half (checked
+/// under `benches/avx2-host.sh`: 0.5x without it). Elsewhere the products are exact anyway.
+#[test]
+fn int8_products_do_not_saturate() {
+    let mut graph = load("int8_products", &cpu()).unwrap();
+    // Row 0: every activation 1 (quantized to 255, scale 1/255); row 1: 1 and 0 alternating, whose
+    // pairs stay below 32767 on every kernel.
+    let x = Array2::from_shape_fn(
+        (2, 64),
+        |(row, k)| {
+            if row == 0 || k % 2 == 0 {
+                1.0f32
+            } else {
+                0.0
+            }
+        },
+    );
+    let y = graph
+        .run(&[("x", x.view().into())])
+        .unwrap()
+        .take("y")
+        .unwrap();
+    // y = sum_k x_k * 127 * 0.01; the only rounding is float32's (scale 1/255, the products).
+    for (row, expected) in [(0, 64.0 * 1.27f32), (1, 32.0 * 1.27)] {
+        for n in 0..16 {
+            let got = y[[row, n]];
+            assert!(
+                (got - expected).abs() <= 1e-4 * expected,
+                "row {row}, column {n}: {got} against {expected}"
+            );
+        }
+    }
+}
