@@ -29,7 +29,7 @@ from .lora_map import lora_targets
 from .lora_merge import check_loras, merge_loras
 from .manifest import build_manifest, bundle_files, write_manifest
 from .onnx_export import export_graph
-from .ort_fusions import fuse_for_ort, fuse_transformer
+from .ort_fusions import fuse_for_ort, fuse_transformer, group_norms_as_layer_norms
 from .precision import check_precision, to_float16
 from .preview import fit_preview
 from .quantize import QuantizationConfig, quantize_bundle
@@ -40,7 +40,7 @@ from .wrappers import TextEncoder, Transformer, VaeDecoder, VaeEncoder
 
 def _export_component(label, checkpoint_root, out, precision, loras, fused):
     """Runs in a child process: exports one component, returns its GraphEntry list and the child's peak RSS."""
-    options = {"fused": fused} if label in ("text_encoder", "transformer") else {}
+    options = {"fused": fused}
     return EXPORTS[label](Checkpoint(checkpoint_root), Path(out), precision, loras, **options), _peak_rss_mb()
 
 
@@ -139,8 +139,11 @@ def _export_transformer(ckpt, out, precision, loras, fused=True):
     return [GraphEntry(io, precision, scheme, lora_targets(model, path), fusions or None)]
 
 
-def _export_vae(ckpt, out, precision, loras):
+def _export_vae(ckpt, out, precision, loras, fused=True):
+    """`fused`: group norms as LayerNormalization (ort_fusions.group_norms_as_layer_norms); off for
+    CoreML's static-shape bundles, as the other graphs' rewrites."""
     vae = ckpt.load_vae()
+    fuse = group_norms_as_layer_norms if fused else None
     scheme = _to_precision(vae, "vae", precision)  # one module behind both graphs
     enc_scheme = _scheme_json(scheme, ("encoder.", "quant_conv"))
     dec_scheme = _scheme_json(scheme, ("decoder.", "post_quant_conv"))
@@ -148,20 +151,30 @@ def _export_vae(ckpt, out, precision, loras):
     lat_h, lat_w = Dim("lat_h", min=1, max=1024), Dim("lat_w", min=1, max=1024)
     enc_io = contract.vae_encoder_io(latent_ch)
     image = torch.rand(2, 3, 48, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    export_graph(
+    _, enc_fusions = export_graph(
         VaeEncoder(vae).eval(),
         (image,),
         {"image": {0: Dim("batch"), 2: 16 * lat_h, 3: 16 * lat_w}},
         enc_io,
         out,
         precision,
+        fuse=fuse,
     )
     dec_io = contract.vae_decoder_io(latent_ch)
     latents = torch.randn(2, latent_ch, 3, 4, generator=torch.Generator().manual_seed(0))
-    export_graph(
-        VaeDecoder(vae).eval(), (latents,), {"latents": {0: Dim("batch"), 2: lat_h, 3: lat_w}}, dec_io, out, precision
+    _, dec_fusions = export_graph(
+        VaeDecoder(vae).eval(),
+        (latents,),
+        {"latents": {0: Dim("batch"), 2: lat_h, 3: lat_w}},
+        dec_io,
+        out,
+        precision,
+        fuse=fuse,
     )
-    return [GraphEntry(enc_io, precision, enc_scheme), GraphEntry(dec_io, precision, dec_scheme)]
+    return [
+        GraphEntry(enc_io, precision, enc_scheme, fusions=enc_fusions or None),
+        GraphEntry(dec_io, precision, dec_scheme, fusions=dec_fusions or None),
+    ]
 
 
 # The published widths of the named variants: text encoder hidden size, transformer hidden size

@@ -2,6 +2,7 @@
 `fuse`): each takes an onnx_ir model, changes it in place and returns the count of each rewrite.
 Static-shape (CoreML) bundles are exported without them: CoreML does not run these operators."""
 
+import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass
 from onnxscript.rewriter.ort_fusions import optimize_for_ort
@@ -177,3 +178,65 @@ def fuse_rms_norms(model) -> dict:
     count = fuse_rms_normalization(model)
     RemoveUnusedNodesPass()(model)  # the replaced chains' constants
     return {"rms_normalization": count} if count else {}
+
+
+def group_norms_as_layer_norms(model) -> dict:
+    """Rewrites (in place) the VAE's group norms as ONNX Runtime's LayerNormalization; returns the count.
+
+    torch exports `GroupNorm(G, C)` over `x [N, C, H, W]` as Reshape `[N, G, -1]` ->
+    InstanceNormalization (scale 1, bias 0) -> Reshape to `Shape(x)`, then the affine Mul and Add.
+    ONNX Runtime's CPU InstanceNormalization runs on one thread; its LayerNormalization splits the
+    rows between threads, and its mean and variance come out at least as close (README, "Group norms
+    as LayerNormalization"). The rewrite: Reshape `x` to `[N, G, C/G * H, W]` (constant shape: 0
+    copies N and W), LayerNormalization over the last two axes (axis 2) with a scale of ones as
+    large as one group (`Expand`, 1/G of the tensor), and Reshape back to `[N, C, H, W]` with the
+    constant `[0, C, -1, 0]`. Without `Shape(x)`, a statically quantized decoder no longer
+    dequantizes each convolution's output once more only for its shape (ONNX Runtime gives each
+    consumer of a quantized value its own DequantizeLinear)."""
+    ones = None
+    count = 0
+    for norm in list(model.graph):
+        if norm.op_type != "InstanceNormalization" or norm.domain not in ("", "ai.onnx"):
+            continue
+        scale, bias = (ir.convenience.get_const_tensor(v) for v in norm.inputs[1:3])
+        grouped = norm.inputs[0].producer()
+        users = list(norm.outputs[0].uses())
+        if scale is None or bias is None or grouped is None or grouped.op_type != "Reshape" or len(users) != 1:
+            continue
+        if len(list(grouped.outputs[0].uses())) != 1:
+            continue
+        back = users[0].node
+        x = grouped.inputs[0]
+        if back.op_type != "Reshape" or x.shape is None or len(x.shape) != 4 or not isinstance(x.shape[1], int):
+            continue
+        if not (np.all(scale.numpy() == 1) and np.all(bias.numpy() == 0)):
+            continue
+        groups, channels = scale.numpy().size, x.shape[1]
+        eps = norm.attributes["epsilon"].value if "epsilon" in norm.attributes else 1e-5
+        if ones is None:
+            ones = ir.Value(name="klein_group_norm_one", const_value=ir.tensor(np.ones(1, np.float32)))
+            model.graph.register_initializer(ones)
+        into_groups = _int64s(model, f"klein_group_norm_shape_{norm.name}", [0, groups, -1, 0])
+        back_shape = _int64s(model, f"klein_channels_shape_{norm.name}", [0, channels, -1, 0])
+        rows = ir.Node("", "Reshape", [x, into_groups])  # [N, C, H, W] -> [N, G, C/G * H, W]
+        row_shape = ir.Node("", "Shape", [rows.outputs[0]], [ir.AttrInt64("start", 2)])  # [C/G * H, W]
+        scale_ones = ir.Node("", "Expand", [ones, row_shape.outputs[0]])  # [C/G * H, W] of 1
+        normed = ir.Node(
+            "", "LayerNormalization", [rows.outputs[0], scale_ones.outputs[0]],
+            [ir.AttrInt64("axis", 2), ir.AttrFloat32("epsilon", eps)],
+        )  # fmt: skip
+        out = ir.Node("", "Reshape", [normed.outputs[0], back_shape])  # -> [N, C, H, W]
+        new_nodes = [rows, row_shape, scale_ones, normed, out]
+        ir.convenience.replace_nodes_and_values(
+            model.graph, back, [grouped, norm, back], new_nodes, back.outputs, out.outputs
+        )
+        count += 1
+    RemoveUnusedNodesPass()(model)  # the Shape(x) nodes and constants of the replaced chains
+    return {"group_norms_as_layer_norms": count} if count else {}
+
+
+def _int64s(model, name, values):
+    """An int64 initializer of `model` named `name`."""
+    value = ir.Value(name=name, const_value=ir.tensor(values, dtype=ir.DataType.INT64))
+    model.graph.register_initializer(value)
+    return value
