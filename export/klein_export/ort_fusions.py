@@ -127,10 +127,9 @@ def weight_first_vector_products(model) -> dict:
     batch, and each column's sums are the same."""
     constants = {}
 
-    def const(name, values):
+    def const(name, values):  # one initializer per name, however many products use it
         if name not in constants:
-            constants[name] = ir.Value(name=name, const_value=ir.tensor(values, dtype=ir.DataType.INT64))
-            model.graph.register_initializer(constants[name])
+            constants[name] = _int64s(model, name, values)
         return constants[name]
 
     count = 0

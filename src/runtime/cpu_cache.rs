@@ -6,7 +6,8 @@
 //! the saved graph depends on: the graph's own identity (the caller's tag: the sha256s the bundle
 //! manifest records for its files), the ONNX Runtime build, the CPU's instruction sets (prepacked
 //! layouts are chosen per instruction set, and hosts without VNNI store int8 weights as uint8), the
-//! optimisation level and whether weights are prepacked. Anything else changed means another key; nothing is ever overwritten in place.
+//! optimisation level and whether weights are prepacked. Anything else changed means another key;
+//! nothing is ever overwritten in place.
 //! An entry is written into `<key>.partial-<pid>` and renamed when complete, so a process stopped
 //! midway leaves no entry that looks whole.
 use std::path::{Path, PathBuf};
