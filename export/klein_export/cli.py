@@ -23,6 +23,8 @@ def _quantization(args, required=False):
         ]
         if args.method is not None:
             given.append("--method")
+        if args.reduce_range:
+            given.append("--reduce-range")
         if given or args.asymmetric or args.accuracy_level:
             raise QuantizationError(f"{', '.join(given) or 'the quantization flags'} apply with --quantize only")
         return None
@@ -35,6 +37,7 @@ def _quantization(args, required=False):
         accuracy_level=args.accuracy_level,
         components=parse_components(components, method),
         method=method,
+        reduce_range=args.reduce_range,
     )
 
 
@@ -164,6 +167,13 @@ def _add_quantization_args(p):
     )
     p.add_argument(
         "--asymmetric", action="store_true", help="a zero point per block (default: symmetric, no zero points)"
+    )
+    p.add_argument(
+        "--reduce-range",
+        action="store_true",
+        help="--method dynamic or static: int8 weight codes in [-64, 64] (7 bits) instead of [-127, 127], "
+        "so that CPUs without VNNI (AVX2 only) run the fast u8 x s8 kernels without overflow; a little "
+        "larger error, no change where the CPU has VNNI",
     )
     p.add_argument(
         "--accuracy-level",

@@ -79,10 +79,16 @@ class QuantizationConfig:
     accuracy_level: int = 0
     components: tuple = DEFAULT_COMPONENTS
     method: str = METHOD
+    reduce_range: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS.values():
             raise QuantizationError(f"method {self.method!r}: expected one of {', '.join(METHODS)}")
+        if self.reduce_range and self.method not in (DYNAMIC, STATIC):
+            raise QuantizationError(
+                "--reduce-range is for int8 compute (--method dynamic or static), whose u8 x s8 products it keeps "
+                "from saturating on CPUs without VNNI; MatMulNBits computes in float or with its own int8 kernels"
+            )
         if self.method in (DYNAMIC, STATIC) and (
             self.bits != 8 or self.block_size != DEFAULT_BLOCK_SIZE or not self.symmetric or self.accuracy_level
         ):
@@ -103,10 +109,11 @@ class QuantizationConfig:
     @classmethod
     def from_scheme(cls, scheme: dict) -> "QuantizationConfig":
         """The config that wrote a manifest graph's `quantization` (components left at the default)."""
+        reduce_range = bool(scheme.get("reduce_range"))
         if scheme["method"] == STATIC:
-            return cls(bits=8, method=STATIC, components=STATIC_QUANTIZABLE)
+            return cls(bits=8, method=STATIC, components=STATIC_QUANTIZABLE, reduce_range=reduce_range)
         if scheme["method"] == DYNAMIC:
-            return cls(bits=8, method=DYNAMIC)
+            return cls(bits=8, method=DYNAMIC, reduce_range=reduce_range)
         return cls(
             bits=scheme["bits"],
             block_size=scheme["block_size"],
@@ -176,18 +183,27 @@ def _quantizer_class():
     return MatMulNBitsQuantizer
 
 
-def per_channel_int8(weight_kn):
+def code_limit(reduce_range: bool) -> int:
+    """The largest |int8 code| of a weight: 127, or 64 with `--reduce-range` (ONNX Runtime's reduced
+    int8 range, [-64, 64]). u8 x s8 kernels without VNNI (AVX2's `vpmaddubsw`) add two products in 16
+    bits with saturation; with |code| <= 64 a pair is at most 2 x 255 x 64 = 32640, under 32767, so
+    those kernels are exact and the runtime need not convert the weights to uint8 (slower kernels)."""
+    return 64 if reduce_range else 127
+
+
+def per_channel_int8(weight_kn, reduce_range=False):
     """`[K, N]` float weight -> (int8 codes `[K, N]`, float32 scale `[N]`): symmetric per output
-    channel, `scale[n] = max_k |w[k, n]| / 127`, codes rounded half to even."""
+    channel, `scale[n] = max_k |w[k, n]| / limit` (`code_limit`), codes rounded half to even."""
     import numpy as np
 
-    scale = (np.abs(weight_kn).max(axis=0) / 127.0).astype(np.float32)
+    limit = code_limit(reduce_range)
+    scale = (np.abs(weight_kn).max(axis=0) / float(limit)).astype(np.float32)
     scale[scale == 0] = 1.0  # an all-zero column: any scale gives code 0
-    codes = np.clip(np.rint(weight_kn / scale), -127, 127).astype(np.int8)
+    codes = np.clip(np.rint(weight_kn / scale), -limit, limit).astype(np.int8)
     return codes, scale
 
 
-def _dynamic_matmuls(path: Path):
+def _dynamic_matmuls(path: Path, reduce_range=False):
     """The graph at `path` with every MatMul with a constant 2-D float32 weight as
     DynamicQuantizeMatMul(x, codes, scale, 0), and the new weights file, or None.
 
@@ -227,7 +243,7 @@ def _dynamic_matmuls(path: Path):
 
         for tensor in graph.initializer:
             if tensor.name in bases:
-                codes, scale = per_channel_int8(read_tensor(tensor, base_dir))
+                codes, scale = per_channel_int8(read_tensor(tensor, base_dir), reduce_range)
                 for base in bases[tensor.name]:
                     initializers += [
                         store(base + "_codes", codes),
@@ -279,9 +295,10 @@ def calibration_latents(bundle_dir: Path) -> list:
     return latents
 
 
-def _static_convs(path: Path, latents: list) -> onnx.ModelProto:
+def _static_convs(path: Path, latents: list, reduce_range=False) -> onnx.ModelProto:
     """The graph at `path` with QuantizeLinear/DequantizeLinear around every Conv: int8 weights per output
-    channel (symmetric), uint8 activations per tensor, ranges the MinMax of `latents`' activations."""
+    channel (symmetric; codes in [-64, 64] with `reduce_range`), uint8 activations per tensor, ranges the
+    MinMax of `latents`' activations."""
     import tempfile
 
     from onnxruntime.quantization import (
@@ -313,6 +330,7 @@ def _static_convs(path: Path, latents: list) -> onnx.ModelProto:
                 quant_format=QuantFormat.QDQ,
                 op_types_to_quantize=["Conv"],
                 per_channel=True,
+                reduce_range=reduce_range,
                 activation_type=QuantType.QUInt8,
                 weight_type=QuantType.QInt8,
                 calibrate_method=CalibrationMethod.MinMax,
@@ -343,9 +361,10 @@ def quantize_graph(path: Path, config: QuantizationConfig, calibration=None) -> 
 
     path = Path(path)
     if config.method == STATIC:
-        model = _static_convs(path, calibration)
+        model = _static_convs(path, calibration, config.reduce_range)
         scheme = {
             "method": STATIC,
+            "reduce_range": config.reduce_range,
             "bits": 8,
             "block_size": None,
             "symmetric": True,
@@ -356,8 +375,8 @@ def quantize_graph(path: Path, config: QuantizationConfig, calibration=None) -> 
             "float_nodes": _float_nodes(model, int8_convs=True),
             "left_in_float": "the mid-block attention, group norms, SiLU, upsampling, the latent denormalisation",
             "quantizer": f"onnxruntime {ort_version} quantize_static (QDQ)",
-            "granularity": "weights: int8 per output channel, symmetric; activations: uint8 per tensor, "
-            "ranges calibrated",
+            "granularity": f"weights: int8 per output channel, symmetric{_range_note(config)}; "
+            "activations: uint8 per tensor, ranges calibrated",
             "calibration": f"{len(CALIBRATION_PROMPTS)} text-to-image latents of this bundle and "
             f"{len(CALIBRATION_IMAGE_SEEDS)} VAE-encoded synthetic images, {CALIBRATION_SIZE}x{CALIBRATION_SIZE}",
         }
@@ -366,7 +385,7 @@ def quantize_graph(path: Path, config: QuantizationConfig, calibration=None) -> 
         return _write(model, path, scheme)
     dynamic = config.method == DYNAMIC
     if dynamic:
-        model, partial = _dynamic_matmuls(path)
+        model, partial = _dynamic_matmuls(path, config.reduce_range)
     else:
         model, partial = _nbits_matmuls(onnx.load(str(path)), config), None  # external data read into memory
     quantized = sum(n.op_type == config.method for n in model.graph.node)
@@ -388,11 +407,19 @@ def quantize_graph(path: Path, config: QuantizationConfig, calibration=None) -> 
         else f"onnxruntime {ort_version} MatMulNBitsQuantizer",
     }
     if dynamic:
-        scheme["granularity"] = "weights: int8 per output channel, symmetric; activations: uint8 per tensor at run time"
+        scheme["reduce_range"] = config.reduce_range
+        scheme["granularity"] = (
+            f"weights: int8 per output channel, symmetric{_range_note(config)}; "
+            "activations: uint8 per tensor at run time"
+        )
     _write(model, path, scheme)  # removes the old weights file
     if partial is not None:
         partial.rename(path.with_name(path.name + ".data"))
     return scheme
+
+
+def _range_note(config: QuantizationConfig) -> str:
+    return f" in [-{code_limit(True)}, {code_limit(True)}] (7 bits, --reduce-range)" if config.reduce_range else ""
 
 
 def _write(model: onnx.ModelProto, path: Path, scheme: dict) -> dict:
@@ -475,11 +502,11 @@ def dequantized(weight_kn, config: QuantizationConfig):
     """The `[K, N]` MatMul weight as MatMulNBits sees it: quantized by the quantizer's own kernel
     (`DefaultWeightOnlyQuantizer.qbits_block_quant`, what `quantize_graph` runs) and dequantized,
     `w[k, n] = (code[n, k] - zero[n, k // block]) * scale[n, k // block]`; for `--method dynamic`,
-    `code[k, n] * scale[n]` (`per_channel_int8`)."""
+    `code[k, n] * scale[n]` (`per_channel_int8`, with the config's code range)."""
     import numpy as np
 
     if config.method == DYNAMIC:
-        codes, scale = per_channel_int8(weight_kn)
+        codes, scale = per_channel_int8(weight_kn, config.reduce_range)
         return (codes.astype(np.float32) * scale).astype(weight_kn.dtype)
     _quantizer_class()  # the module import, without its logging side effect
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer

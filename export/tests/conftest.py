@@ -51,6 +51,22 @@ def static_bundle(tiny_bundle, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def reduced_bundle(tiny_bundle, tmp_path_factory):
+    """`--reduce-range` (7-bit int8 codes): the text encoder and transformer dynamic, then the VAE decoder
+    static, as the benchmark's dds bundle is made."""
+    root = tmp_path_factory.mktemp("reduced")
+    dynamic = quantize_copy(
+        tiny_bundle, root / "dynamic", QuantizationConfig(bits=8, method=DYNAMIC, reduce_range=True), log=lambda _: None
+    )
+    return quantize_copy(
+        dynamic,
+        root / "klein-tiny-int8-7bit",
+        QuantizationConfig(bits=8, method=STATIC, components=("vae_decoder",), reduce_range=True),
+        log=lambda _: None,
+    )
+
+
+@pytest.fixture(scope="session")
 def int4_bundle(tiny_bundle, tmp_path_factory):
     return quantize_copy(
         tiny_bundle, tmp_path_factory.mktemp("int4") / "klein-tiny-int4", QuantizationConfig(bits=4), log=lambda _: None

@@ -59,13 +59,14 @@ ATTENTION_OPS = {"MultiHeadAttention", "Reshape", "Shape"}
 
 
 @pytest.fixture
-def bundles(fp16_bundle, int8_bundle, int4_bundle, dynamic_bundle, static_bundle):
+def bundles(fp16_bundle, int8_bundle, int4_bundle, dynamic_bundle, static_bundle, reduced_bundle):
     return {
         "fp16": fp16_bundle,
         "int8": int8_bundle,
         "int4": int4_bundle,
         "int8-dynamic": dynamic_bundle,
         "int8-static": static_bundle,
+        "int8-7bit": reduced_bundle,
     }
 
 
@@ -224,6 +225,60 @@ def test_dynamic_manifest_and_graphs(bundles, tiny_bundle):
     assert manifest["graphs"]["vae_decoder"] == _manifest(tiny_bundle)["graphs"]["vae_decoder"]
 
 
+def _int8_codes(model: onnx.ModelProto) -> list:
+    """(node name, int8 weight codes) of every DynamicQuantizeMatMul and QDQ convolution weight."""
+    weights = {i.name: i for i in model.graph.initializer}
+    codes = []
+    for node in model.graph.node:
+        name = {"DynamicQuantizeMatMul": 1, "DequantizeLinear": 0}.get(node.op_type)
+        tensor = weights.get(node.input[name]) if name is not None else None
+        if tensor is not None and tensor.data_type == TensorProto.INT8 and len(tensor.dims) >= 2:
+            codes.append((node.name, onnx.numpy_helper.to_array(tensor)))
+    return codes
+
+
+def test_reduce_range_writes_7_bit_codes(bundles, tiny_bundle, tmp_path, capsys):
+    """`--reduce-range`: every int8 weight code of the dynamic products and the static convolutions is
+    within [-64, 64], each output channel reaching 64 (scale max |w| / 64), and the manifest and
+    metadata say so; without it codes reach 127 and `reduce_range` is false. The error grows a little
+    against the 8-bit codes (the runtime's side: `seven_bit_int8_products_do_not_saturate`)."""
+    reduced, full = (
+        _manifest(bundles["int8-7bit"]),
+        {"dynamic": bundles["int8-dynamic"], "static": bundles["int8-static"]},
+    )
+    _check_files(bundles["int8-7bit"], reduced)
+    for component, method in (("text_encoder", "dynamic"), ("transformer", "dynamic"), ("vae_decoder", "static")):
+        q = reduced["graphs"][component]["quantization"]
+        assert q["reduce_range"] is True and "[-64, 64] (7 bits" in q["granularity"], component
+        assert json.loads(_metadata(bundles["int8-7bit"] / q_file(reduced, component))["klein.quantization"]) == q
+        codes = _int8_codes(onnx.load(str(bundles["int8-7bit"] / q_file(reduced, component))))
+        assert len(codes) == q["quantized_nodes"], component
+        for name, c in codes:
+            # Per output channel: the last axis of a MatMul weight [K, N], the first of a Conv's [O, I, kh, kw].
+            channel_max = np.abs(c).max(axis=0) if c.ndim == 2 else np.abs(c.reshape(c.shape[0], -1)).max(axis=1)
+            assert channel_max.max() == 64 and (channel_max >= 63).all(), (component, name)
+        other = _manifest(full[method])["graphs"][component]["quantization"]
+        assert other["reduce_range"] is False, component
+        full_codes = _int8_codes(onnx.load(str(full[method] / q_file(reduced, component))))
+        assert max(np.abs(c).max() for _, c in full_codes) == 127, component
+    seven = {d.component: d for d in component_differences(bundles["int8-7bit"], tiny_bundle, 64, 64)}
+    eight = {d.component: d for d in component_differences(bundles["int8-dynamic"], tiny_bundle, 64, 64)}
+    for component in QUANTIZED:
+        assert eight[component].rms_rel < seven[component].rms_rel, component
+    # MatMulNBits has no int8 compute to protect: refused, nothing written.
+    out = tmp_path / "nbits"
+    assert (
+        main(["quantize", "--bundle", str(tiny_bundle), "--out", str(out), "--quantize", "int8", "--reduce-range"]) == 2
+    )
+    assert "--reduce-range is for int8 compute" in capsys.readouterr().err and not out.exists()
+    assert main(["convert", "--checkpoint", "unused", "--out", str(out), "--reduce-range"]) == 2
+    assert "--reduce-range apply with --quantize only" in capsys.readouterr().err
+
+
+def q_file(manifest: dict, component: str) -> str:
+    return manifest["graphs"][component]["file"]
+
+
 def test_dynamic_refuses_what_it_cannot_do(tiny_bundle, tmp_path, capsys):
     for flags in (
         ["--quantize", "int4"],
@@ -312,31 +367,35 @@ def test_quantization_takes_the_components_its_method_covers(tiny_checkpoint, ti
     assert not any(tmp_path.iterdir()), "nothing written"
 
 
-@pytest.mark.parametrize("name", ["fp16", "int8", "int4", "int8-dynamic", "int8-static"])
+@pytest.mark.parametrize("name", ["fp16", "int8", "int4", "int8-dynamic", "int8-static", "int8-7bit"])
 def test_component_errors_within_tolerance(tiny_checkpoint, bundles, name):
     # The VAE graphs of int8/int4 bundles are the fp32 bundle's (test_quantized_manifest_and_metadata),
     # the text encoder and transformer of the static one too (test_static_manifest_and_graphs).
-    components = {"fp16": ("text_encoder", "transformer", "vae"), "int8-static": ("vae",)}.get(name, QUANTIZED)
+    all_three = ("text_encoder", "transformer", "vae")
+    components = {"fp16": all_three, "int8-static": ("vae",), "int8-7bit": all_three}.get(name, QUANTIZED)
     results = list(verify(tiny_checkpoint, bundles[name], components))
     print("\n".join(r.line() for r in results))
-    expected = {"fp16": set(COMPONENTS), "int8-static": {"vae_encoder", "vae_decoder"}}.get(name, set(QUANTIZED))
+    everything, vae = set(COMPONENTS), {"vae_encoder", "vae_decoder"}
+    expected = {"fp16": everything, "int8-static": vae, "int8-7bit": everything}.get(name, set(QUANTIZED))
     assert {r.component for r in results} == expected
     failed = [r.line() for r in results if not r.ok]
     assert not failed, "\n".join(failed)
-    if name == "int8-static":
+    if name in ("int8-static", "int8-7bit"):
         # The decoder is held to its PSNR rule; the encoder, not quantized, to the fp32 one.
-        assert all((r.psnr is not None) == (r.component == "vae_decoder") for r in results)
-    elif name != "fp16":
-        # The strong check: the quantized graphs compute the float32 model with dequantized weights.
+        assert all((r.psnr is not None) == (r.component == "vae_decoder") for r in results if r.component in vae)
+    if name not in ("fp16", "int8-static"):
+        # The strong check: the quantized graphs compute the float32 model with dequantized weights
+        # (for int8-7bit: the codes in [-64, 64] it wrote).
         assert all(r.emulated_abs is not None for r in results if r.component in QUANTIZED)
 
 
-@pytest.mark.parametrize("name", ["fp32", "fp16", "int8", "int4", "int8-dynamic", "int8-static"])
+@pytest.mark.parametrize("name", ["fp32", "fp16", "int8", "int4", "int8-dynamic", "int8-static", "int8-7bit"])
 def test_end_to_end_psnr(tiny_checkpoint, tiny_bundle, bundles, name):
     bundle = tiny_bundle if name == "fp32" else bundles[name]
     (result,) = verify_images(tiny_checkpoint, bundle, cases=IMAGE_CASES[:1])
     print(result.line())
-    assert result.threshold == PSNR_THRESHOLD[{"int8": 8, "int4": 4}.get(name, name)]
+    key = {"int8": 8, "int4": 4, "int8-7bit": "int8-dynamic"}.get(name, name)
+    assert result.threshold == PSNR_THRESHOLD[key]
     assert result.ok, result.line()
 
 
@@ -456,7 +515,7 @@ def test_verify_against_the_fp32_bundle(tiny_bundle, bundles, capsys):
     assert main(["verify", "--bundle", str(bundles["int8"])]) == 2, "no checkpoint and no --against"
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "int8-dynamic", "int8-static"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int8-dynamic", "int8-static", "int8-7bit"])
 def test_cpu_cache_keeps_quantized_images(bundles, name, tmp_path):
     """`klein generate --cpu-cache`: the first run saves each graph with its prepacked quantized
     weights, the second maps them; both images equal the one made without the cache, byte for byte."""

@@ -306,6 +306,10 @@ pub struct QuantizationSpec {
     /// Operator types that were quantized.
     #[serde(default)]
     pub op_types: Option<Vec<String>>,
+    /// int8 codes in [-64, 64] (`--reduce-range`, 7 bits): products of uint8 activations and these
+    /// weights cannot saturate 16-bit pair sums on CPUs without VNNI.
+    #[serde(default)]
+    pub reduce_range: bool,
     /// Any other field the exporter wrote, kept as is.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,

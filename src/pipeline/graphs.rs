@@ -236,7 +236,8 @@ fn session_of(
             spec.quantization.as_ref(),
             source.keeps_text_encoder,
         ))
-        .without_cpu_arena(component == Component::Transformer);
+        .without_cpu_arena(component == Component::Transformer)
+        .with_7bit_int8_weights(spec.quantization.as_ref().is_some_and(|q| q.reduce_range));
     if let Some(tag) = cache_tag(source.manifest, &path) {
         session = session.with_cache_tag(tag);
     }
@@ -317,6 +318,16 @@ mod tests {
     fn quantization(method: &str) -> QuantizationSpec {
         serde_json::from_value(serde_json::json!({"method": method, "bits": 8}))
             .expect("a valid quantization spec")
+    }
+
+    #[test]
+    fn seven_bit_weights_are_read_from_the_manifest() {
+        let reduced: QuantizationSpec = serde_json::from_value(
+            serde_json::json!({"method": DYNAMIC, "bits": 8, "reduce_range": true}),
+        )
+        .expect("a valid quantization spec");
+        assert!(reduced.reduce_range);
+        assert!(!quantization(DYNAMIC).reduce_range, "absent: full range");
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //! the saved graph depends on: the graph's own identity (the caller's tag: the sha256s the bundle
 //! manifest records for its files), the ONNX Runtime build, the CPU's instruction sets (prepacked
 //! layouts are chosen per instruction set, and hosts without VNNI store int8 weights as uint8), the
-//! optimisation level and whether weights are prepacked. Anything else changed means another key;
+//! optimisation level, whether weights are prepacked, and whether the session converted the int8
+//! weights to uint8 ([`super::cpu_features::converts_int8_weights`]). Anything else changed means another key;
 //! nothing is ever overwritten in place.
 //! An entry is written into `<key>.partial-<pid>` and renamed when complete, so a process stopped
 //! midway leaves no entry that looks whole.
@@ -14,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
-use super::cpu_features::{detected_features, int8_products_saturate};
+use super::cpu_features::detected_features;
 use super::device::OptimizationLevel;
 use crate::fsutil::hex;
 
@@ -39,9 +40,11 @@ impl CacheEntry {
         runtime_build: &str,
         optimization: OptimizationLevel,
         prepack: bool,
+        uint8_weights: bool,
     ) -> CacheEntry {
         let material = format!(
-            "{CACHE_FORMAT}\n{runtime_build}\n{}\n{optimization:?}\nprepack={prepack}\n{component}\n{tag}",
+            "{CACHE_FORMAT}\n{runtime_build}\n{}\n{optimization:?}\nprepack={prepack}\n\
+             uint8 weights={uint8_weights}\n{component}\n{tag}",
             cpu_identity(),
         );
         let key = hex(&Sha256::digest(material.as_bytes())[..16]);
@@ -95,8 +98,7 @@ impl CacheEntry {
 /// The CPU's model and instruction sets: Linux's `/proc/cpuinfo` (model name and flags of the
 /// first processor, AMX included) where there is one, the features the standard library detects
 /// (CPUID's own answer, which a hypervisor or CPUID faulting can make differ from the kernel's
-/// flags), and whether sessions turn int8 weights into uint8 here ([`int8_products_saturate`]:
-/// the saved graph holds the converted weights).
+/// flags).
 fn cpu_identity() -> String {
     let mut parts = Vec::new();
     if let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") {
@@ -115,7 +117,6 @@ fn cpu_identity() -> String {
         );
     }
     parts.push(detected_features());
-    parts.push(format!("uint8 weights: {}", int8_products_saturate()));
     parts.join("\n")
 }
 
@@ -127,66 +128,70 @@ mod tests {
     #[test]
     fn the_key_changes_with_what_the_saved_graph_depends_on() {
         let root = Path::new("/cache");
-        let base = CacheEntry::new(
-            root,
+        // (component, tag, runtime build, level, prepack, uint8 weights) -> the entry's folder.
+        let dir = |(component, tag, build, level, prepack, uint8): (&str, &str, &str, _, _, _)| {
+            CacheEntry::new(root, component, tag, build, level, prepack, uint8).dir
+        };
+        let base = (
             "transformer",
             "abc",
             "ort",
             OptimizationLevel::All,
             true,
+            false,
         );
-        let same = CacheEntry::new(
-            root,
-            "transformer",
-            "abc",
-            "ort",
-            OptimizationLevel::All,
-            true,
-        );
-        assert_eq!(base.dir, same.dir);
+        assert_eq!(dir(base), dir(base));
         for other in [
-            CacheEntry::new(
-                root,
+            (
                 "transformer",
                 "abc",
                 "ort2",
                 OptimizationLevel::All,
                 true,
+                false,
             ),
-            CacheEntry::new(
-                root,
+            (
                 "transformer",
                 "abd",
                 "ort",
                 OptimizationLevel::All,
                 true,
+                false,
             ),
-            CacheEntry::new(
-                root,
+            (
                 "text_encoder",
                 "abc",
                 "ort",
                 OptimizationLevel::All,
                 true,
+                false,
             ),
-            CacheEntry::new(
-                root,
+            (
                 "transformer",
                 "abc",
                 "ort",
                 OptimizationLevel::Basic,
                 true,
+                false,
             ),
-            CacheEntry::new(
-                root,
+            (
                 "transformer",
                 "abc",
                 "ort",
                 OptimizationLevel::All,
                 false,
+                false,
+            ),
+            (
+                "transformer",
+                "abc",
+                "ort",
+                OptimizationLevel::All,
+                true,
+                true,
             ),
         ] {
-            assert_ne!(base.dir, other.dir);
+            assert_ne!(dir(base), dir(other), "{other:?}");
         }
         assert!(!cpu_identity().is_empty());
     }
@@ -200,6 +205,7 @@ mod tests {
             "t",
             "ort",
             OptimizationLevel::All,
+            false,
             false,
         );
         assert!(entry.saved().is_none());

@@ -51,6 +51,14 @@ pub(super) fn int8_products_saturate() -> bool {
     }
 }
 
+/// Whether a session of a graph converts its int8 weights to uint8 (`session.x64quantprecision`):
+/// where products can saturate on this CPU, unless the graph's codes are 7-bit
+/// (`weights_7bit`, `--reduce-range`: a pair of products is then at most 2 x 255 x 64 = 32640,
+/// which 16 bits hold, and the faster u8 x s8 kernels are exact).
+pub(super) fn converts_int8_weights(weights_7bit: bool) -> bool {
+    !weights_7bit && int8_products_saturate()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -58,5 +66,11 @@ mod tests {
     #[test]
     fn features_start_with_the_architecture() {
         assert!(detected_features().starts_with(std::env::consts::ARCH));
+    }
+
+    #[test]
+    fn seven_bit_weights_are_never_converted() {
+        assert!(!converts_int8_weights(true));
+        assert_eq!(converts_int8_weights(false), int8_products_saturate());
     }
 }

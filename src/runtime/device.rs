@@ -267,6 +267,9 @@ pub struct SessionConfig {
     /// Whether this session's pool threads sleep instead of spinning between operators (see
     /// [`Self::without_spinning`]).
     pub(crate) no_spinning: bool,
+    /// Whether this graph's int8 weight codes stay within [-64, 64] (`--reduce-range`), so that
+    /// u8 x s8 products cannot saturate on any CPU (see [`Self::with_7bit_int8_weights`]).
+    pub(crate) int8_weights_7bit: bool,
     /// Where CPU sessions keep their optimised graphs with prepacked weights between processes
     /// (see [`Self::with_cpu_cache_dir`]); `None`: every load optimises and prepacks again.
     pub(crate) cpu_cache_dir: Option<PathBuf>,
@@ -330,6 +333,15 @@ impl SessionConfig {
     /// decode took 17-18 s instead of 14.5 s (README, "Memory at large sizes").
     pub(crate) fn without_cpu_arena(mut self, no: bool) -> Self {
         self.no_cpu_arena = no;
+        self
+    }
+
+    /// Declares the graph's int8 weights 7-bit (codes in [-64, 64], the manifest's
+    /// `reduce_range`): on CPUs without VNNI the session then keeps ONNX Runtime's u8 x s8 kernels,
+    /// which are exact for such codes, instead of converting the weights to uint8 for slower u8 x u8
+    /// kernels (`cpu_features::int8_products_saturate`). Undeclared graphs are converted there.
+    pub fn with_7bit_int8_weights(mut self, yes: bool) -> Self {
+        self.int8_weights_7bit = yes;
         self
     }
 

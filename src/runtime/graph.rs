@@ -12,7 +12,7 @@ use ort::session::builder::SessionBuilder;
 use ort::session::{IoBinding, Session, SessionInputValue};
 
 use super::cpu_cache::CacheEntry;
-use super::cpu_features::int8_products_saturate;
+use super::cpu_features::converts_int8_weights;
 use super::denormals::flushed;
 use super::device::{register_device, Device, LoadFailure, OptimizationLevel, SessionConfig};
 use super::library::{error_chain, runtime};
@@ -74,6 +74,7 @@ pub fn load_graph(
         prepack,
         no_cpu_arena,
         no_spinning,
+        int8_weights_7bit,
         cpu_cache_dir: _,
         cache_tag: _,
     } = config.clone();
@@ -84,6 +85,7 @@ pub fn load_graph(
         });
     }
     let runtime = runtime()?;
+    let uint8_weights = converts_int8_weights(int8_weights_7bit);
     // Initializers stored in the graph file: patched into its bytes, which ONNX Runtime then reads
     // from memory (external data, if any, is still found next to the file).
     let patched = if initializers.iter().any(Initializer::is_in_file) {
@@ -124,7 +126,7 @@ pub fn load_graph(
                 if no_spinning { "0" } else { "1" },
             )
             .map_err(|e| LoadFailure::Session(error_chain(&e)))?;
-        let builder = if int8_products_saturate() {
+        let builder = if uint8_weights {
             builder
                 .with_config_entry("session.x64quantprecision", "1")
                 .map_err(|e| LoadFailure::Session(error_chain(&e)))?
@@ -301,6 +303,7 @@ fn cache_entry(name: &str, config: &SessionConfig) -> Option<CacheEntry> {
         ort::info(),
         config.optimization,
         config.prepack,
+        converts_int8_weights(config.int8_weights_7bit),
     ))
 }
 

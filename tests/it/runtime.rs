@@ -383,6 +383,21 @@ fn devices_parse_and_print() {
 #[test]
 fn int8_products_do_not_saturate() {
     let mut graph = load("int8_products", &cpu()).unwrap();
+    check_int8_products(&mut graph, 1.27);
+}
+
+/// The same worst case with `--reduce-range`'s largest code, 64: pairs of at most 32640, which the
+/// u8 x s8 kernels hold, so a session told the weights are 7-bit keeps those kernels and is exact
+/// (checked under `benches/avx2-host.sh`, where the session then runs without
+/// `session.x64quantprecision`).
+#[test]
+fn seven_bit_int8_products_do_not_saturate() {
+    let mut graph = load("int8_products_7bit", &cpu().with_7bit_int8_weights(true)).unwrap();
+    check_int8_products(&mut graph, 0.64);
+}
+
+/// Runs `DynamicQuantizeMatMul(x, codes, 0.01)` with every code `code_times_scale / 0.01`.
+fn check_int8_products(graph: &mut runtime::Graph, code_times_scale: f32) {
     // Row 0: every activation 1 (quantized to 255, scale 1/255); row 1: 1 and 0 alternating, whose
     // pairs stay below 32767 on every kernel.
     let x = Array2::from_shape_fn(
@@ -400,8 +415,8 @@ fn int8_products_do_not_saturate() {
         .unwrap()
         .take("y")
         .unwrap();
-    // y = sum_k x_k * 127 * 0.01; the only rounding is float32's (scale 1/255, the products).
-    for (row, expected) in [(0, 64.0 * 1.27f32), (1, 32.0 * 1.27)] {
+    // y = sum_k x_k * code * 0.01; the only rounding is float32's (scale 1/255, the products).
+    for (row, expected) in [(0, 64.0 * code_times_scale), (1, 32.0 * code_times_scale)] {
         for n in 0..16 {
             let got = y[[row, n]];
             assert!(
