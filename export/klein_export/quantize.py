@@ -468,7 +468,8 @@ def quantize_bundle(bundle_dir, config: QuantizationConfig, log=print):
         spec.pop("lora_targets", None)
         changed |= {spec["file"], spec["file"] + ".data"}
         count = spec["quantization"]["quantized_nodes"]
-        log(f"quantized {component} to {config.bits} bits: {count} {config.method} nodes")
+        codes = f" (codes in [-{code_limit(True)}, {code_limit(True)}])" if config.reduce_range else ""
+        log(f"quantized {component} to {config.bits} bits{codes}: {count} {config.method} nodes")
     stamp_bundle(bundle_dir, [manifest["graphs"][c]["file"] for c in config.components])
     manifest["files"] = bundle_files(bundle_dir, manifest["files"], changed)
     write_manifest(manifest, bundle_dir)
