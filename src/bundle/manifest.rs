@@ -307,8 +307,9 @@ pub struct QuantizationSpec {
     #[serde(default)]
     pub op_types: Option<Vec<String>>,
     /// int8 codes in [-64, 64] (`--reduce-range`, 7 bits): products of uint8 activations and these
-    /// weights cannot saturate 16-bit pair sums on CPUs without VNNI.
-    #[serde(default)]
+    /// weights cannot saturate 16-bit pair sums on CPUs without VNNI. Absent (and not written)
+    /// when false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub reduce_range: bool,
     /// Any other field the exporter wrote, kept as is.
     #[serde(flatten)]
