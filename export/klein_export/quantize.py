@@ -341,6 +341,22 @@ def _static_convs(path: Path, latents: list, reduce_range=False) -> onnx.ModelPr
         root.setLevel(level)
 
 
+def _check_code_range(model: onnx.ModelProto, path: Path):
+    """Refuses to write a `--reduce-range` graph whose int8 weight codes leave [-64, 64]: the runtime
+    trusts the manifest's `reduce_range` and would run such codes on kernels that saturate."""
+    from onnx import numpy_helper
+
+    limit = code_limit(True)
+    for tensor in model.graph.initializer:
+        if tensor.data_type == onnx.TensorProto.INT8 and len(tensor.dims) >= 2:
+            largest = int(abs(numpy_helper.to_array(tensor).astype("int16")).max(initial=0))
+            if largest > limit:
+                raise QuantizationError(
+                    f"{path.name}: --reduce-range wrote codes up to {largest} in {tensor.name}, expected at most "
+                    f"{limit} (the quantizer's reduced range changed?)"
+                )
+
+
 def _quantized_convs(model: onnx.ModelProto) -> int:
     """Conv nodes whose weight comes from a DequantizeLinear of an int8 initializer."""
     made_by = {o: n for n in model.graph.node for o in n.output}
@@ -382,6 +398,8 @@ def quantize_graph(path: Path, config: QuantizationConfig, calibration=None) -> 
         }
         if scheme["quantized_nodes"] == 0:
             raise QuantizationError(f"{path.name}: no Conv with a constant weight to quantize")
+        if config.reduce_range:
+            _check_code_range(model, path)
         return _write(model, path, scheme)
     dynamic = config.method == DYNAMIC
     if dynamic:

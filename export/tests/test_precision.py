@@ -275,6 +275,22 @@ def test_reduce_range_writes_7_bit_codes(bundles, tiny_bundle, tmp_path, capsys)
     assert "--reduce-range apply with --quantize only" in capsys.readouterr().err
 
 
+def test_reduce_range_refuses_codes_outside_7_bits(tmp_path):
+    """The runtime trusts `reduce_range`, so the exporter checks the codes the quantizer wrote."""
+    from klein_export.quantize import _check_code_range
+
+    for largest, refused in ((64, False), (-64, False), (65, True), (-127, True)):
+        codes = np.zeros((4, 3), np.int8)
+        codes[1, 2] = largest
+        graph = onnx.helper.make_graph([], "g", [], [], [onnx.numpy_helper.from_array(codes, "w")])
+        model = onnx.helper.make_model(graph)
+        if refused:
+            with pytest.raises(QuantizationError, match=f"codes up to {abs(largest)} in w, expected at most 64"):
+                _check_code_range(model, tmp_path / "g.onnx")
+        else:
+            _check_code_range(model, tmp_path / "g.onnx")
+
+
 def q_file(manifest: dict, component: str) -> str:
     return manifest["graphs"][component]["file"]
 
