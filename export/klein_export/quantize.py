@@ -183,12 +183,15 @@ def _quantizer_class():
     return MatMulNBitsQuantizer
 
 
+REDUCED_CODE_LIMIT = 64  # ONNX Runtime's reduced int8 range, [-64, 64]
+
+
 def code_limit(reduce_range: bool) -> int:
-    """The largest |int8 code| of a weight: 127, or 64 with `--reduce-range` (ONNX Runtime's reduced
-    int8 range, [-64, 64]). u8 x s8 kernels without VNNI (AVX2's `vpmaddubsw`) add two products in 16
-    bits with saturation; with |code| <= 64 a pair is at most 2 x 255 x 64 = 32640, under 32767, so
-    those kernels are exact and the runtime need not convert the weights to uint8 (slower kernels)."""
-    return 64 if reduce_range else 127
+    """The largest |int8 code| of a weight: 127, or REDUCED_CODE_LIMIT with `--reduce-range`. u8 x s8
+    kernels without VNNI (AVX2's `vpmaddubsw`) add two products in 16 bits with saturation; with
+    |code| <= 64 a pair is at most 2 x 255 x 64 = 32640, under 32767, so those kernels are exact and
+    the runtime need not convert the weights to uint8 (slower kernels)."""
+    return REDUCED_CODE_LIMIT if reduce_range else 127
 
 
 def per_channel_int8(weight_kn, reduce_range=False):
@@ -346,7 +349,7 @@ def _check_code_range(model: onnx.ModelProto, path: Path):
     trusts the manifest's `reduce_range` and would run such codes on kernels that saturate."""
     from onnx import numpy_helper
 
-    limit = code_limit(True)
+    limit = REDUCED_CODE_LIMIT
     for tensor in model.graph.initializer:
         if tensor.data_type == onnx.TensorProto.INT8 and len(tensor.dims) >= 2:
             largest = int(abs(numpy_helper.to_array(tensor).astype("int16")).max(initial=0))
@@ -391,8 +394,7 @@ def quantize_graph(path: Path, config: QuantizationConfig, calibration=None) -> 
             "float_nodes": _float_nodes(model, int8_convs=True),
             "left_in_float": "the mid-block attention, group norms, SiLU, upsampling, the latent denormalisation",
             "quantizer": f"onnxruntime {ort_version} quantize_static (QDQ)",
-            "granularity": f"weights: int8 per output channel, symmetric{_range_note(config)}; "
-            "activations: uint8 per tensor, ranges calibrated",
+            "granularity": f"{_weights_granularity(config)}; activations: uint8 per tensor, ranges calibrated",
             "calibration": f"{len(CALIBRATION_PROMPTS)} text-to-image latents of this bundle and "
             f"{len(CALIBRATION_IMAGE_SEEDS)} VAE-encoded synthetic images, {CALIBRATION_SIZE}x{CALIBRATION_SIZE}",
         }
@@ -426,10 +428,7 @@ def quantize_graph(path: Path, config: QuantizationConfig, calibration=None) -> 
     }
     if dynamic:
         scheme["reduce_range"] = config.reduce_range
-        scheme["granularity"] = (
-            f"weights: int8 per output channel, symmetric{_range_note(config)}; "
-            "activations: uint8 per tensor at run time"
-        )
+        scheme["granularity"] = f"{_weights_granularity(config)}; activations: uint8 per tensor at run time"
     _write(model, path, scheme)  # removes the old weights file
     if partial is not None:
         partial.rename(path.with_name(path.name + ".data"))
@@ -437,7 +436,14 @@ def quantize_graph(path: Path, config: QuantizationConfig, calibration=None) -> 
 
 
 def _range_note(config: QuantizationConfig) -> str:
-    return f" in [-{code_limit(True)}, {code_limit(True)}] (7 bits, --reduce-range)" if config.reduce_range else ""
+    """` in [-64, 64] (7 bits, --reduce-range)` for 7-bit codes, else nothing."""
+    limit = REDUCED_CODE_LIMIT
+    return f" in [-{limit}, {limit}] (7 bits, --reduce-range)" if config.reduce_range else ""
+
+
+def _weights_granularity(config: QuantizationConfig) -> str:
+    """The weights' part of an int8-compute scheme's `granularity`."""
+    return f"weights: int8 per output channel, symmetric{_range_note(config)}"
 
 
 def _write(model: onnx.ModelProto, path: Path, scheme: dict) -> dict:
@@ -486,8 +492,7 @@ def quantize_bundle(bundle_dir, config: QuantizationConfig, log=print):
         spec.pop("lora_targets", None)
         changed |= {spec["file"], spec["file"] + ".data"}
         count = spec["quantization"]["quantized_nodes"]
-        codes = f" (codes in [-{code_limit(True)}, {code_limit(True)}])" if config.reduce_range else ""
-        log(f"quantized {component} to {config.bits} bits{codes}: {count} {config.method} nodes")
+        log(f"quantized {component} to {config.bits} bits{_range_note(config)}: {count} {config.method} nodes")
     stamp_bundle(bundle_dir, [manifest["graphs"][c]["file"] for c in config.components])
     manifest["files"] = bundle_files(bundle_dir, manifest["files"], changed)
     write_manifest(manifest, bundle_dir)
