@@ -8,6 +8,7 @@ quantizer's own dequantized weights; per image, PSNR_THRESHOLD (fp32 80, fp16 40
 and EMULATED_PSNR (80 dB against diffusers with the dequantized weights).
 """
 
+import collections
 import hashlib
 import json
 import subprocess
@@ -312,9 +313,10 @@ def test_dynamic_refuses_what_it_cannot_do(tiny_bundle, tmp_path, capsys):
 
 
 def test_static_manifest_and_graphs(bundles, tiny_bundle):
-    """`--method static`: every Conv of the VAE decoder takes its weight from a DequantizeLinear of int8
-    codes with one scale per output channel, and its input through a uint8 QuantizeLinear/DequantizeLinear
-    pair; ONNX Runtime's CPU provider fuses them into QLinearConv. The other graphs are the fp32 bundle's."""
+    """`--method static`: every Conv of the VAE decoder but the RGB output conv takes its weight from a
+    DequantizeLinear of int8 codes with one scale per output channel, and its input through a uint8
+    QuantizeLinear/DequantizeLinear pair; ONNX Runtime's CPU provider fuses them into QLinearConv. The
+    output conv stays float. The other graphs are the fp32 bundle's."""
     import onnxruntime as ort
 
     bundle = bundles["int8-static"]
@@ -337,8 +339,12 @@ def test_static_manifest_and_graphs(bundles, tiny_bundle):
     made_by = {o: n for n in model.graph.node for o in n.output}
     convs = [n for n in model.graph.node if n.op_type == "Conv"]
     float_convs = [n for n in onnx.load(str(tiny_bundle / spec["file"])).graph.node if n.op_type == "Conv"]
-    assert len(convs) == len(float_convs) == q["quantized_nodes"] and "Conv" not in q["float_nodes"]
-    for conv in convs:
+    # The RGB output conv (3 output channels) stays float; every other conv is quantized.
+    rgb = [n for n in convs if n.input[1] in weights and weights[n.input[1]].shape[0] == 3]
+    assert len(rgb) == 1 and weights[rgb[0].input[1]].dtype == np.float32, [n.name for n in rgb]
+    assert len(convs) == len(float_convs) == q["quantized_nodes"] + 1 and q["float_nodes"]["Conv"] == 1
+    assert "RGB output convolution" in q["left_in_float"]
+    for conv in (n for n in convs if n is not rgb[0]):
         weight_dq, input_dq = made_by[conv.input[1]], made_by[conv.input[0]]
         assert (weight_dq.op_type, input_dq.op_type) == ("DequantizeLinear", "DequantizeLinear"), conv.name
         codes, scale = weights[weight_dq.input[0]], weights[weight_dq.input[1]]
@@ -350,10 +356,10 @@ def test_static_manifest_and_graphs(bundles, tiny_bundle):
     opts.optimized_model_filepath = str(bundle / "optimized.onnx.tmp")
     try:
         ort.InferenceSession(str(bundle / spec["file"]), opts, providers=["CPUExecutionProvider"])
-        ops = {n.op_type for n in onnx.load(opts.optimized_model_filepath).graph.node}
+        ops = collections.Counter(n.op_type for n in onnx.load(opts.optimized_model_filepath).graph.node)
     finally:
         Path(opts.optimized_model_filepath).unlink(missing_ok=True)
-    assert "QLinearConv" in ops and "Conv" not in ops, sorted(ops)
+    assert (ops["QLinearConv"], ops["Conv"]) == (q["quantized_nodes"], 1), ops
 
 
 def test_quantization_takes_the_components_its_method_covers(tiny_checkpoint, tiny_bundle, tmp_path, capsys):
@@ -543,7 +549,9 @@ def test_cpu_cache_keeps_quantized_images(bundles, name, tmp_path):
         cmd = [str(KLEIN), "generate", "--model", str(bundles[name]), "-o", str(out), "--quiet", *args, *extra]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
-        assert "warning" not in done.stderr.lower(), done.stderr
+        # Nothing to warn about but, on CPUs without VNNI, the 8-bit codes' slower kernels.
+        warnings = [line for line in done.stderr.lower().splitlines() if "warning" in line]
+        assert all("has no vnni" in line for line in warnings), done.stderr
         outputs.append(np.asarray(Image.open(out)))
     assert all(np.array_equal(outputs[0], o) for o in outputs[1:])
     saved = {p.name: p.with_name(p.name + ".data").stat().st_size for p in cache.glob("*/*.onnx")}

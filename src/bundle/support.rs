@@ -95,6 +95,14 @@ pub fn unsupported(
     }
 }
 
+/// Whether a graph's weights are int8 codes run by u8 x s8 kernels on the CPU (`--method dynamic`
+/// or `static`) in the full 8 bits, without `--reduce-range`: the weights that CPUs without VNNI
+/// convert to uint8 ([`crate::runtime::converts_int8_weights`]).
+pub(crate) fn has_8bit_int8_codes(quantization: Option<&QuantizationSpec>) -> bool {
+    quantization
+        .is_some_and(|q| (q.method == DYNAMIC || q.method == QDQ) && q.bits == 8 && !q.reduce_range)
+}
+
 /// The devices auto must not try for a graph of this precision and quantization, with why.
 pub fn auto_skip(
     precision: Precision,

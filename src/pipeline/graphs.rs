@@ -8,7 +8,7 @@ use super::lora::LoraSet;
 use super::progress::{timed, ProgressFn, Stage};
 use crate::bundle::contract::check_graph;
 use crate::bundle::manifest::QuantizationSpec;
-use crate::bundle::support::{auto_skip, DYNAMIC};
+use crate::bundle::support::{auto_skip, has_8bit_int8_codes, DYNAMIC};
 use crate::bundle::{Component, Manifest};
 use crate::error::{KleinError, Result};
 use crate::runtime::{self, load_graph, Device, Graph, SessionConfig};
@@ -24,6 +24,8 @@ pub(crate) struct LoadedGraphs {
     placements: Vec<Placement>,
     /// Problems loading left behind (see [`Graph::take_warnings`]).
     warnings: Vec<String>,
+    /// Whether [`uint8_weights_warning`] was given (once per pipeline: it is about the bundle).
+    warned_uint8_weights: bool,
     /// A graph loading on a thread of its own ([`LoadedGraphs::start_loading`]).
     loading: Option<(Component, JoinHandle<Result<Graph>>)>,
 }
@@ -75,7 +77,7 @@ impl LoadedGraphs {
         }
         if self.slots[component.index()].is_none() {
             if let Some(graph) = self.wait_for(component, progress)? {
-                self.install(component, graph);
+                self.install(component, graph, source.manifest);
             }
         }
         let slot = &mut self.slots[component.index()];
@@ -105,7 +107,7 @@ impl LoadedGraphs {
                 check_graph(component, spec, &graph)?;
                 Ok(graph)
             })?;
-            self.install(component, graph);
+            self.install(component, graph, source.manifest);
         }
         self.slots[component.index()]
             .as_mut()
@@ -151,8 +153,15 @@ impl LoadedGraphs {
     }
 
     /// Puts a loaded graph in its slot.
-    fn install(&mut self, component: Component, mut graph: Graph) {
+    fn install(&mut self, component: Component, mut graph: Graph, manifest: &Manifest) {
         self.warnings.extend(graph.take_warnings());
+        let quantization = manifest.graphs.get(component).quantization.as_ref();
+        let converted = runtime::converts_int8_weights(false);
+        if !self.warned_uint8_weights {
+            let warning = uint8_weights_warning(component, graph.device(), quantization, converted);
+            self.warned_uint8_weights = warning.is_some();
+            self.warnings.extend(warning);
+        }
         self.placements.retain(|p| p.component != component);
         self.placements.push(Placement {
             component,
@@ -215,6 +224,25 @@ impl LoadedGraphs {
     pub fn placements(&self) -> &[Placement] {
         &self.placements
     }
+}
+
+/// The warning for a graph on the CPU whose 8-bit int8 weights ONNX Runtime converts to uint8 here
+/// (`converted`: [`runtime::converts_int8_weights`] of 8-bit codes, true on x86-64 CPUs without
+/// VNNI), with what keeps the fast kernels.
+fn uint8_weights_warning(
+    component: Component,
+    device: Device,
+    quantization: Option<&QuantizationSpec>,
+    converted: bool,
+) -> Option<String> {
+    (device == Device::Cpu && converted && has_8bit_int8_codes(quantization)).then(|| {
+        format!(
+            "this CPU has no VNNI, so ONNX Runtime runs this bundle's 8-bit int8 weights as uint8 (exact, \
+             on slower kernels; first in the {} graph); a bundle quantized with `--reduce-range` (7-bit \
+             codes) keeps the fast kernels here",
+            component.as_str()
+        )
+    })
 }
 
 /// The graph file of `component` (of `bucket`) and the settings of its session.
@@ -328,6 +356,43 @@ mod tests {
         .expect("a valid quantization spec");
         assert!(reduced.reduce_range);
         assert!(!quantization(DYNAMIC).reduce_range, "absent: full range");
+    }
+
+    #[test]
+    fn converted_8bit_weights_are_warned_about_on_the_cpu_only() {
+        let reduced: QuantizationSpec = serde_json::from_value(
+            serde_json::json!({"method": DYNAMIC, "bits": 8, "reduce_range": true}),
+        )
+        .expect("a valid quantization spec");
+        let (dynamic, qdq) = (quantization(DYNAMIC), quantization("QDQ"));
+        let warning =
+            uint8_weights_warning(Component::Transformer, Device::Cpu, Some(&dynamic), true)
+                .expect("warned");
+        assert!(
+            warning.contains("transformer") && warning.contains("--reduce-range"),
+            "{warning}"
+        );
+        assert!(
+            uint8_weights_warning(Component::VaeDecoder, Device::Cpu, Some(&qdq), true).is_some()
+        );
+        let quiet = [
+            (Device::Cpu, Some(&dynamic), false), // a CPU with VNNI: nothing converted
+            (Device::Cpu, Some(&reduced), true),  // 7-bit codes keep the fast kernels
+            (Device::Cpu, None, true),            // float weights
+            (Device::Cuda(0), Some(&dynamic), true),
+        ];
+        for (device, q, converted) in quiet {
+            assert_eq!(
+                uint8_weights_warning(Component::Transformer, device, q, converted),
+                None,
+                "{device} {q:?} {converted}"
+            );
+        }
+        let nbits = quantization("MatMulNBits");
+        assert_eq!(
+            uint8_weights_warning(Component::TextEncoder, Device::Cpu, Some(&nbits), true),
+            None
+        );
     }
 
     #[test]

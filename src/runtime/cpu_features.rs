@@ -55,7 +55,7 @@ pub(super) fn int8_products_saturate() -> bool {
 /// where products can saturate on this CPU, unless the graph's codes are 7-bit
 /// (`weights_7bit`, `--reduce-range`: a pair of products is then at most 2 x 255 x 64 = 32640,
 /// which 16 bits hold, and the faster u8 x s8 kernels are exact).
-pub(super) fn converts_int8_weights(weights_7bit: bool) -> bool {
+pub(crate) fn converts_int8_weights(weights_7bit: bool) -> bool {
     !weights_7bit && int8_products_saturate()
 }
 

@@ -42,6 +42,7 @@ mod library;
 mod prefetch;
 mod tensor;
 
+pub(crate) use cpu_features::converts_int8_weights;
 pub use device::{
     ComputeUnits, ConvSearch, CoreMlOptions, CudaOptions, Device, OptimizationLevel, SessionConfig,
 };
