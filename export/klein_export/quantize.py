@@ -23,14 +23,14 @@ transformer step in 2.39 s against 4.85 s with MatMulNBits at accuracy level 4, 
 
 `--method static` (int8 only) is for the VAE decoder, a convolution network, and nothing else: ONNX
 Runtime's `quantize_static` writes QuantizeLinear/DequantizeLinear pairs around every `Conv` but the
-RGB output conv (QDQ format; STATIC_MIN_OUT_CHANNELS), int8 weights per output channel (symmetric) and uint8 activations per tensor with ranges
-measured (MinMax) on calibration latents, and ONNX Runtime's CPU provider fuses each pair into an
-integer convolution (`QLinearConv`). The calibration latents are what the decoder will see: the
-bundle's own text-to-image latents for CALIBRATION_PROMPTS and the bundle's VAE encoder's latents of
-synthetic images (edits and img2img), at CALIBRATION_SIZE. A wide decode at 512x512: 5.15 s against
-13.93 s in fp32 (README, "Performance"). The VAE encoder is never quantized (its error would move
-every reference and source image), and MatMulNBits/dynamic never touch the VAE (no MatMul worth it).
-"""
+RGB output conv (QDQ format; STATIC_MIN_OUT_CHANNELS), int8 weights per output channel (symmetric) and
+uint8 activations per tensor with ranges measured (MinMax) on calibration latents, and ONNX Runtime's
+CPU provider fuses each pair into an integer convolution (`QLinearConv`). The calibration latents are
+what the decoder will see: the bundle's own text-to-image latents for CALIBRATION_PROMPTS and the
+bundle's VAE encoder's latents of synthetic images (edits and img2img), at CALIBRATION_SIZE. A wide
+decode at 512x512: 5.15 s against 13.93 s in fp32 (README, "Performance"). The VAE encoder is never
+quantized (its error would move every reference and source image), and MatMulNBits/dynamic never touch
+the VAE (no MatMul worth it)."""
 
 import contextlib
 import json
@@ -47,6 +47,7 @@ from .errors import BundleExistsError, QuantizationError
 from .external_data import DataWriter, is_external, load_structure, nbytes, read_tensor
 from .manifest import bundle_files, read_manifest, write_manifest
 from .onnx_export import EXTERNAL_DATA_THRESHOLD
+from .product_splits import GraphUses, Piece, column_pieces
 
 METHOD = "MatMulNBits"
 DYNAMIC = "DynamicQuantizeMatMul"
@@ -213,7 +214,8 @@ def per_channel_int8(weight_kn, reduce_range=False):
 
 def _dynamic_matmuls(path: Path, reduce_range=False):
     """The graph at `path` with every MatMul with a constant 2-D float32 weight as
-    DynamicQuantizeMatMul(x, codes, scale, 0), and the new weights file, or None.
+    DynamicQuantizeMatMul(x, codes, scale, 0), one per column range where its output is only cut into
+    ranges (product_splits.py), the new weights file, or None, and the number of weights quantized.
 
     Weights are read and quantized one at a time (external_data.py), so a graph larger than memory (the
     full-size 4B transformer, 15.5 GB in float32) is quantized in about one weight's memory. When the
@@ -226,22 +228,40 @@ def _dynamic_matmuls(path: Path, reduce_range=False):
     model = load_structure(path)
     graph, base_dir = model.graph, path.parent
     weights = {i.name: i for i in graph.initializer}
-    nodes, bases = [], {}  # bases: weight name -> the names of its quantized copies
-    for node in graph.node:
+
+    def weight_of(node):  # its constant 2-D float32 weight, if it is a product to quantize
         w = weights.get(node.input[1]) if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") else None
-        if w is None or len(w.dims) != 2 or w.data_type != onnx.TensorProto.FLOAT:
+        return w if w is not None and len(w.dims) == 2 and w.data_type == onnx.TensorProto.FLOAT else None
+
+    uses = GraphUses(graph, base_dir)
+    plans, cut = {}, set()  # product -> its pieces (product_splits.py); the cut nodes they replace
+    for node in graph.node:
+        w = weight_of(node)
+        plan = column_pieces(uses, node.output[0], w.dims[1]) if w is not None else None
+        pieces, cuts = plan or ([Piece(node.output[0], 0, w.dims[1])] if w is not None else [], [])
+        plans[id(node)] = pieces
+        cut.update(id(c) for c in cuts)
+    nodes, bases = [], {}  # bases: weight name -> [(name of a quantized copy, first column, end column)]
+    for node in graph.node:
+        w = weight_of(node)
+        if id(node) in cut:
+            continue
+        if w is None:
             nodes.append(node)
             continue
-        base = (node.name or node.output[0]) + "_int8"
-        bases.setdefault(w.name, []).append(base)
-        inputs = [node.input[0], base + "_codes", base + "_scale", base + "_zero"]
-        nodes.append(helper.make_node(DYNAMIC, inputs, list(node.output), name=base, domain="com.microsoft"))
+        pieces = plans[id(node)]
+        for piece in pieces:
+            base = (node.name or node.output[0]) + "_int8" + (f"_{piece.start}" if len(pieces) > 1 else "")
+            bases.setdefault(w.name, []).append((base, piece.start, piece.stop))
+            inputs = [node.input[0], base + "_codes", base + "_scale", base + "_zero"]
+            nodes.append(helper.make_node(DYNAMIC, inputs, [piece.output], name=base, domain="com.microsoft"))
     used = {name for node in nodes for name in node.input}
-    kept = {i.name for i in graph.initializer if i.name not in bases or i.name in used}
+    cut_inputs = {name for node in graph.node if id(node) in cut for name in node.input}  # Slice bounds, Split sizes
+    kept = {i.name for i in graph.initializer if i.name in used or (i.name not in bases and i.name not in cut_inputs)}
     out_bytes = sum(nbytes(i) for i in graph.initializer if i.name in kept)
     for name, copies in bases.items():
-        k, n = weights[name].dims
-        out_bytes += len(copies) * (k * n + 5 * n)  # int8 codes, float32 scale, int8 zero
+        k = weights[name].dims[0]
+        out_bytes += sum(k * (stop - start) + 5 * (stop - start) for _, start, stop in copies)  # codes, scale, zero
     partial = path.with_name(path.name + ".data.partial") if out_bytes >= EXTERNAL_DATA_THRESHOLD * 0.9 else None
     initializers = []
     with DataWriter(partial, path.name + ".data") if partial else contextlib.nullcontext() as writer:
@@ -252,11 +272,11 @@ def _dynamic_matmuls(path: Path, reduce_range=False):
         for tensor in graph.initializer:
             if tensor.name in bases:
                 codes, scale = per_channel_int8(read_tensor(tensor, base_dir), reduce_range)
-                for base in bases[tensor.name]:
+                for base, start, stop in bases[tensor.name]:  # per output channel: a piece's are its columns'
                     initializers += [
-                        store(base + "_codes", codes),
-                        store(base + "_scale", scale),
-                        store(base + "_zero", np.zeros(scale.shape, np.int8)),
+                        store(base + "_codes", np.ascontiguousarray(codes[:, start:stop])),
+                        store(base + "_scale", scale[start:stop]),
+                        store(base + "_zero", np.zeros(stop - start, np.int8)),
                     ]
             if tensor.name in kept:
                 external = is_external(tensor)
@@ -267,7 +287,7 @@ def _dynamic_matmuls(path: Path, reduce_range=False):
     graph.node.extend(nodes)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    return model, partial
+    return model, partial, len(bases)
 
 
 def _nbits_matmuls(model: onnx.ModelProto, config: QuantizationConfig) -> onnx.ModelProto:
@@ -422,10 +442,11 @@ def quantize_graph(path: Path, config: QuantizationConfig, calibration=None) -> 
         return _write(model, path, scheme)
     dynamic = config.method == DYNAMIC
     if dynamic:
-        model, partial = _dynamic_matmuls(path, config.reduce_range)
+        model, partial, weights = _dynamic_matmuls(path, config.reduce_range)
     else:
         model, partial = _nbits_matmuls(onnx.load(str(path)), config), None  # external data read into memory
     quantized = sum(n.op_type == config.method for n in model.graph.node)
+    weights = weights if dynamic else quantized
     if quantized == 0:
         raise QuantizationError(f"{path.name}: no MatMul with a constant weight to quantize")
     scheme = {
@@ -437,6 +458,7 @@ def quantize_graph(path: Path, config: QuantizationConfig, calibration=None) -> 
         "op_types": ["MatMul"],
         "algorithm": "RTN",
         "quantized_nodes": quantized,
+        "quantized_weights": weights,  # fewer than the nodes where a product is cut (product_splits.py)
         "float_nodes": _float_nodes(model),
         "left_in_float": LEFT_IN_FLOAT,
         "quantizer": f"klein per-channel int8 (onnxruntime {ort_version} kernel)"

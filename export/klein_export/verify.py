@@ -157,10 +157,12 @@ class _Checker:
         if self.emulated is None:
             emulated = copy.deepcopy(self.module)
             replaced = emulate_quantization(emulated, QuantizationConfig.from_scheme(self.quantization), args)
-            if replaced != self.quantization["quantized_nodes"]:
+            # One node per weight, but for products cut into column ranges (bundles since quantized_weights).
+            weights = self.quantization.get("quantized_weights", self.quantization["quantized_nodes"])
+            if replaced != weights:
                 raise RuntimeError(
                     f"{self.component}: {replaced} linear weights quantized in torch, the graph has "
-                    f"{self.quantization['quantized_nodes']} {self.quantization['method']} nodes"
+                    f"{weights} quantized weights ({self.quantization['method']})"
                 )
             self.emulated = (emulated, copy.deepcopy(emulated).double())
         return self.emulated
