@@ -102,3 +102,42 @@ def _cut_ranges(uses, node, width, rank):
         bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
         return [(out, bounds[i], bounds[i + 1]) for i, out in enumerate(node.output)]
     return None
+
+
+def cut_float_products(model: onnx.ModelProto, base_dir: Path) -> int:
+    """Rewrites `model` (its weights in memory) in place: each MatMul with a constant 2-D weight whose
+    output is only cut into column ranges becomes one MatMul per range, on a copy of those columns of
+    the weight (for MatMulNBits, whose blocks run along K within one column, so each piece quantizes
+    as its columns of the whole). Returns how many products were added."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    uses = GraphUses(graph, base_dir)
+    weights = {i.name: i for i in graph.initializer}
+    replacements, cut, columns, added = {}, set(), {}, 0
+    for node in graph.node:
+        w = weights.get(node.input[1]) if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") else None
+        plan = column_pieces(uses, node.output[0], w.dims[1]) if w is not None and len(w.dims) == 2 else None
+        if plan is None:
+            continue
+        pieces, cuts = plan
+        values = numpy_helper.to_array(w)  # [K, N]
+        replacements[id(node)] = []
+        for piece in pieces:
+            name = f"{w.name}_columns_{piece.start}_{piece.stop}"
+            columns.setdefault(name, np.ascontiguousarray(values[:, piece.start : piece.stop]))
+            product = helper.make_node("MatMul", [node.input[0], name], [piece.output])
+            product.name = f"{node.name}_{piece.start}"
+            replacements[id(node)].append(product)
+        cut.update(id(c) for c in cuts)
+        added += len(pieces) - 1
+    nodes = [new for node in graph.node if id(node) not in cut for new in replacements.get(id(node), [node])]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    graph.initializer.extend(numpy_helper.from_array(values, name) for name, values in columns.items())
+    used = {name for node in graph.node for name in node.input}
+    kept = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return added

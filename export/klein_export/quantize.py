@@ -47,7 +47,7 @@ from .errors import BundleExistsError, QuantizationError
 from .external_data import DataWriter, is_external, load_structure, nbytes, read_tensor
 from .manifest import bundle_files, read_manifest, write_manifest
 from .onnx_export import EXTERNAL_DATA_THRESHOLD
-from .product_splits import GraphUses, Piece, column_pieces
+from .product_splits import GraphUses, Piece, column_pieces, cut_float_products
 
 METHOD = "MatMulNBits"
 DYNAMIC = "DynamicQuantizeMatMul"
@@ -290,7 +290,11 @@ def _dynamic_matmuls(path: Path, reduce_range=False):
     return model, partial, len(bases)
 
 
-def _nbits_matmuls(model: onnx.ModelProto, config: QuantizationConfig) -> onnx.ModelProto:
+def _nbits_matmuls(model: onnx.ModelProto, config: QuantizationConfig, base_dir: Path):
+    """`model` (its weights in memory) with every MatMul with a constant weight as MatMulNBits, one per
+    column range where its output is only cut into ranges (product_splits.py), and the number of
+    weights quantized."""
+    added = cut_float_products(model, base_dir)
     quantizer = _quantizer_class()(
         model,
         bits=config.bits,
@@ -300,7 +304,8 @@ def _nbits_matmuls(model: onnx.ModelProto, config: QuantizationConfig) -> onnx.M
         op_types_to_quantize=("MatMul",),
     )
     quantizer.process()
-    return quantizer.model.model
+    quantized = quantizer.model.model
+    return quantized, sum(n.op_type == METHOD for n in quantized.graph.node) - added
 
 
 def calibration_latents(bundle_dir: Path) -> list:
@@ -443,10 +448,9 @@ def quantize_graph(path: Path, config: QuantizationConfig, calibration=None) -> 
     dynamic = config.method == DYNAMIC
     if dynamic:
         model, partial, weights = _dynamic_matmuls(path, config.reduce_range)
-    else:
-        model, partial = _nbits_matmuls(onnx.load(str(path)), config), None  # external data read into memory
+    else:  # external data read into memory
+        (model, weights), partial = _nbits_matmuls(onnx.load(str(path)), config, path.parent), None
     quantized = sum(n.op_type == config.method for n in model.graph.node)
-    weights = weights if dynamic else quantized
     if quantized == 0:
         raise QuantizationError(f"{path.name}: no MatMul with a constant weight to quantize")
     scheme = {

@@ -51,10 +51,10 @@ QUANTIZED = ("text_encoder", "transformer")
 # x_embedder, context_embedder, proj_out. The 6 per-image projections (timestep embedder, modulation,
 # norm_out; MatMul with the weight first, ort_fusions.weight_first_vector_products) stay float.
 MATMUL_WEIGHTS = {"text_encoder": 27 * 7, "transformer": 2 * 12 + 2 * 2 + 3}
-# `--method dynamic` computes a product only cut into column ranges as one product per range
+# Quantized, a product only cut into column ranges is computed as one product per range
 # (product_splits.py): each double block's two feed-forward inputs in 2 halves (+1 each), each single
 # block's q/k/v/MLP projection in 5 parts (+4).
-DYNAMIC_PRODUCTS = {**MATMUL_WEIGHTS, "transformer": MATMUL_WEIGHTS["transformer"] + 2 * 2 + 2 * 4}
+CUT_PRODUCTS = {**MATMUL_WEIGHTS, "transformer": MATMUL_WEIGHTS["transformer"] + 2 * 2 + 2 * 4}
 # Ops allowed to see a float16 tensor in an fp16 graph: the products, their bias Add, the embedding
 # lookup and the casts around them. Everything else (norms, softmax, RoPE, modulation) is float32.
 FLOAT16_OPS = {"Cast", "MatMul", "Gemm", "Conv", "Gather", "Add"}
@@ -184,11 +184,11 @@ def test_quantized_manifest_and_metadata(bundles, tiny_bundle, name, bits):
             "accuracy_level": 0,
             "op_types": ["MatMul"],
         }
-        assert q["quantized_nodes"] == MATMUL_WEIGHTS[component]
+        assert (q["quantized_nodes"], q["quantized_weights"]) == (CUT_PRODUCTS[component], MATMUL_WEIGHTS[component])
         assert json.loads(meta["klein.quantization"]) == q
         model = onnx.load(str(bundle / spec["file"]))
         nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
-        assert len(nbits) == MATMUL_WEIGHTS[component]
+        assert len(nbits) == CUT_PRODUCTS[component]
         assert all({a.name: a.i for a in n.attribute}["bits"] == bits for n in nbits)
         weights = {i.name for i in model.graph.initializer}
         assert not [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in weights], (
@@ -215,12 +215,12 @@ def test_dynamic_manifest_and_graphs(bundles, tiny_bundle):
             "accuracy_level": None,
         }
         assert "per output channel" in q["granularity"] and "per tensor" in q["granularity"]
-        assert q["quantized_nodes"] == DYNAMIC_PRODUCTS[component]
+        assert q["quantized_nodes"] == CUT_PRODUCTS[component]
         assert json.loads(_metadata(bundle / spec["file"])["klein.quantization"]) == q
         model = onnx.load(str(bundle / spec["file"]))
         weights = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
         nodes = [n for n in model.graph.node if n.op_type == "DynamicQuantizeMatMul"]
-        assert len(nodes) == DYNAMIC_PRODUCTS[component] and all(n.domain == "com.microsoft" for n in nodes)
+        assert len(nodes) == CUT_PRODUCTS[component] and all(n.domain == "com.microsoft" for n in nodes)
         products = {o for n in nodes for o in n.output}
         cuts = [n.name for n in model.graph.node if n.op_type in ("Split", "Slice") and n.input[0] in products]
         assert not cuts, cuts
@@ -493,7 +493,7 @@ def test_dynamic_reads_and_writes_external_weights_one_at_a_time(
     onnx.save_model(model, str(path), save_as_external_data=True, location=path.name + ".data", size_threshold=0)
     assert len(onnx.load(str(path), load_external_data=False).graph.initializer[0].external_data) > 0
     scheme = quantize_graph(path, QuantizationConfig(bits=8, method=DYNAMIC))
-    assert scheme["quantized_nodes"] == DYNAMIC_PRODUCTS["transformer"]
+    assert scheme["quantized_nodes"] == CUT_PRODUCTS["transformer"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["transformer.onnx"] + ["transformer.onnx.data"] * bool(
         threshold
     )

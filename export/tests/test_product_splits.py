@@ -107,3 +107,25 @@ def test_split_products_give_the_same_outputs(tmp_path):
     want = ort.InferenceSession(whole.SerializeToString(), providers=["CPUExecutionProvider"]).run(names, x)
     for name, g, w in zip(names, got, want, strict=True):
         assert np.array_equal(g, w), name
+
+
+def test_split_nbits_products_give_the_same_outputs(tmp_path):
+    """MatMulNBits (blocks along K within a column): the pieces against the whole product quantized by
+    the same quantizer (kept whole because its output is also a graph output), equal bit for bit."""
+    got = {}
+    for whole in (False, True):
+        path = tmp_path / f"{whole}.onnx"
+        model = _cut_graph()
+        model.graph.initializer.append(numpy_helper.from_array(WEIGHT, "w"))
+        model.graph.node[0].input.append("w")
+        if whole:
+            model.graph.output.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, N]))
+        onnx.save(model, str(path))
+        scheme = quantize_graph(path, QuantizationConfig(bits=4, block_size=16))
+        ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+        assert (scheme["quantized_nodes"], scheme["quantized_weights"]) == ((1, 1) if whole else (4, 1)), ops
+        x = {"x": np.linspace(-3, 3, 2 * 5 * K, dtype=np.float32).reshape(2, 5, K)}
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        got[whole] = session.run(["q", "k", "gate", "up"], x)
+    for g, w in zip(got[False], got[True], strict=True):
+        assert np.array_equal(g, w)
