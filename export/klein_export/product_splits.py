@@ -1,4 +1,4 @@
-"""Products cut into column ranges, one product per range (`--method dynamic`).
+"""Products cut into column ranges, one product per range (`--method dynamic` and `nbits`).
 
 A transformer's fused projections are computed whole and then cut: the single blocks' `to_qkv_mlp_proj`
 (`[tokens, 27648]` in the 4B: q, k, v and the two SwiGLU halves) by a `Split` and two `Slice`s,
@@ -7,9 +7,10 @@ into a new tensor; at 1024x1024 (4608 tokens) one single block's cuts took about
 Runtime's profile against 0.9 s for its attention. Computing each range with its own product of
 the weight's columns writes each part where its users read it and copies nothing.
 
-With int8 weights per output channel the pieces' codes and scales are the columns of the whole
-weight's, and the activations are quantized once per tensor as before, so every output is the
-same, bit for bit. The input is quantized once per piece (a pass over `[tokens, 3072]`).
+With int8 weights per output channel (or MatMulNBits' blocks along K within a column) the pieces'
+codes and scales are the columns of the whole weight's, and the activations are quantized per tensor
+as before, so every output is the same, bit for bit. The input is quantized once per piece (a pass
+over `[tokens, 3072]`).
 """
 
 from dataclasses import dataclass
@@ -53,7 +54,8 @@ class GraphUses:
 def column_pieces(uses: GraphUses, value: str, columns: int) -> tuple[list, list] | None:
     """How to compute `value`, a product with `columns` output columns, as pieces: (pieces, the cut
     nodes they replace), or None when it is not cut (a user that is no `Split`/`Slice` of the last
-    axis with constant bounds, pieces that would overlap, an unknown rank). Cuts of cuts are followed."""
+    axis with constant bounds, pieces wider together than the product, an unknown rank). Cuts of cuts
+    are followed."""
     rank = uses.ranks.get(value)
     if rank is None:
         return None
@@ -67,7 +69,7 @@ def _pieces(uses, value, start, stop, rank, top=False):
     users = uses.users.get(value, [])
     if not users and value not in uses.outputs and not top:
         return [], []  # a part nobody reads
-    ranges = [_cut_ranges(uses, node, stop - start, rank) for node in users]
+    ranges = [_cut_ranges(uses, node, stop - start, rank) if node.input[0] == value else None for node in users]
     if value in uses.outputs or not users or any(r is None for r in ranges):
         return [Piece(value, start, stop)], []
     pieces, cuts = [], list(users)
