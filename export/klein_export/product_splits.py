@@ -37,8 +37,10 @@ class GraphUses:
     constants (Slice's starts and ends, Split's sizes), each value's rank, the graph's outputs."""
 
     def __init__(self, graph: onnx.GraphProto, base_dir: Path):
+        self.nodes = list(graph.node)  # held, so that a node's id() stays its own
+        self.index = {id(node): i for i, node in enumerate(self.nodes)}
         self.users = {}
-        for node in graph.node:
+        for node in self.nodes:
             for name in node.input:
                 self.users.setdefault(name, []).append(node)
         self.constants = {
@@ -49,6 +51,22 @@ class GraphUses:
         values = [*graph.value_info, *graph.input, *graph.output]
         self.ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in values if v.type.tensor_type.HasField("shape")}
         self.outputs = {o.name for o in graph.output}
+
+
+def plan_products(graph: onnx.GraphProto, base_dir: Path, weight_of) -> tuple[dict, set]:
+    """For every product of `graph` (a node for which `weight_of` gives its constant `[K, N]` weight):
+    {its index in `graph.node`: its pieces}, one whole piece where it is not cut; and the indices of
+    the cut nodes the pieces replace."""
+    uses = GraphUses(graph, base_dir)
+    plans, cut = {}, set()
+    for i, node in enumerate(uses.nodes):
+        w = weight_of(node)
+        if w is None:
+            continue
+        pieces, cuts = column_pieces(uses, node.output[0], w.dims[1]) or ([Piece(node.output[0], 0, w.dims[1])], [])
+        plans[i] = pieces
+        cut.update(uses.index[id(c)] for c in cuts)
+    return plans, cut
 
 
 def column_pieces(uses: GraphUses, value: str, columns: int) -> tuple[list, list] | None:
@@ -115,26 +133,29 @@ def cut_float_products(model: onnx.ModelProto, base_dir: Path) -> int:
     from onnx import helper, numpy_helper
 
     graph = model.graph
-    uses = GraphUses(graph, base_dir)
     weights = {i.name: i for i in graph.initializer}
-    replacements, cut, columns, added = {}, set(), {}, 0
-    for node in graph.node:
+
+    def weight_of(node):
         w = weights.get(node.input[1]) if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") else None
-        plan = column_pieces(uses, node.output[0], w.dims[1]) if w is not None and len(w.dims) == 2 else None
-        if plan is None:
+        return w if w is not None and len(w.dims) == 2 else None
+
+    plans, cut = plan_products(graph, base_dir, weight_of)
+    replacements, columns, added = {}, {}, 0
+    for i, node in enumerate(graph.node):
+        pieces = plans.get(i, [])
+        if len(pieces) < 2:
             continue
-        pieces, cuts = plan
+        w = weight_of(node)
         values = numpy_helper.to_array(w)  # [K, N]
-        replacements[id(node)] = []
+        replacements[i] = []
         for piece in pieces:
             name = f"{w.name}_columns_{piece.start}_{piece.stop}"
             columns.setdefault(name, np.ascontiguousarray(values[:, piece.start : piece.stop]))
             product = helper.make_node("MatMul", [node.input[0], name], [piece.output])
             product.name = f"{node.name}_{piece.start}"
-            replacements[id(node)].append(product)
-        cut.update(id(c) for c in cuts)
+            replacements[i].append(product)
         added += len(pieces) - 1
-    nodes = [new for node in graph.node if id(node) not in cut for new in replacements.get(id(node), [node])]
+    nodes = [new for i, node in enumerate(graph.node) if i not in cut for new in replacements.get(i, [node])]
     del graph.node[:]
     graph.node.extend(nodes)
     graph.initializer.extend(numpy_helper.from_array(values, name) for name, values in columns.items())

@@ -47,7 +47,7 @@ from .errors import BundleExistsError, QuantizationError
 from .external_data import DataWriter, is_external, load_structure, nbytes, read_tensor
 from .manifest import bundle_files, read_manifest, write_manifest
 from .onnx_export import EXTERNAL_DATA_THRESHOLD
-from .product_splits import GraphUses, Piece, column_pieces, cut_float_products
+from .product_splits import cut_float_products, plan_products
 
 METHOD = "MatMulNBits"
 DYNAMIC = "DynamicQuantizeMatMul"
@@ -233,30 +233,24 @@ def _dynamic_matmuls(path: Path, reduce_range=False):
         w = weights.get(node.input[1]) if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") else None
         return w if w is not None and len(w.dims) == 2 and w.data_type == onnx.TensorProto.FLOAT else None
 
-    uses = GraphUses(graph, base_dir)
-    plans, cut = {}, set()  # product -> its pieces (product_splits.py); the cut nodes they replace
-    for node in graph.node:
-        w = weight_of(node)
-        plan = column_pieces(uses, node.output[0], w.dims[1]) if w is not None else None
-        pieces, cuts = plan or ([Piece(node.output[0], 0, w.dims[1])] if w is not None else [], [])
-        plans[id(node)] = pieces
-        cut.update(id(c) for c in cuts)
+    plans, cut = plan_products(graph, base_dir, weight_of)  # product -> its pieces; the cut nodes they replace
     nodes, bases = [], {}  # bases: weight name -> [(name of a quantized copy, first column, end column)]
-    for node in graph.node:
+    for i, node in enumerate(graph.node):
         w = weight_of(node)
-        if id(node) in cut:
+        if i in cut:
             continue
         if w is None:
             nodes.append(node)
             continue
-        pieces = plans[id(node)]
+        pieces = plans[i]
         for piece in pieces:
             base = (node.name or node.output[0]) + "_int8" + (f"_{piece.start}" if len(pieces) > 1 else "")
             bases.setdefault(w.name, []).append((base, piece.start, piece.stop))
             inputs = [node.input[0], base + "_codes", base + "_scale", base + "_zero"]
             nodes.append(helper.make_node(DYNAMIC, inputs, [piece.output], name=base, domain="com.microsoft"))
     used = {name for node in nodes for name in node.input}
-    cut_inputs = {name for node in graph.node if id(node) in cut for name in node.input}  # Slice bounds, Split sizes
+    # The cut nodes' constants (Slice bounds, Split sizes) go with them.
+    cut_inputs = {name for i, node in enumerate(graph.node) if i in cut for name in node.input}
     kept = {i.name for i in graph.initializer if i.name in used or (i.name not in bases and i.name not in cut_inputs)}
     out_bytes = sum(nbytes(i) for i in graph.initializer if i.name in kept)
     for name, copies in bases.items():
