@@ -47,7 +47,7 @@ from .errors import BundleExistsError, QuantizationError
 from .external_data import DataWriter, is_external, load_structure, nbytes, read_tensor
 from .manifest import bundle_files, read_manifest, write_manifest
 from .onnx_export import EXTERNAL_DATA_THRESHOLD
-from .product_splits import cut_float_products, plan_products
+from .product_splits import cut_float_products, plan_products, product_nodes
 
 METHOD = "MatMulNBits"
 DYNAMIC = "DynamicQuantizeMatMul"
@@ -215,7 +215,8 @@ def per_channel_int8(weight_kn, reduce_range=False):
 def _dynamic_matmuls(path: Path, reduce_range=False):
     """The graph at `path` with every MatMul with a constant 2-D float32 weight as
     DynamicQuantizeMatMul(x, codes, scale, 0), one per column range where its output is only cut into
-    ranges (product_splits.py), the new weights file, or None, and the number of weights quantized.
+    ranges and one per part where its input is only a concatenation (product_splits.py); the new
+    weights file, or None; the number of weights quantized and of products split along their input.
 
     Weights are read and quantized one at a time (external_data.py), so a graph larger than memory (the
     full-size 4B transformer, 15.5 GB in float32) is quantized in about one weight's memory. When the
@@ -233,8 +234,8 @@ def _dynamic_matmuls(path: Path, reduce_range=False):
         w = weights.get(node.input[1]) if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") else None
         return w if w is not None and len(w.dims) == 2 and w.data_type == onnx.TensorProto.FLOAT else None
 
-    plans, cut = plan_products(graph, base_dir, weight_of)  # product -> its pieces; the cut nodes they replace
-    nodes, bases = [], {}  # bases: weight name -> [(name of a quantized copy, first column, end column)]
+    plans, cut = plan_products(graph, base_dir, weight_of)  # product -> its plan; the cut nodes it replaces
+    nodes, blocks = [], {}  # blocks: weight name -> [(name of a quantized block, rows, columns)]
     for i, node in enumerate(graph.node):
         w = weight_of(node)
         if i in cut:
@@ -242,20 +243,23 @@ def _dynamic_matmuls(path: Path, reduce_range=False):
         if w is None:
             nodes.append(node)
             continue
-        pieces = plans[i]
-        for piece in pieces:
-            base = (node.name or node.output[0]) + "_int8" + (f"_{piece.start}" if len(pieces) > 1 else "")
-            bases.setdefault(w.name, []).append((base, piece.start, piece.stop))
-            inputs = [node.input[0], base + "_codes", base + "_scale", base + "_zero"]
-            nodes.append(helper.make_node(DYNAMIC, inputs, [piece.output], name=base, domain="com.microsoft"))
+        plan, name = plans[i], node.name or node.output[0]
+
+        def product(part, piece, output, plan=plan, name=name, w=w):
+            base = name + "_int8" + (f"_{piece.start}" if len(plan.pieces) > 1 else "")
+            base += f"_rows_{part.start}" if len(plan.parts) > 1 else ""
+            blocks.setdefault(w.name, []).append((base, (part.start, part.stop), (piece.start, piece.stop)))
+            inputs = [part.input, base + "_codes", base + "_scale", base + "_zero"]
+            return helper.make_node(DYNAMIC, inputs, [output], name=base, domain="com.microsoft")
+
+        nodes += product_nodes(plan, name, product)
     used = {name for node in nodes for name in node.input}
     # The cut nodes' constants (Slice bounds, Split sizes) go with them.
     cut_inputs = {name for i, node in enumerate(graph.node) if i in cut for name in node.input}
-    kept = {i.name for i in graph.initializer if i.name in used or (i.name not in bases and i.name not in cut_inputs)}
+    kept = {i.name for i in graph.initializer if i.name in used or (i.name not in blocks and i.name not in cut_inputs)}
     out_bytes = sum(nbytes(i) for i in graph.initializer if i.name in kept)
-    for name, copies in bases.items():
-        k = weights[name].dims[0]
-        out_bytes += sum(k * (stop - start) + 5 * (stop - start) for _, start, stop in copies)  # codes, scale, zero
+    for copies in blocks.values():  # codes, scale, zero
+        out_bytes += sum((r1 - r0) * (c1 - c0) + 5 * (c1 - c0) for _, (r0, r1), (c0, c1) in copies)
     partial = path.with_name(path.name + ".data.partial") if out_bytes >= EXTERNAL_DATA_THRESHOLD * 0.9 else None
     initializers = []
     with DataWriter(partial, path.name + ".data") if partial else contextlib.nullcontext() as writer:
@@ -264,13 +268,14 @@ def _dynamic_matmuls(path: Path, reduce_range=False):
             return writer.add(name, values) if writer else numpy_helper.from_array(values, name)
 
         for tensor in graph.initializer:
-            if tensor.name in bases:
+            if tensor.name in blocks:
                 codes, scale = per_channel_int8(read_tensor(tensor, base_dir), reduce_range)
-                for base, start, stop in bases[tensor.name]:  # per output channel: a piece's are its columns'
+                # Per output channel of the whole weight: a block's codes and scales are its rows' and columns'.
+                for base, (r0, r1), (c0, c1) in blocks[tensor.name]:
                     initializers += [
-                        store(base + "_codes", np.ascontiguousarray(codes[:, start:stop])),
-                        store(base + "_scale", scale[start:stop]),
-                        store(base + "_zero", np.zeros(stop - start, np.int8)),
+                        store(base + "_codes", np.ascontiguousarray(codes[r0:r1, c0:c1])),
+                        store(base + "_scale", scale[c0:c1]),
+                        store(base + "_zero", np.zeros(c1 - c0, np.int8)),
                     ]
             if tensor.name in kept:
                 external = is_external(tensor)
@@ -281,14 +286,15 @@ def _dynamic_matmuls(path: Path, reduce_range=False):
     graph.node.extend(nodes)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    return model, partial, len(bases)
+    return model, partial, len(blocks), sum(len(plan.parts) > 1 for plan in plans.values())
 
 
 def _nbits_matmuls(model: onnx.ModelProto, config: QuantizationConfig, base_dir: Path):
     """`model` (its weights in memory) with every MatMul with a constant weight as MatMulNBits, one per
-    column range where its output is only cut into ranges (product_splits.py), and the number of
-    weights quantized."""
-    added = cut_float_products(model, base_dir)
+    column range where its output is only cut into ranges and one per part where its input is only a
+    concatenation on block boundaries (product_splits.py); the number of weights quantized and of
+    products split along their input."""
+    added, split_inputs = cut_float_products(model, base_dir, config.block_size)
     quantizer = _quantizer_class()(
         model,
         bits=config.bits,
@@ -299,7 +305,7 @@ def _nbits_matmuls(model: onnx.ModelProto, config: QuantizationConfig, base_dir:
     )
     quantizer.process()
     quantized = quantizer.model.model
-    return quantized, sum(n.op_type == METHOD for n in quantized.graph.node) - added
+    return quantized, sum(n.op_type == METHOD for n in quantized.graph.node) - added, split_inputs
 
 
 def calibration_latents(bundle_dir: Path) -> list:
@@ -441,9 +447,9 @@ def quantize_graph(path: Path, config: QuantizationConfig, calibration=None) -> 
         return _write(model, path, scheme)
     dynamic = config.method == DYNAMIC
     if dynamic:
-        model, partial, weights = _dynamic_matmuls(path, config.reduce_range)
+        model, partial, weights, split_inputs = _dynamic_matmuls(path, config.reduce_range)
     else:  # external data read into memory
-        (model, weights), partial = _nbits_matmuls(onnx.load(str(path)), config, path.parent), None
+        (model, weights, split_inputs), partial = _nbits_matmuls(onnx.load(str(path)), config, path.parent), None
     quantized = sum(n.op_type == config.method for n in model.graph.node)
     if quantized == 0:
         raise QuantizationError(f"{path.name}: no MatMul with a constant weight to quantize")
@@ -457,6 +463,7 @@ def quantize_graph(path: Path, config: QuantizationConfig, calibration=None) -> 
         "algorithm": "RTN",
         "quantized_nodes": quantized,
         "quantized_weights": weights,  # fewer than the nodes where a product is cut (product_splits.py)
+        "split_inputs": split_inputs,  # products computed per part of a concatenated input (product_splits.py)
         "float_nodes": _float_nodes(model),
         "left_in_float": LEFT_IN_FLOAT,
         "quantizer": f"klein per-channel int8 (onnxruntime {ort_version} kernel)"
@@ -593,13 +600,15 @@ def dequantized(weight_kn, config: QuantizationConfig):
     return w[:, :k].T.astype(weight_kn.dtype)
 
 
-def emulate_quantization(module, config: QuantizationConfig, example_args):
+def emulate_quantization(module, config: QuantizationConfig, example_args, split_inputs=0):
     """Replaces, in place, the weight of every `nn.Linear` of `module` that the exported graph holds as
     a MatMul (input of rank 3 or more on `example_args`; rank-2 inputs are the per-image projections,
     left in float)
     by its dequantized value; for `--method dynamic`, its input also goes through `quantized_activations`
-    (a forward pre-hook that stays on the module). Returns the number of weights replaced (the graph's
-    quantized node count)."""
+    (a forward pre-hook that stays on the module), each part on its own for the `split_inputs` linears
+    whose input the graph splits (the scheme's count: diffusers marks them with `_tp_packed_row_blocks`,
+    the widths of the parts it concatenates). Returns the number of weights replaced (the graph's
+    quantized weight count)."""
     import torch
     from torch import nn
 
@@ -620,17 +629,32 @@ def emulate_quantization(module, config: QuantizationConfig, example_args):
     finally:
         for h in handles:
             h.remove()
-    replaced = 0
+    replaced, parted = 0, 0
     for name, sub in module.named_modules():
         if isinstance(sub, nn.Linear) and ranks.get(name, 0) >= 3:
             w = sub.weight.detach()
             deq = dequantized(w.t().contiguous().numpy(), config)
             with torch.no_grad():
                 sub.weight.copy_(torch.from_numpy(deq).t())
+            widths = getattr(sub, "_tp_packed_row_blocks", None) if split_inputs else None
             if config.method == DYNAMIC:
-                sub.register_forward_pre_hook(lambda _module, args: (quantized_activations(args[0]), *args[1:]))
+                sub.register_forward_pre_hook(
+                    lambda _module, args, widths=widths: (_in_parts(args[0], widths), *args[1:])
+                )
             replaced += 1
+            parted += widths is not None
+    if config.method == DYNAMIC and parted != split_inputs:
+        raise RuntimeError(f"{split_inputs} products split along their input in the graph, {parted} linears in torch")
     return replaced
+
+
+def _in_parts(x, widths):
+    """`quantized_activations` of `x`, or of each part of its last axis (`widths`) on its own."""
+    import torch
+
+    if widths is None:
+        return quantized_activations(x)
+    return torch.cat([quantized_activations(part) for part in x.split(list(widths), dim=-1)], dim=-1)
 
 
 def quantized_activations(x):

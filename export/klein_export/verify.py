@@ -156,7 +156,8 @@ class _Checker:
             return None
         if self.emulated is None:
             emulated = copy.deepcopy(self.module)
-            replaced = emulate_quantization(emulated, QuantizationConfig.from_scheme(self.quantization), args)
+            config, splits = QuantizationConfig.from_scheme(self.quantization), self.quantization.get("split_inputs", 0)
+            replaced = emulate_quantization(emulated, config, args, splits)
             # One node per weight, but for products cut into column ranges (bundles since quantized_weights).
             weights = self.quantization.get("quantized_weights", self.quantization["quantized_nodes"])
             if replaced != weights:
@@ -335,7 +336,8 @@ def _dequantize_pipeline(pipe, graphs, out_layers):
     for component, (module, args) in examples.items():
         spec = graphs[component]
         if spec.get("quantization") and spec["precision"] == "fp32":
-            emulate_quantization(module, QuantizationConfig.from_scheme(spec["quantization"]), args)
+            scheme = spec["quantization"]
+            emulate_quantization(module, QuantizationConfig.from_scheme(scheme), args, scheme.get("split_inputs", 0))
 
 
 def image_cases(size=None):

@@ -53,8 +53,10 @@ QUANTIZED = ("text_encoder", "transformer")
 MATMUL_WEIGHTS = {"text_encoder": 27 * 7, "transformer": 2 * 12 + 2 * 2 + 3}
 # Quantized, a product only cut into column ranges is computed as one product per range
 # (product_splits.py): each double block's two feed-forward inputs in 2 halves (+1 each), each single
-# block's q/k/v/MLP projection in 5 parts (+4).
-CUT_PRODUCTS = {**MATMUL_WEIGHTS, "transformer": MATMUL_WEIGHTS["transformer"] + 2 * 2 + 2 * 4}
+# block's q/k/v/MLP projection in 5 parts (+4); a product of a concatenation as one product per part:
+# each single block's `to_out` (attention output 64 + SwiGLU output 192, on the 32-row blocks) (+1).
+CUT_PRODUCTS = {**MATMUL_WEIGHTS, "transformer": MATMUL_WEIGHTS["transformer"] + 2 * 2 + 2 * 4 + 2 * 1}
+SPLIT_INPUTS = {"text_encoder": 0, "transformer": 2}
 # Ops allowed to see a float16 tensor in an fp16 graph: the products, their bias Add, the embedding
 # lookup and the casts around them. Everything else (norms, softmax, RoPE, modulation) is float32.
 FLOAT16_OPS = {"Cast", "MatMul", "Gemm", "Conv", "Gather", "Add"}
@@ -185,6 +187,7 @@ def test_quantized_manifest_and_metadata(bundles, tiny_bundle, name, bits):
             "op_types": ["MatMul"],
         }
         assert (q["quantized_nodes"], q["quantized_weights"]) == (CUT_PRODUCTS[component], MATMUL_WEIGHTS[component])
+        assert q["split_inputs"] == SPLIT_INPUTS[component]
         assert json.loads(meta["klein.quantization"]) == q
         model = onnx.load(str(bundle / spec["file"]))
         nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
@@ -224,6 +227,9 @@ def test_dynamic_manifest_and_graphs(bundles, tiny_bundle):
         products = {o for n in nodes for o in n.output}
         cuts = [n.name for n in model.graph.node if n.op_type in ("Split", "Slice") and n.input[0] in products]
         assert not cuts, cuts
+        assert q["split_inputs"] == SPLIT_INPUTS[component]
+        concats = {n.output[0] for n in model.graph.node if n.op_type == "Concat"}
+        assert not [n.name for n in nodes if n.input[0] in concats], "a product still reads a concatenation"
         for node in nodes:
             codes, scale, zero = (weights[name] for name in node.input[1:4])
             assert codes.dtype == np.int8 and codes.ndim == 2 and np.abs(codes).max() == 127, node.name
@@ -261,7 +267,12 @@ def test_reduce_range_writes_7_bit_codes(bundles, tiny_bundle, tmp_path, capsys)
         assert json.loads(_metadata(bundles["int8-7bit"] / q_file(reduced, component))["klein.quantization"]) == q
         codes = _int8_codes(onnx.load(str(bundles["int8-7bit"] / q_file(reduced, component))))
         assert len(codes) == q["quantized_nodes"], component
+        # A product split along its input (product_splits.py): its parts' rows together hold each channel.
+        weights = {}
         for name, c in codes:
+            weights.setdefault(name.split("_rows_")[0], []).append(c)
+        for name, parts in weights.items():
+            c = np.concatenate(parts) if len(parts) > 1 else parts[0]
             # Per output channel: the last axis of a MatMul weight [K, N], the first of a Conv's [O, I, kh, kw].
             channel_max = np.abs(c).max(axis=0) if c.ndim == 2 else np.abs(c.reshape(c.shape[0], -1)).max(axis=1)
             assert channel_max.max() == 64 and (channel_max >= 63).all(), (component, name)

@@ -8,7 +8,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from klein_export.product_splits import GraphUses, Piece, column_pieces
+from klein_export.product_splits import GraphUses, Part, Piece, column_pieces, input_parts
 from klein_export.quantize import DYNAMIC, QuantizationConfig, per_channel_int8, quantize_graph
 
 K, N = 32, 40
@@ -129,3 +129,75 @@ def test_split_nbits_products_give_the_same_outputs(tmp_path):
         got[whole] = session.run(["q", "k", "gate", "up"], x)
     for g, w in zip(got[False], got[True], strict=True):
         assert np.array_equal(g, w)
+
+
+def _concat_graph(widths, also_output=False):
+    """Inputs a [2, 5, widths[0]] and b [2, 5, widths[1]] -> Concat on the last axis -> . W [K, N] -> y.
+    The structure of a single block's `to_out` (attention output beside the SwiGLU output)."""
+    nodes = [
+        helper.make_node("Concat", ["a", "b"], ["ab"], axis=-1),
+        helper.make_node("MatMul", ["ab", "w"], ["y"]),
+    ]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 5, w]) for n, w in zip("ab", widths, strict=True)]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, N])]
+    if also_output:
+        outputs.append(helper.make_tensor_value_info("ab", TensorProto.FLOAT, [2, 5, K]))
+    graph = helper.make_graph(nodes, "parts", inputs, outputs, [numpy_helper.from_array(WEIGHT, "w")])
+    graph.value_info.append(helper.make_tensor_value_info("ab", TensorProto.FLOAT, [2, 5, K]))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_a_concatenated_input_is_planned_as_parts():
+    graph = _concat_graph([8, 24]).graph
+    parts, concat = input_parts(GraphUses(graph, Path()), "ab", K, 8)
+    assert parts == [Part("a", 0, 8), Part("b", 8, 32)] and concat.op_type == "Concat"
+    assert input_parts(GraphUses(graph, Path()), "ab", K, 16) is None, "b starts inside a 16-row block"
+    assert input_parts(GraphUses(_concat_graph([8, 24], also_output=True).graph, Path()), "ab", K, 1) is None
+    graph.node[0].attribute[0].i = 1  # a Concat of the token axis: no parts of K
+    assert input_parts(GraphUses(graph, Path()), "ab", K, 1) is None
+
+
+def test_dynamic_parts_quantize_each_part_on_its_own(tmp_path):
+    """`--method dynamic`: one DynamicQuantizeMatMul per part on the whole weight's rows (codes and
+    scales per output channel of the whole), summed: what the torch emulation computes (each part's
+    activations quantized with its own range) to float32 rounding, and nearer the float product
+    than quantizing the concatenation as one tensor."""
+    import torch
+
+    from klein_export.quantize import _in_parts, dequantized, quantized_activations
+
+    path = tmp_path / "parts.onnx"
+    onnx.save(_concat_graph([24, 8]), str(path))
+    config = QuantizationConfig(bits=8, method=DYNAMIC)
+    scheme = quantize_graph(path, config)
+    ops = sorted(n.op_type for n in onnx.load(str(path)).graph.node)
+    assert ops == ["Add", DYNAMIC, DYNAMIC] and (scheme["quantized_weights"], scheme["split_inputs"]) == (1, 1)
+    # The attention output's range is a tenth of the SwiGLU output's, as the parts' ranges differ in a block.
+    a = RNG.standard_normal((2, 5, 24)).astype(np.float32) * 0.3
+    b = RNG.standard_normal((2, 5, 8)).astype(np.float32) * 3
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(["y"], {"a": a, "b": b})[0]
+    x, w = torch.from_numpy(np.concatenate([a, b], -1)), torch.from_numpy(dequantized(WEIGHT, config))
+    emulated = (_in_parts(x, (24, 8)) @ w).numpy()
+    # int32 accumulations, then float32 scaling against float32 sums of ~32 terms of size ~10: 1e-4.
+    np.testing.assert_allclose(got, emulated, rtol=0, atol=1e-4)
+    # The activations' error alone (the same int8 weights): a's step, on 24 of the 32 rows, is a tenth
+    # of the concatenation's; the error's spread about sqrt((8 + 24 / 100) / 32) = 0.51 of the whole's.
+    exact, whole = (x @ w).numpy(), (quantized_activations(x) @ w).numpy()
+    assert np.abs(got - exact).mean() < 0.8 * np.abs(whole - exact).mean()
+
+
+def test_nbits_parts_give_the_whole_product(tmp_path):
+    """MatMulNBits with parts on block boundaries: the same blocks as the whole weight's; only the
+    order of the float sum changes (the whole kept by also reading the concatenation)."""
+    got = {}
+    for whole in (False, True):
+        path = tmp_path / f"{whole}.onnx"
+        onnx.save(_concat_graph([16, 16], also_output=whole), str(path))
+        scheme = quantize_graph(path, QuantizationConfig(bits=4, block_size=16, accuracy_level=4))
+        assert (scheme["quantized_nodes"], scheme["split_inputs"]) == ((1, 0) if whole else (2, 1))
+        feeds = {
+            n: np.linspace(-3, 3, 2 * 5 * 16, dtype=np.float32).reshape(2, 5, 16) * s for n, s in (("a", 1), ("b", -2))
+        }
+        got[whole] = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(["y"], feeds)[0]
+    # Two float32 partial sums of ~16 products of size ~10 added in another order: 1e-4.
+    np.testing.assert_allclose(got[False], got[True], rtol=0, atol=1e-4)
