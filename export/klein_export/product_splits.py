@@ -98,7 +98,9 @@ def plan_products(graph: onnx.GraphProto, base_dir: Path, weight_of, row_multipl
         pieces, cuts = column_pieces(uses, node.output[0], columns) or ([Piece(node.output[0], 0, columns)], [])
         parts, concat = input_parts(uses, node.input[0], rows, row_multiple) or ([Part(node.input[0], 0, rows)], None)
         plans[i] = Plan(pieces, parts)
-        cut.update(uses.index[id(c)] for c in [*cuts, *([concat] if concat else [])])
+        cut.update(uses.index[id(c)] for c in cuts)
+        if concat is not None:
+            cut.add(uses.index[id(concat)])
     return plans, cut
 
 

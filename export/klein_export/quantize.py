@@ -600,17 +600,19 @@ def dequantized(weight_kn, config: QuantizationConfig):
     return w[:, :k].T.astype(weight_kn.dtype)
 
 
-def emulate_quantization(module, config: QuantizationConfig, example_args, split_inputs=0):
+def emulate_quantization(module, scheme: dict, example_args):
     """Replaces, in place, the weight of every `nn.Linear` of `module` that the exported graph holds as
     a MatMul (input of rank 3 or more on `example_args`; rank-2 inputs are the per-image projections,
     left in float)
-    by its dequantized value; for `--method dynamic`, its input also goes through `quantized_activations`
-    (a forward pre-hook that stays on the module), each part on its own for the `split_inputs` linears
-    whose input the graph splits (the scheme's count: diffusers marks them with `_tp_packed_row_blocks`,
-    the widths of the parts it concatenates). Returns the number of weights replaced (the graph's
-    quantized weight count)."""
+    by its dequantized value under `scheme` (a graph's `quantization`); for `--method dynamic`, its
+    input also goes through `quantized_activations` (a forward pre-hook that stays on the module), each
+    part on its own for the scheme's `split_inputs` linears whose input the graph splits (diffusers
+    marks them with `_tp_packed_row_blocks`, the widths of the parts it concatenates). Returns the
+    number of weights replaced (the graph's quantized weight count)."""
     import torch
     from torch import nn
+
+    config, split_inputs = QuantizationConfig.from_scheme(scheme), scheme.get("split_inputs", 0)
 
     ranks, handles = {}, []
 

@@ -22,7 +22,7 @@ from .diffusers_reference import reference_images
 from .kv_cache import KvTransformer, kv_layers
 from .manifest import check_bundle_of, read_manifest
 from .ort_pipeline import bundle_image, latent_ids, session, text_ids
-from .quantize import QuantizationConfig, emulate_quantization
+from .quantize import emulate_quantization
 from .tokenizer_facts import tokenizer_facts
 from .tolerances import (
     ABS_TOLERANCE,
@@ -156,8 +156,7 @@ class _Checker:
             return None
         if self.emulated is None:
             emulated = copy.deepcopy(self.module)
-            config, splits = QuantizationConfig.from_scheme(self.quantization), self.quantization.get("split_inputs", 0)
-            replaced = emulate_quantization(emulated, config, args, splits)
+            replaced = emulate_quantization(emulated, self.quantization, args)
             # One node per weight, but for products cut into column ranges (bundles since quantized_weights).
             weights = self.quantization.get("quantized_weights", self.quantization["quantized_nodes"])
             if replaced != weights:
@@ -336,8 +335,7 @@ def _dequantize_pipeline(pipe, graphs, out_layers):
     for component, (module, args) in examples.items():
         spec = graphs[component]
         if spec.get("quantization") and spec["precision"] == "fp32":
-            scheme = spec["quantization"]
-            emulate_quantization(module, QuantizationConfig.from_scheme(scheme), args, scheme.get("split_inputs", 0))
+            emulate_quantization(module, spec["quantization"], args)
 
 
 def image_cases(size=None):
