@@ -1,9 +1,11 @@
 """The one helper that calls the ONNX exporter, and the metadata every graph carries."""
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import onnx
 import torch
+from onnxscript import rewriter
 
 from . import FORMAT_VERSION
 
@@ -22,7 +24,7 @@ def export_graph(
     path = Path(out_dir) / io.file
     param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     external = param_bytes >= EXTERNAL_DATA_THRESHOLD * 0.9
-    with torch.no_grad():
+    with torch.no_grad(), without_slices_split():
         program = torch.onnx.export(
             module,
             tuple(example_args),
@@ -35,7 +37,7 @@ def export_graph(
             verbose=False,
             custom_translation_table=translations,
         )
-    fusions = fuse(program.model) if fuse else {}
+        fusions = fuse(program.model) if fuse else {}
     # Drop the exporter's per-node debug metadata (stack traces with local paths: a third of the file).
     for node in program.model.graph.all_nodes():
         node.metadata_props.clear()
@@ -50,6 +52,28 @@ def export_graph(
     program.save(str(path), external_data=external)
     check_names(path, io)
     return path, fusions
+
+
+SLICES_SPLIT = "SlicesSplit"
+
+
+@contextmanager
+def without_slices_split():
+    """Leaves onnxscript's `SlicesSplit` rewrite out of its default rules (those of the exporter's
+    optimizer and of `optimize_for_ort`'s) while the block runs.
+
+    The rule (two `Slice`s of the halves of a last axis -> one `Split`) is the one default rule whose
+    pattern has two outputs, and onnxscript matches such a pattern by enumerating, for every node it
+    tries, every node of the graph: quadratic in the graph's size. On the tiny checkpoint's 28-layer
+    text encoder it took 32 of the export's 82 s. It never applies to these graphs: the exporter writes
+    the second half's open end as INT64_MAX, where the rule asks for the axis length. With it and
+    without it the exported graphs are the same bytes (export/tests/test_export.py)."""
+    saved = rewriter._DEFAULT_REWRITE_RULES
+    rewriter._DEFAULT_REWRITE_RULES = tuple(r for r in saved if r.name != SLICES_SPLIT)
+    try:
+        yield
+    finally:
+        rewriter._DEFAULT_REWRITE_RULES = saved
 
 
 def check_names(path: Path, io):

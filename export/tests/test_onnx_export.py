@@ -1,0 +1,44 @@
+"""`onnx_export.without_slices_split`: the exporter's optimizer without onnxscript's quadratic
+`SlicesSplit` rule writes the same graph for the slicing it was written for (rotate_half's halves)."""
+
+import torch
+from onnxscript import rewriter
+from torch.export import Dim
+
+from klein_export.onnx_export import SLICES_SPLIT, without_slices_split
+
+
+class RotateHalf(torch.nn.Module):
+    """transformers' rotate_half: the two halves of the last axis, swapped, the first negated."""
+
+    def forward(self, x):  # [B, S, 8] -> [B, S, 8]
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _consts(node):
+    return [None if i is None or i.const_value is None else i.const_value.numpy().tolist() for i in node.inputs]
+
+
+def _nodes():
+    """The optimised graph's nodes: operator and constant inputs."""
+    x = torch.randn(2, 5, 8)
+    shapes = {"x": {0: Dim("b"), 1: Dim("s")}}
+    program = torch.onnx.export(RotateHalf().eval(), (x,), dynamo=True, dynamic_shapes=shapes, optimize=True)
+    return [(node.op_type, _consts(node)) for node in program.model.graph]
+
+
+def test_the_rule_is_left_out_only_inside():
+    before = [r.name for r in rewriter._DEFAULT_REWRITE_RULES]
+    assert SLICES_SPLIT in before
+    with without_slices_split():
+        assert [r.name for r in rewriter._DEFAULT_REWRITE_RULES] == [n for n in before if n != SLICES_SPLIT]
+    assert [r.name for r in rewriter._DEFAULT_REWRITE_RULES] == before
+
+
+def test_same_graph_with_and_without_the_rule():
+    plain = _nodes()
+    with without_slices_split():
+        without = _nodes()
+    assert without == plain
+    assert [op for op, _ in plain].count("Slice") == 2, plain
