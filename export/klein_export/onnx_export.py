@@ -38,9 +38,12 @@ def export_graph(
             custom_translation_table=translations,
         )
         fusions = fuse(program.model) if fuse else {}
-    # Drop the exporter's per-node debug metadata (stack traces with local paths: a third of the file).
+    # Drop the exporter's per-node debug metadata (stack traces with local paths: a third of the file)
+    # and its graph-level notes (torch.export's signature and range constraints: the latter's order
+    # follows Python's string hashing, so two exports of one checkpoint differed in those bytes alone).
     for node in program.model.graph.all_nodes():
         node.metadata_props.clear()
+    program.model.graph.metadata_props.clear()
     program.model.metadata_props.update(
         {
             "klein.component": io.component,

@@ -1,6 +1,13 @@
-"""`onnx_export.without_slices_split`: the exporter's optimizer without onnxscript's quadratic
-`SlicesSplit` rule writes the same graph for the slicing it was written for (rotate_half's halves)."""
+"""`onnx_export`: the exporter's optimizer without onnxscript's quadratic `SlicesSplit` rule writes
+the same graph for the slicing it was written for (rotate_half's halves), and two exports of one
+module are the same bytes."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
 import torch
 from onnxscript import rewriter
 from torch.export import Dim
@@ -42,3 +49,39 @@ def test_same_graph_with_and_without_the_rule():
         without = _nodes()
     assert without == plain
     assert [op for op, _ in plain].count("Slice") == 2, plain
+
+
+EXPORT_ONE = """
+import sys
+import torch
+from torch.export import Dim
+from klein_export.contract import GraphIO, Tensor
+from klein_export.onnx_export import export_graph
+sys.path.insert(0, sys.argv[2])
+from test_onnx_export import RotateHalf
+
+io = GraphIO("test", "rotate.onnx", (Tensor("x", "float32", ("b", "s", 8)),), (Tensor("y", "float32", ("b", "s", 8)),))
+shapes = {"x": {0: Dim("b"), 1: Dim("s")}}
+export_graph(RotateHalf().eval(), (torch.randn(2, 5, 8),), shapes, io, sys.argv[1])
+"""
+
+
+def test_two_exports_are_the_same_bytes(tmp_path):
+    """In processes with different string hashing, the saved graphs are byte-identical and carry no
+    graph-level metadata: torch.export's range constraints, whose order followed the hashing in the
+    tiny VAE encoder's graph (two exports differed in those bytes alone)."""
+    files = []
+    for seed in ("1", "2"):
+        out = tmp_path / seed
+        out.mkdir()
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        run = subprocess.run(
+            [sys.executable, "-c", EXPORT_ONE, str(out), str(Path(__file__).parent)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        files.append((out / "rotate.onnx").read_bytes())
+    assert files[0] == files[1]
+    assert not onnx.load_from_string(files[0]).graph.metadata_props
