@@ -1,8 +1,10 @@
 //! Just enough of the ONNX protobuf to point some initializers of a graph at another
-//! external-data file (how merged LoRA weights reach ONNX Runtime without a copy held in memory):
+//! external-data file (how merged LoRA weights reach ONNX Runtime without a copy held in memory),
+//! and to find the tables a graph only looks rows up in (which a prefetch need not read):
 //! `ModelProto.graph` (7) -> `GraphProto.initializer` (5) -> `TensorProto` `name` (8),
-//! `external_data` (13: `StringStringEntryProto` key 1, value 2), `data_location` (14, 1 = EXTERNAL).
-//! Every other field is copied byte for byte.
+//! `external_data` (13: `StringStringEntryProto` key 1, value 2), `data_location` (14, 1 = EXTERNAL);
+//! `GraphProto.node` (1) -> `NodeProto` `input` (1), `op_type` (4). Every other field is copied byte
+//! for byte.
 use std::collections::{BTreeMap, BTreeSet};
 
 type Fail = String;
@@ -151,9 +153,121 @@ pub fn redirect_initializers(
     Ok((out, others))
 }
 
+/// One external initializer's bytes: `location` (relative to the graph's folder), offset, length.
+#[derive(Debug, PartialEq, Eq)]
+pub struct ExternalBytes {
+    pub location: String,
+    pub offset: u64,
+    pub length: u64,
+}
+
+/// The external initializers of `model`'s main graph that only `Gather` nodes read, and only as
+/// their table (input 0): an embedding table, of which a run reads the rows of its tokens. Uses
+/// inside subgraphs (`If`, `Loop` bodies) are not seen; the answer is for reading ahead, where a
+/// table left out is only read later.
+pub fn gather_tables(model: &[u8]) -> Result<Vec<ExternalBytes>, Fail> {
+    let text = |f: &Field| String::from_utf8_lossy(&model[f.value.0..f.value.1]).into_owned();
+    let mut tables = BTreeMap::new();
+    // Initializer name -> whether every use seen so far is a Gather's table.
+    let mut only_gathered: BTreeMap<String, bool> = BTreeMap::new();
+    for field in fields(model, 0, model.len())? {
+        if field.number != 7 || field.wire != 2 {
+            continue;
+        }
+        for g in fields(model, field.value.0, field.value.1)? {
+            match (g.number, g.wire) {
+                (1, 2) => {
+                    let node = fields(model, g.value.0, g.value.1)?;
+                    let gather = node
+                        .iter()
+                        .any(|f| f.number == 4 && f.wire == 2 && text(f) == "Gather");
+                    let inputs = node.iter().filter(|f| f.number == 1 && f.wire == 2);
+                    for (index, input) in inputs.enumerate() {
+                        let ok = only_gathered.entry(text(input)).or_insert(true);
+                        *ok &= gather && index == 0;
+                    }
+                }
+                (5, 2) => {
+                    let tensor = fields(model, g.value.0, g.value.1)?;
+                    let name = tensor.iter().find(|t| t.number == 8 && t.wire == 2);
+                    let mut entries = BTreeMap::new();
+                    for t in tensor.iter().filter(|t| t.number == 13 && t.wire == 2) {
+                        let kv = fields(model, t.value.0, t.value.1)?;
+                        let part = |n| kv.iter().find(|f| f.number == n).map(text);
+                        if let (Some(key), Some(value)) = (part(1), part(2)) {
+                            entries.insert(key, value);
+                        }
+                    }
+                    let number = |key| entries.get(key).and_then(|v: &String| v.parse().ok());
+                    if let (Some(name), Some(location), Some(offset), Some(length)) = (
+                        name,
+                        entries.get("location"),
+                        number("offset"),
+                        number("length"),
+                    ) {
+                        let bytes = ExternalBytes {
+                            location: location.clone(),
+                            offset,
+                            length,
+                        };
+                        tables.insert(text(name), bytes);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(tables
+        .into_iter()
+        .filter(|(name, _)| only_gathered.get(name) == Some(&true))
+        .map(|(_, bytes)| bytes)
+        .collect())
+}
+
+/// Small ONNX models for tests here and in [`crate::runtime`].
+#[cfg(test)]
+pub(crate) mod fixtures {
+    use super::*;
+
+    /// A node `op_type(inputs)`.
+    pub fn node(op_type: &str, inputs: &[&str]) -> Vec<u8> {
+        let mut n = Vec::new();
+        for input in inputs {
+            put_bytes_field(&mut n, 1, input.as_bytes());
+        }
+        put_bytes_field(&mut n, 4, op_type.as_bytes());
+        n
+    }
+
+    /// A ModelProto whose graph holds `nodes` and two initializers in the file `location`: `a`
+    /// (bytes 0-63) and `b` (64-95).
+    pub fn model_with_nodes(nodes: &[Vec<u8>], location: &str) -> Vec<u8> {
+        let tensor = |name: &str, offset: &str, length: &str| {
+            let mut t = Vec::new();
+            put_bytes_field(&mut t, 8, name.as_bytes());
+            put_bytes_field(&mut t, 13, &entry("location", location));
+            put_bytes_field(&mut t, 13, &entry("offset", offset));
+            put_bytes_field(&mut t, 13, &entry("length", length));
+            put_varint(&mut t, 14 << 3);
+            put_varint(&mut t, 1);
+            t
+        };
+        let mut graph = Vec::new();
+        for n in nodes {
+            put_bytes_field(&mut graph, 1, n);
+        }
+        put_bytes_field(&mut graph, 5, &tensor("a", "0", "64"));
+        put_bytes_field(&mut graph, 5, &tensor("b", "64", "32"));
+        let mut model = Vec::new();
+        put_bytes_field(&mut model, 7, &graph);
+        model
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)] // tests may unwrap: a failure is a test failure
 mod tests {
+    use super::fixtures::{model_with_nodes, node};
     use super::*;
 
     /// A ModelProto with an ir_version, a graph holding two initializers (one external), and a
@@ -182,6 +296,37 @@ mod tests {
         put_bytes_field(&mut model, 7, &graph);
         put_bytes_field(&mut model, 8, b"opset");
         model
+    }
+
+    #[test]
+    fn finds_the_tables_only_gather_reads() {
+        let a = ExternalBytes {
+            location: "w.data".into(),
+            offset: 0,
+            length: 64,
+        };
+        // `b` is also a MatMul's weight.
+        let model = model_with_nodes(
+            &[
+                node("Gather", &["a", "ids"]),
+                node("Gather", &["b", "ids"]),
+                node("MatMul", &["x", "b"]),
+            ],
+            "w.data",
+        );
+        assert_eq!(gather_tables(&model).unwrap(), vec![a]);
+        // `a` is also a Gather's indices.
+        let model = model_with_nodes(
+            &[node("Gather", &["a", "ids"]), node("Gather", &["t", "a"])],
+            "w.data",
+        );
+        assert_eq!(gather_tables(&model).unwrap(), vec![]);
+        // An initializer no node reads is not a table.
+        assert_eq!(
+            gather_tables(&model_with_nodes(&[], "w.data")).unwrap(),
+            vec![]
+        );
+        assert!(gather_tables(&[0x0a, 0xff]).is_err());
     }
 
     #[test]

@@ -274,8 +274,8 @@ impl Pipeline {
     /// The files loading `component`'s graph will read: the CPU cache's saved copy when there is
     /// one, else the bundle's graph file and its external data; empty when not known before a
     /// request (a static-shape bundle's per-bucket graphs, a transformer with LoRAs merged). The
-    /// pipeline reads the transformer's into the page cache while the text encoder runs
-    /// ([`runtime::prefetch`]); an app can warm them the same way.
+    /// pipeline reads the text encoder's (on the CPU), then the transformer's into the page cache
+    /// as the prompt is encoded ([`runtime::prefetch_in_turn`]); an app can warm them the same way.
     pub fn graph_files(&self, component: Component) -> Vec<PathBuf> {
         LoadedGraphs::files(component, None, &graph_source!(self))
     }
@@ -308,6 +308,21 @@ impl Pipeline {
             Some(CacheLookup::Rejected(warning)) => self.warnings.push(warning),
             Some(CacheLookup::Miss) | None => {}
         }
+        // The encoder's files are read ahead of its own page faults, then the transformer's while
+        // the encoder computes ([`runtime::prefetch_in_turn`]).
+        let running = if self.graphs.loaded(Component::TextEncoder).is_none() && self.on_cpu() {
+            self.graph_files(Component::TextEncoder)
+        } else {
+            Vec::new()
+        };
+        let later = if self.graphs.loaded(Component::Transformer).is_none()
+            && !self.graphs.is_loading(Component::Transformer)
+        {
+            self.graph_files(Component::Transformer)
+        } else {
+            Vec::new()
+        };
+        runtime::prefetch_in_turn(running, later);
         // The encoder loads while the tokenizer's parse ends ([`ParsedTokenizer`]).
         self.graph(Component::TextEncoder, None, &mut progress)?;
         let encoded = self.tokenizer.get()?.encode(prompt)?;
@@ -317,12 +332,6 @@ impl Pipeline {
             .map_err(|e| internal("token ids", e))?;
         let mask = Array2::from_shape_vec((1, seq), encoded.attention_mask)
             .map_err(|e| internal("attention mask", e))?;
-        // The transformer's files are read from disk while the text encoder computes.
-        if self.graphs.loaded(Component::Transformer).is_none()
-            && !self.graphs.is_loading(Component::Transformer)
-        {
-            runtime::prefetch(self.graph_files(Component::Transformer));
-        }
         let graph = self.graph(Component::TextEncoder, None, &mut progress)?;
         let embeds = timed(&mut progress, Stage::EncodePrompt, |_| {
             let mut out = graph.run(&[
@@ -348,6 +357,16 @@ impl Pipeline {
         })
     }
 
+    /// Whether the graphs run on the CPU: `--device cpu`, or `auto` in a build with no other
+    /// execution provider.
+    fn on_cpu(&self) -> bool {
+        match self.session.device {
+            Device::Cpu => true,
+            Device::Auto => Device::auto_candidates() == [Device::Cpu],
+            _ => false,
+        }
+    }
+
     /// Whether the transformer's session is created on a thread of its own while the prompt is
     /// encoded: on the CPU, for the bundle's own transformer (no LoRA, not a static-shape
     /// bundle's per-bucket graph), when it is not loaded yet and the files of both graphs are at
@@ -355,12 +374,7 @@ impl Pipeline {
     /// session (reading, optimising or mapping its cached form, prepacking its weights) is mostly
     /// single-threaded work; meanwhile the text encoder runs, and both sessions are held at once.
     fn loads_transformer_early(&mut self) -> bool {
-        let on_cpu = match self.session.device {
-            Device::Cpu => true,
-            Device::Auto => Device::auto_candidates() == [Device::Cpu],
-            _ => false,
-        };
-        if !on_cpu
+        if !self.on_cpu()
             || !self.loras.is_empty()
             || self.manifest.static_shapes.is_some()
             || self.graphs.is_loading(Component::Transformer)

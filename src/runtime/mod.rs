@@ -52,7 +52,7 @@ pub use library::{
     init, locate_library, runtime_info, LibrarySource, LogLevel, LogSink, RuntimeInfo,
     RuntimeOptions, ORT_DYLIB_ENV,
 };
-pub use prefetch::{fits_in_memory, prefetch};
+pub use prefetch::{fits_in_memory, prefetch, prefetch_in_turn};
 pub use tensor::{
     tensor_names, Dtype, Initializer, InitializerData, Outputs, TensorInfo, TensorInput,
 };

@@ -1,44 +1,82 @@
-//! Reading a graph's files into the page cache while another stage computes, so that its load
-//! finds them in memory instead of waiting for the disk.
+//! Reading a graph's files into the page cache ahead of the stage that needs them, so that it finds
+//! them in memory instead of waiting for the disk.
 //!
 //! On a machine whose memory cannot also hold the bundle (a 24 GB machine with the full-size 4B and
-//! its CPU cache, or any run after other work pushed the files out), the transformer's load reads
-//! gigabytes from disk while the CPU idles, right after the text encoder computed while the disk
-//! idled. [`prefetch`] overlaps the two: on Linux a background thread reads the files through a
-//! small buffer, which leaves their pages in the page cache (page-cache pages are not counted in the
-//! process's resident memory). It is skipped when the files are more than half of the memory the
-//! kernel reports available, so that it never pushes out pages the process is using. Elsewhere it
-//! does nothing.
-use std::path::PathBuf;
+//! its CPU cache, or any run after other work pushed the files out), two waits add up. The
+//! transformer's load reads gigabytes from disk while the CPU idles, right after the text encoder
+//! computed while the disk idled. And a graph whose weights are mapped and not prepacked (the float
+//! text encoder, the dynamic-int8 one) reads nothing at load: each product page-faults its weights
+//! in from disk when it first runs, so the disk and the cores take turns. [`prefetch_in_turn`]
+//! overlaps them: on Linux a background thread reads the running graph's files ahead of its page
+//! faults, then the next stage's, through a small buffer, which leaves their pages in the page cache
+//! (page-cache pages are not counted in the process's resident memory). The running graph's files
+//! are read when they fit in the memory the kernel reports available (the stage reads them all
+//! anyway; ahead of it, they must not push each other out), the next stage's when they are at most
+//! half of it, so that they never push out pages the process is using. Elsewhere it does nothing.
+use std::path::{Path, PathBuf};
 
-/// Starts reading `files` into the page cache in the background (see the module). Files that do not
-/// exist are left out; nothing is reported: a prefetch that cannot be made only leaves the load as
-/// it was.
-#[cfg(target_os = "linux")]
+/// Starts reading a later stage's `files` into the page cache in the background (see the module).
+/// Files that do not exist are left out; nothing is reported: a prefetch that cannot be made only
+/// leaves the load as it was.
 pub fn prefetch(files: Vec<PathBuf>) {
-    let sizes: Vec<u64> = files
-        .iter()
-        .filter_map(|path| Some(std::fs::metadata(path).ok().filter(|m| m.is_file())?.len()))
+    prefetch_in_turn(Vec::new(), files);
+}
+
+/// Starts reading, on one background thread, the files of the graph about to run (`running`), then
+/// those of a later stage (`later`), into the page cache (see the module for when each is read).
+/// Files that do not exist are left out; nothing is reported.
+#[cfg(target_os = "linux")]
+pub fn prefetch_in_turn(running: Vec<PathBuf>, later: Vec<PathBuf>) {
+    let Some(available) = available_bytes() else {
+        return;
+    };
+    let files: Vec<PathBuf> = existing_within(running, available)
+        .into_iter()
+        .chain(existing_within(later, available / 2))
         .collect();
-    if sizes.is_empty() || !fits_in_memory(sizes.iter().sum()) {
+    if files.is_empty() {
         return;
     }
     let _ = std::thread::Builder::new()
         .name("klein-prefetch".into())
-        .spawn(move || files.iter().for_each(|path| read_through(path)));
+        .spawn(move || {
+            for path in &files {
+                read_through(path, &tables_of(path));
+            }
+        });
 }
 
 /// Does nothing: only Linux is asked to read ahead.
 #[cfg(not(target_os = "linux"))]
-pub fn prefetch(_files: Vec<PathBuf>) {}
+pub fn prefetch_in_turn(_running: Vec<PathBuf>, _later: Vec<PathBuf>) {}
+
+/// Those of `files` that are files, when their sizes add up to at most `limit` bytes; else none.
+#[cfg(target_os = "linux")]
+fn existing_within(files: Vec<PathBuf>, limit: u64) -> Vec<PathBuf> {
+    let files: Vec<(PathBuf, u64)> = files
+        .into_iter()
+        .filter_map(|path| {
+            let len = std::fs::metadata(&path).ok().filter(|m| m.is_file())?.len();
+            Some((path, len))
+        })
+        .collect();
+    if files.iter().map(|(_, len)| len).sum::<u64>() > limit {
+        return Vec::new();
+    }
+    files.into_iter().map(|(path, _)| path).collect()
+}
 
 /// Whether `bytes` are at most half of `MemAvailable` (`/proc/meminfo`).
 #[cfg(target_os = "linux")]
 pub fn fits_in_memory(bytes: u64) -> bool {
-    let available_kib = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|info| mem_available_kib(&info));
-    available_kib.is_some_and(|kib| bytes <= kib.saturating_mul(1024) / 2)
+    available_bytes().is_some_and(|available| bytes <= available / 2)
+}
+
+/// `MemAvailable` in bytes (`/proc/meminfo`).
+#[cfg(target_os = "linux")]
+fn available_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    Some(mem_available_kib(&info)?.saturating_mul(1024))
 }
 
 /// False: the memory available is only read on Linux.
@@ -57,40 +95,81 @@ fn mem_available_kib(meminfo: &str) -> Option<u64> {
         .and_then(|kib| kib.parse().ok())
 }
 
-/// Reads the whole file at `path` through a small buffer, so that its pages stay in the page
-/// cache. Sequential reads of a few megabytes at a time keep the disk streaming without queueing
-/// ahead of the running stage's own page faults. (`posix_fadvise(WILLNEED)` copies nothing into the
-/// process, but Linux caps one call to the readahead window, and chunk by chunk it was slower: on
-/// the full-size 4B, cold, 46-52 s end to end against 38 s with these reads.) A file whose first
-/// `PROBE_READS` reads come faster than `CACHED_BYTES_PER_SECOND` is taken as cached already and
-/// left there: copying gigabytes out of the page cache would only take a core from the running
-/// stage.
+/// Reads the file at `path` through a small buffer, so that its pages stay in the page cache,
+/// except the byte ranges `skip` (sorted, not overlapping). Sequential reads of a few megabytes at
+/// a time keep the disk streaming without queueing ahead of the running stage's own page faults.
+/// (`posix_fadvise(WILLNEED)` copies nothing into the process, but Linux caps one call to the
+/// readahead window, and chunk by chunk it was slower: on the full-size 4B, cold, 46-52 s end to end
+/// against 38 s with these reads.) A file whose first `PROBE_READS` reads come faster than
+/// `CACHED_BYTES_PER_SECOND` is taken as cached already and left there: copying gigabytes out of
+/// the page cache would only take a core from the running stage. Returns the bytes read.
 #[cfg(target_os = "linux")]
-fn read_through(path: &std::path::Path) {
-    use std::io::Read;
-    const BUFFER: usize = 4 << 20;
+fn read_through(path: &Path, skip: &[(u64, u64)]) -> u64 {
+    use std::io::{Read, Seek, SeekFrom};
+    const BUFFER: u64 = 4 << 20;
     const PROBE_READS: usize = 16;
     const CACHED_BYTES_PER_SECOND: f64 = 2e9;
     let Ok(mut file) = std::fs::File::open(path) else {
-        return;
+        return 0;
     };
-    let mut buffer = vec![0u8; BUFFER];
+    let mut buffer = vec![0u8; BUFFER as usize];
     let start = std::time::Instant::now();
-    let mut bytes = 0usize;
+    let (mut pos, mut bytes) = (0u64, 0u64);
+    let mut skip = skip.iter().peekable();
     for reads in 1.. {
-        match file.read(&mut buffer) {
-            Ok(n) if n > 0 => bytes += n,
-            _ => return,
+        while let Some(&&(_, to)) = skip.peek().filter(|(from, _)| *from <= pos) {
+            if pos < to {
+                pos = to;
+                if file.seek(SeekFrom::Start(pos)).is_err() {
+                    return bytes;
+                }
+            }
+            skip.next();
+        }
+        let want = skip
+            .peek()
+            .map_or(BUFFER, |(from, _)| (from - pos).min(BUFFER));
+        match file.read(&mut buffer[..want as usize]) {
+            Ok(n) if n > 0 => {
+                pos += n as u64;
+                bytes += n as u64;
+            }
+            _ => return bytes,
         }
         if reads == PROBE_READS
             && bytes as f64 / start.elapsed().as_secs_f64() > CACHED_BYTES_PER_SECOND
         {
-            return;
+            return bytes;
         }
     }
+    bytes
+}
+
+/// The byte ranges of `data`, a graph's external-data file (`<graph file>.data`), that a run does
+/// not read whole: the tables its graph only gathers rows from
+/// ([`crate::bundle::onnx_proto::gather_tables`]: a text encoder's embedding table, 1.6 GB of the
+/// 4B's float encoder, of which a prompt reads a few rows). Sorted; none when the graph cannot be
+/// read or `data` is not such a file.
+#[cfg(target_os = "linux")]
+fn tables_of(data: &Path) -> Vec<(u64, u64)> {
+    let graph = data
+        .to_str()
+        .and_then(|name| name.strip_suffix(".data"))
+        .and_then(|graph| std::fs::read(graph).ok());
+    let tables = graph
+        .and_then(|model| crate::bundle::onnx_proto::gather_tables(&model).ok())
+        .unwrap_or_default();
+    let mut ranges: Vec<(u64, u64)> = tables
+        .into_iter()
+        .filter(|t| Path::new(&t.location).file_name() == data.file_name())
+        .map(|t| (t.offset, t.offset.saturating_add(t.length)))
+        .collect();
+    ranges.sort_unstable();
+    ranges
 }
 
 #[cfg(all(test, target_os = "linux"))]
+#[allow(clippy::unwrap_used)] // tests may unwrap: a failure is a test failure
 mod tests {
     use super::*;
 
@@ -107,5 +186,34 @@ mod tests {
     fn files_larger_than_half_the_available_memory_are_not_prefetched() {
         assert!(fits_in_memory(1 << 20));
         assert!(!fits_in_memory(u64::MAX / 2));
+    }
+
+    #[test]
+    fn reads_all_but_the_gathered_tables() {
+        use crate::bundle::onnx_proto::fixtures::{model_with_nodes, node};
+        let dir = std::env::temp_dir().join(format!("klein-prefetch-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let data = dir.join("w.onnx.data");
+        let len: u64 = 10 << 20;
+        std::fs::write(&data, vec![7u8; len as usize]).unwrap();
+        // Without its graph file nothing is skipped.
+        assert!(tables_of(&data).is_empty());
+        assert_eq!(read_through(&data, &[]), len);
+        // `a` (bytes 0-63) is an embedding table, `b` a weight.
+        let nodes = [node("Gather", &["a", "ids"]), node("MatMul", &["x", "b"])];
+        std::fs::write(dir.join("w.onnx"), model_with_nodes(&nodes, "w.onnx.data")).unwrap();
+        assert_eq!(tables_of(&data), vec![(0, 64)]);
+        assert_eq!(read_through(&data, &tables_of(&data)), len - 64);
+        // Ranges inside, across buffer ends, overlapping the end and past it.
+        let skip = [
+            (5 << 20, 6 << 20),
+            (9 << 20, 11 << 20),
+            (12 << 20, 13 << 20),
+        ];
+        assert_eq!(read_through(&data, &skip), len - (2 << 20));
+        // A graph naming another data file skips nothing in this one.
+        std::fs::write(dir.join("w.onnx"), model_with_nodes(&nodes, "other.data")).unwrap();
+        assert!(tables_of(&data).is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
