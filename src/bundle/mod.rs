@@ -7,7 +7,6 @@ pub mod contract;
 pub mod kv;
 pub mod lora_targets;
 pub mod manifest;
-pub mod onnx_proto;
 pub mod stamp;
 pub mod support;
 

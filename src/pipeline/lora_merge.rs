@@ -22,8 +22,8 @@ use ndarray::ArrayViewMut2;
 use rayon::prelude::*;
 
 use crate::bundle::lora_targets::{LoraTarget, WeightDtype, WeightLayout};
-use crate::bundle::onnx_proto::redirect_initializers;
 use crate::error::{KleinError, Result};
+use crate::runtime::onnx_proto::redirect_initializers;
 use crate::runtime::{Initializer, InitializerData};
 use crate::stages::lora::Update;
 

@@ -39,6 +39,7 @@ mod device;
 mod graph;
 mod heap;
 mod library;
+pub mod onnx_proto;
 mod prefetch;
 mod tensor;
 

@@ -224,7 +224,7 @@ pub fn gather_tables(model: &[u8]) -> Result<Vec<ExternalBytes>, Fail> {
         .collect())
 }
 
-/// Small ONNX models for tests here and in [`crate::runtime`].
+/// Small ONNX models for tests here and in [`super::prefetch`].
 #[cfg(test)]
 pub(crate) mod fixtures {
     use super::*;
