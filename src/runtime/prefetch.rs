@@ -13,7 +13,9 @@
 //! are read when they fit in the memory the kernel reports available (the stage reads them all
 //! anyway; ahead of it, they must not push each other out), the next stage's when they are at most
 //! half of it, so that they never push out pages the process is using. Elsewhere it does nothing.
-use std::path::{Path, PathBuf};
+#[cfg(target_os = "linux")]
+use std::path::Path;
+use std::path::PathBuf;
 
 /// Starts reading a later stage's `files` into the page cache in the background (see the module).
 /// Files that do not exist are left out; nothing is reported: a prefetch that cannot be made only
