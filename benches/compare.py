@@ -42,7 +42,7 @@ binary built with `cargo build --release`):
 
     python benches/compare.py --checkpoint CKPT [--bundle BUNDLE_FP32] \\
         [--extra-bundle int8=BUNDLE_INT8 ...] [--diffusers-bf16 [auto|on|off]] [--no-diffusers-fp32] \\
-        [--prompt TEXT] [--seed 42] [--width 512 --height 512] [--steps 4] [--threads 2] [--reps 3] \\
+        [--diffusers-free-text-encoder] [--prompt TEXT] [--seed 42] [--width 512 --height 512] [--steps 4] [--threads 2] [--reps 3] \\
         [--quiet-wait 60] [--work DIR] [--klein target/release/klein] [--peak-shape M,K,N] \\
         [--klein-cpu-cache DIR]
 
@@ -130,6 +130,9 @@ def diffusers_worker(spec: dict) -> None:
 
     # The pipeline calls self.encode_prompt and self.vae.decode: instance attributes shadow both.
     pipe.encode_prompt = timed(pipe.encode_prompt, encode_s)
+    freed = {}
+    if spec.get("free_text_encoder"):
+        pipe.encode_prompt = free_text_encoder_after(pipe, pipe.encode_prompt, freed)
     pipe.vae.decode = timed(pipe.vae.decode, decode_s)
     step_start = []
     pipe.transformer.register_forward_pre_hook(lambda module, args: step_start.append(time.perf_counter()))
@@ -147,11 +150,43 @@ def diffusers_worker(spec: dict) -> None:
         "denoise": sum(steps),
         "decode": sum(decode_s),
         "load + generate": load_s + call_s,
+        **freed,
         "torch": torch.__version__,
         "torch threads": torch.get_num_threads(),
         "torch cpu capability": torch.backends.cpu.get_cpu_capability(),
     }
     Path(spec["json"]).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+
+
+def free_text_encoder_after(pipe, encode, sink: dict):
+    """`encode` (the pipeline's encode_prompt), then the text encoder dropped from the pipeline (no
+    other reference holds it: its weights are freed), as diffusers' low-memory examples do by
+    encoding first and building the pipeline with `text_encoder=None`. The guidance-free klein call
+    encodes once and never uses the encoder again. Records the resident memory before and after
+    and the seconds the release took (counted in the process's wall time, not in "text encoder")."""
+    import gc
+    import weakref
+
+    def wrapper(*args, **kwargs):
+        out = encode(*args, **kwargs)
+        start = time.perf_counter()
+        sink["rss before freeing the text encoder"] = resident_bytes()
+        encoder = weakref.ref(pipe.text_encoder)
+        pipe.text_encoder = None
+        gc.collect()
+        if encoder() is not None:
+            raise RuntimeError("--diffusers-free-text-encoder: something still holds the text encoder")
+        sink["rss after freeing the text encoder"] = resident_bytes()
+        sink["freeing the text encoder"] = time.perf_counter() - start
+        return out
+
+    return wrapper
+
+
+def resident_bytes() -> int:
+    """This process's resident set now (VmRSS)."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
 
 
 # --------------------------------------------------------------------------------------------
@@ -440,6 +475,13 @@ def main(argv=None) -> int:
         action="store_true",
         help="skip diffusers fp32 (at sizes where its peak memory would not fit the machine; say so with the figures)",
     )
+    p.add_argument(
+        "--diffusers-free-text-encoder",
+        action="store_true",
+        help="free diffusers' text encoder once the prompt is encoded (at sizes where its weights and the "
+        "decoder's activations would not fit the machine together; the resident memory before and after "
+        "is printed per run)",
+    )
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--width", type=int, default=512)
@@ -517,6 +559,8 @@ def main(argv=None) -> int:
     print(f"diffusers bf16: {'run' if run_bf16 else 'not run'} ({why}; --diffusers-bf16 {args.diffusers_bf16})")
     if args.no_diffusers_fp32:
         print("diffusers fp32: not run (--no-diffusers-fp32)")
+    if args.diffusers_free_text_encoder:
+        print("diffusers: text encoder freed once the prompt is encoded (--diffusers-free-text-encoder)")
     built = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(Path(args.klein).stat().st_mtime))
     print(f"klein binary: {args.klein} (built {built}), copied to {klein}")
     warm = "each timed run follows an untimed one of the same configuration (--warm-up)"
@@ -577,6 +621,7 @@ def main(argv=None) -> int:
             spec = dict(
                 checkpoint=str(checkpoint), dtype=d, prompt=args.prompt, seed=args.seed, width=width, height=height,
                 steps=args.steps, threads=args.threads, image=f"{stem}.png", json=f"{stem}.json",
+                free_text_encoder=args.diffusers_free_text_encoder,
             )
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
             if args.warm_up:
@@ -722,7 +767,13 @@ def report_run(key, rep, r):
     print(
         f"{key} rep {rep}: {r['wall']:.1f} s, peak RSS {r['rss'] / 2**30:.2f} GiB, {r['cpu']:.1f} CPU s, "
         f"other processes {r['others']:.2f} CPUs" + ("" if math.isnan(r.get("quiet", math.nan)) else f" (before: {r['quiet']:.2f})")
-        + (f", torch kernels {r['torch cpu capability']}" if "torch cpu capability" in r else ""),
+        + (f", torch kernels {r['torch cpu capability']}" if "torch cpu capability" in r else "")
+        + (
+            f"; text encoder freed in {r['freeing the text encoder']:.2f} s, resident "
+            f"{r['rss before freeing the text encoder'] / 2**30:.2f} -> {r['rss after freeing the text encoder'] / 2**30:.2f} GiB"
+            if "freeing the text encoder" in r
+            else ""
+        ),
         flush=True,
     )
 
