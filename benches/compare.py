@@ -42,7 +42,8 @@ binary built with `cargo build --release`):
 
     python benches/compare.py --checkpoint CKPT [--bundle BUNDLE_FP32] \\
         [--extra-bundle int8=BUNDLE_INT8 ...] [--diffusers-bf16 [auto|on|off]] [--no-diffusers-fp32] \\
-        [--diffusers-free-text-encoder] [--prompt TEXT] [--seed 42] [--width 512 --height 512] [--steps 4] [--threads 2] [--reps 3] \\
+        [--diffusers-free-text-encoder] [--prompt TEXT] [--seed 42] [--width 512 --height 512] [--steps 4] \\
+        [--threads 2] [--reps 3] \\
         [--quiet-wait 60] [--work DIR] [--klein target/release/klein] [--peak-shape M,K,N] \\
         [--klein-cpu-cache DIR]
 
@@ -770,7 +771,8 @@ def report_run(key, rep, r):
         + (f", torch kernels {r['torch cpu capability']}" if "torch cpu capability" in r else "")
         + (
             f"; text encoder freed in {r['freeing the text encoder']:.2f} s, resident "
-            f"{r['rss before freeing the text encoder'] / 2**30:.2f} -> {r['rss after freeing the text encoder'] / 2**30:.2f} GiB"
+            f"{r['rss before freeing the text encoder'] / 2**30:.2f} -> "
+            f"{r['rss after freeing the text encoder'] / 2**30:.2f} GiB"
             if "freeing the text encoder" in r
             else ""
         ),
