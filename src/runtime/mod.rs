@@ -5,7 +5,8 @@
 //! [`TensorInput`] and owned `ndarray` outputs. [`library`] finds and loads ONNX Runtime,
 //! [`device`] turns a [`Device`] and its options into execution providers, [`tensor`] converts
 //! data in and out, and [`graph`] builds, binds and runs sessions. [`retain_freed_memory`] keeps
-//! the memory runs free in glibc's heap for the next run (the CLI and server call it).
+//! the memory runs free in glibc's heap for the next run, and [`start_tunables`] adds huge pages
+//! for a process that starts again (the CLI and server use both).
 //!
 //! # Finding the ONNX Runtime library
 //! `ort` is built with `load-dynamic`: the library is opened at run time, never linked or
@@ -48,7 +49,7 @@ pub use device::{
     ComputeUnits, ConvSearch, CoreMlOptions, CudaOptions, Device, OptimizationLevel, SessionConfig,
 };
 pub use graph::{describe_skipped, graph_files, load_graph, Graph};
-pub use heap::retain_freed_memory;
+pub use heap::{retain_freed_memory, start_tunables, GLIBC_TUNABLES};
 pub use library::{
     init, locate_library, runtime_info, LibrarySource, LogLevel, LogSink, RuntimeInfo,
     RuntimeOptions, ORT_DYLIB_ENV,

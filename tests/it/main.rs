@@ -14,6 +14,7 @@ mod devices;
 mod diffusers;
 mod fuzz_regressions;
 mod fuzz_targets;
+mod heap_tunables;
 mod layers;
 mod limits;
 mod lora;

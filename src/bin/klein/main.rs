@@ -16,6 +16,7 @@ use klein::KleinError;
 mod args;
 mod batch;
 mod bundled;
+mod heap;
 mod jsonl;
 mod outputs;
 mod report;
@@ -25,38 +26,15 @@ use args::{
     check_device_flags, default_model, pipeline_options, Cli, Command, GenerateArgs, InfoArgs,
 };
 use klein::pipeline::metadata::variant_name;
-use klein::pipeline::options::AUTO_TILING_PIXELS;
-use klein::pipeline::VaeTiling;
 use outputs::{output_files, random_seed};
 use report::{warn_ignored_guidance, Reporter};
 
 /// Exit code after SIGINT, SIGTERM or SIGHUP (128 + SIGINT, as shells report Ctrl-C).
 const INTERRUPTED: i32 = 130;
 
-/// Whether `command` keeps freed activations mapped for the next step and image
-/// (runtime/heap.rs): generations do, unless VAE tiles were asked for, or `--width` x `--height`
-/// is above the pixels where auto tiles. Tiles are there to save memory, which the kept heap
-/// takes back (at 1024x1024 with 512-pixel tiles, 4.1-8.9 GB peaks against 3.4 GB, no faster; at
-/// 1536x1536 with auto's tiles 10.8-17.8 GiB against 9.6 GiB, 5% slower; README, "Heap").
-fn keeps_freed_memory(command: &Command) -> bool {
-    match command {
-        Command::Generate(args) => match (args.load.vae_tiling(), args.width, args.height) {
-            (VaeTiling::On, _, _) => false,
-            (VaeTiling::Auto, Some(width), Some(height)) => {
-                u64::from(width) * u64::from(height) <= AUTO_TILING_PIXELS
-            }
-            _ => true,
-        },
-        Command::Serve(args) => args.load.vae_tiling() != VaeTiling::On,
-        Command::Info(_) => false,
-    }
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if keeps_freed_memory(&cli.command) {
-        klein::runtime::retain_freed_memory();
-    }
+    heap::tune_heap(&cli.command);
     let result = match cli.command {
         Command::Generate(args) => {
             install_interrupt_handler();
@@ -371,63 +349,4 @@ fn info(args: InfoArgs) -> anyhow::Result<()> {
         report::print_lora(lora);
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use clap::Parser;
-
-    use super::{keeps_freed_memory, Cli};
-
-    fn keeps(args: &[&str]) -> bool {
-        keeps_freed_memory(&Cli::try_parse_from(args).expect("valid arguments").command)
-    }
-
-    #[test]
-    fn the_heap_is_kept_unless_tiles_are_asked_for() {
-        assert!(keeps(&["klein", "generate", "a fox"]));
-        assert!(keeps(&[
-            "klein",
-            "generate",
-            "a fox",
-            "--vae-tiling",
-            "auto"
-        ]));
-        assert!(keeps(&["klein", "serve", "--vae-tiling", "off"]));
-        assert!(!keeps(&[
-            "klein",
-            "generate",
-            "a fox",
-            "--vae-tiling",
-            "on"
-        ]));
-        assert!(!keeps(&[
-            "klein",
-            "generate",
-            "a fox",
-            "--vae-tile-size",
-            "512"
-        ]));
-        assert!(!keeps(&["klein", "serve", "--vae-tile-size", "512"]));
-        assert!(!keeps(&["klein", "info"]));
-        // Sizes where auto tiles: above 1024x1024 pixels.
-        let sized = |width: &str, height: &str, tiling: &str| {
-            keeps(&[
-                "klein",
-                "generate",
-                "a fox",
-                "--width",
-                width,
-                "--height",
-                height,
-                "--vae-tiling",
-                tiling,
-            ])
-        };
-        assert!(sized("1024", "1024", "auto"));
-        assert!(!sized("1536", "1536", "auto"));
-        assert!(!sized("2048", "768", "auto"));
-        assert!(sized("1536", "1536", "off"));
-        assert!(keeps(&["klein", "generate", "a fox", "--width", "1536"]));
-    }
 }

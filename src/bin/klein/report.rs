@@ -160,6 +160,7 @@ impl Reporter {
             for placement in pipeline.placements() {
                 eprintln!("{:>20}: runs on {}", placement.component, placement.device);
             }
+            eprintln!("{:>20}: {}", "heap", crate::heap::heap_setting());
         }
     }
 }

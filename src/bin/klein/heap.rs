@@ -1,0 +1,137 @@
+//! glibc's heap for a command (Linux, glibc; library side: `klein::runtime`'s heap settings):
+//! transparent huge pages, and freed memory kept for the next step and image.
+use std::sync::OnceLock;
+
+use klein::pipeline::options::AUTO_TILING_PIXELS;
+use klein::pipeline::VaeTiling;
+use klein::runtime::{retain_freed_memory, start_tunables, GLIBC_TUNABLES};
+
+use crate::args::Command;
+
+/// What [`tune_heap`] left the heap with, for `--timings`.
+static SETTING: OnceLock<String> = OnceLock::new();
+
+/// Sets the heap for `command`, first thing in `main` (before any thread starts). Generations
+/// and the server start klein again with `GLIBC_TUNABLES` set to `start_tunables`'s value where
+/// that gives huge pages (the process is replaced: this returns only where it was not needed or
+/// failed); otherwise the heap is kept with `mallopt` where [`keeps_freed_memory`] says so.
+pub(crate) fn tune_heap(command: &Command) {
+    let keep = keeps_freed_memory(command);
+    if !matches!(command, Command::Info(_)) {
+        if let Some(tunables) = start_tunables(keep) {
+            start_again(&tunables);
+        }
+    }
+    let setting = match std::env::var(GLIBC_TUNABLES) {
+        Ok(tunables) => format!("{GLIBC_TUNABLES}={tunables}"),
+        Err(_) if keep && retain_freed_memory() => "freed memory kept (mallopt)".to_string(),
+        Err(_) => "the allocator's defaults".to_string(),
+    };
+    let _ = SETTING.set(setting);
+}
+
+/// The heap's setting (`--timings`): the tunables klein or the user started it with, or else
+/// whether freed memory is kept.
+pub(crate) fn heap_setting() -> &'static str {
+    SETTING.get().map_or("not set", String::as_str)
+}
+
+/// Replaces the process by klein again, same arguments, with `GLIBC_TUNABLES=tunables`; returns
+/// only if that failed (said on stderr: the run goes on without huge pages). The variable being
+/// set is what stops the new process from starting again.
+fn start_again(tunables: &str) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        let mut args = std::env::args_os();
+        let arg0 = args.next().unwrap_or_else(|| "klein".into());
+        // `/proc/self/exe` runs this very file, even if it was replaced or deleted since.
+        let error = std::process::Command::new("/proc/self/exe")
+            .arg0(arg0)
+            .args(args)
+            .env(GLIBC_TUNABLES, tunables)
+            .exec();
+        eprintln!("klein: warning: could not start again with {GLIBC_TUNABLES}={tunables} ({error}); running without huge pages");
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = tunables;
+}
+
+/// Whether `command` keeps freed activations mapped for the next step and image
+/// (runtime/heap.rs): generations do, unless VAE tiles were asked for, or `--width` x `--height`
+/// is above the pixels where auto tiles. Tiles are there to save memory, which the kept heap
+/// takes back (at 1024x1024 with 512-pixel tiles, 4.1-8.9 GB peaks against 3.4 GB, no faster; at
+/// 1536x1536 with auto's tiles 10.8-17.8 GiB against 9.6 GiB, 5% slower; README, "Heap").
+fn keeps_freed_memory(command: &Command) -> bool {
+    match command {
+        Command::Generate(args) => match (args.load.vae_tiling(), args.width, args.height) {
+            (VaeTiling::On, _, _) => false,
+            (VaeTiling::Auto, Some(width), Some(height)) => {
+                u64::from(width) * u64::from(height) <= AUTO_TILING_PIXELS
+            }
+            _ => true,
+        },
+        Command::Serve(args) => args.load.vae_tiling() != VaeTiling::On,
+        Command::Info(_) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::keeps_freed_memory;
+    use crate::args::Cli;
+
+    fn keeps(args: &[&str]) -> bool {
+        keeps_freed_memory(&Cli::try_parse_from(args).expect("valid arguments").command)
+    }
+
+    #[test]
+    fn the_heap_is_kept_unless_tiles_are_asked_for() {
+        assert!(keeps(&["klein", "generate", "a fox"]));
+        assert!(keeps(&[
+            "klein",
+            "generate",
+            "a fox",
+            "--vae-tiling",
+            "auto"
+        ]));
+        assert!(keeps(&["klein", "serve", "--vae-tiling", "off"]));
+        assert!(!keeps(&[
+            "klein",
+            "generate",
+            "a fox",
+            "--vae-tiling",
+            "on"
+        ]));
+        assert!(!keeps(&[
+            "klein",
+            "generate",
+            "a fox",
+            "--vae-tile-size",
+            "512"
+        ]));
+        assert!(!keeps(&["klein", "serve", "--vae-tile-size", "512"]));
+        assert!(!keeps(&["klein", "info"]));
+        // Sizes where auto tiles: above 1024x1024 pixels.
+        let sized = |width: &str, height: &str, tiling: &str| {
+            keeps(&[
+                "klein",
+                "generate",
+                "a fox",
+                "--width",
+                width,
+                "--height",
+                height,
+                "--vae-tiling",
+                tiling,
+            ])
+        };
+        assert!(sized("1024", "1024", "auto"));
+        assert!(!sized("1536", "1536", "auto"));
+        assert!(!sized("2048", "768", "auto"));
+        assert!(sized("1536", "1536", "off"));
+        assert!(keeps(&["klein", "generate", "a fox", "--width", "1536"]));
+    }
+}

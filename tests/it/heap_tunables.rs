@@ -1,0 +1,74 @@
+//! The CLI's heap (src/bin/klein/heap.rs): a generation starts klein again with glibc's huge pages
+//! (and its heap kept) where the kernel gives huge pages on request, leaves a `GLIBC_TUNABLES` the
+//! user set as it is, and the image does not depend on either.
+use std::ffi::OsStr;
+
+use crate::cli::{klein_env, read_png, FAST};
+use crate::util::{temp_dir, test_cache_dir};
+
+/// The value after `heap:` in `--timings`' report.
+fn heap_line(stderr: &str) -> &str {
+    stderr
+        .lines()
+        .find_map(|l| l.trim_start().strip_prefix("heap: "))
+        .unwrap_or_else(|| panic!("no heap line in:\n{stderr}"))
+}
+
+#[test]
+fn generations_start_with_huge_pages_unless_the_user_tuned_glibc() {
+    let dir = temp_dir("heap-tunables");
+    let cache = test_cache_dir();
+    let run = |name: &str, tunables: Option<&str>, extra: &[&str]| {
+        let out = dir.join(name);
+        let args = [
+            &["generate", "a fox", "--seed", "7", "--timings", "-o"][..],
+            &[out.to_str().unwrap()],
+            &FAST,
+            extra,
+        ]
+        .concat();
+        let run = klein_env(
+            args,
+            &[
+                ("KLEIN_CACHE_DIR", Some(cache.as_os_str())),
+                ("GLIBC_TUNABLES", tunables.map(OsStr::new)),
+            ],
+        );
+        run.assert_success(&[&out]);
+        (heap_line(&run.stderr).to_string(), read_png(&out).pixels)
+    };
+    let (default, image) = run("default.png", None, &[]);
+    let (tiled, tiled_image) = run("tiled.png", None, &["--vae-tiling", "on"]);
+    let (user, user_image) = run("user.png", Some("glibc.malloc.hugetlb=0"), &[]);
+
+    // The kernel's mode, in brackets: `always [madvise] never`.
+    let mode =
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    let huge_pages = cfg!(all(target_os = "linux", target_env = "gnu"))
+        && (mode.contains("[always]") || mode.contains("[madvise]"));
+    if huge_pages {
+        let kept = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184";
+        assert_eq!(
+            default,
+            format!("GLIBC_TUNABLES=glibc.malloc.hugetlb=1:{kept}")
+        );
+        // Asked-for tiles save memory: huge pages, the heap not kept.
+        assert_eq!(tiled, "GLIBC_TUNABLES=glibc.malloc.hugetlb=1");
+    } else if cfg!(all(target_os = "linux", target_env = "gnu")) {
+        assert_eq!(default, "freed memory kept (mallopt)");
+        assert_eq!(tiled, "the allocator's defaults");
+    } else {
+        assert_eq!(
+            (default.as_str(), tiled.as_str()),
+            ("the allocator's defaults", "the allocator's defaults")
+        );
+    }
+    assert_eq!(
+        user, "GLIBC_TUNABLES=glibc.malloc.hugetlb=0",
+        "the user's tunables stand"
+    );
+    assert!(
+        image == user_image && image == tiled_image,
+        "the heap changed the image"
+    );
+}
