@@ -11,7 +11,10 @@ and EMULATED_PSNR (80 dB against diffusers with the dequantized weights).
 import collections
 import hashlib
 import json
+import os
+import platform
 import subprocess
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -584,6 +587,33 @@ def test_cpu_cache_keeps_quantized_images(bundles, name, tmp_path):
     first = {n.input[0] for n in model.graph.node if "MatMul" in n.op_type and n.input[0] in weights}
     assert len(packed) >= (0 if name == "int8" else MATMUL_WEIGHTS["transformer"]), packed
     assert len(first) == 6 and not packed & first, (packed, first)
+
+
+@pytest.mark.parametrize(
+    "name, huge_pages", [("fp16", True), ("int8-static", True), ("int8-dynamic", False), ("int8", False)]
+)
+def test_huge_pages_only_for_float_transformers(bundles, name, huge_pages):
+    """`klein generate` starts itself again with glibc's transparent huge pages (src/bin/klein/heap.rs)
+    where the bundle's transformer is float (fp16; the static scheme quantizes only the VAE decoder),
+    not where it is quantized (no gain measured there), and only where the kernel gives huge pages on
+    request; `--timings` says the heap's setting."""
+    args = ("a lantern", "--width", "64", "--height", "48", "--seed", "6", "--steps", "1", "--timings")
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [str(KLEIN), "generate", "--model", str(bundles[name]), "-o", f"{tmp}/out.png", *args]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    heap = [line.split(":", 1)[1].strip() for line in done.stderr.splitlines() if line.strip().startswith("heap:")]
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    mode = mode.read_text() if mode.exists() else ""
+    kernel_gives = platform.libc_ver()[0] == "glibc" and ("[always]" in mode or "[madvise]" in mode)
+    if huge_pages and kernel_gives:
+        kept = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184"
+        assert heap == [f"GLIBC_TUNABLES=glibc.malloc.hugetlb=1:{kept}"], done.stderr
+    elif platform.libc_ver()[0] == "glibc":
+        assert heap == ["freed memory kept (mallopt)"], done.stderr
+    else:
+        assert heap == ["the allocator's defaults"], done.stderr
 
 
 def test_dynamic_text_encoder_computes_the_same_unpacked(bundles):
