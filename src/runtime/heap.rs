@@ -15,8 +15,8 @@
 //! at a process's start.
 //!
 //! Both change the whole process's allocator, so the library never applies them by itself: the
-//! `klein` CLI and server do, at start (they start again with [`start_tunables`]' value set, or
-//! call [`retain_freed_memory`] where the kernel has no huge pages). The heap is not kept where
+//! `klein` CLI and server do, at start (they start again with [`start_tunables`]' value set where
+//! the transformer is float, or call [`retain_freed_memory`]). The heap is not kept where
 //! VAE tiles were asked for or the CLI's `--width` x `--height` is a size auto tiles (with tiles,
 //! the kept heap raised the 1024x1024 peak from 3.4 GB to 4.1-8.9 GB, no faster). A process
 //! started with `GLIBC_TUNABLES` set keeps glibc's settings as the user tuned them (that is also
@@ -27,8 +27,9 @@
 pub const GLIBC_TUNABLES: &str = "GLIBC_TUNABLES";
 
 /// The `GLIBC_TUNABLES` value that sets klein's heap at a process's start: transparent huge pages
-/// for the heap and its large blocks where the kernel gives them on request, plus, with
-/// `keep_freed`, the two settings of [`retain_freed_memory`]. `None` where nothing would change:
+/// for the heap and its large blocks where the kernel gives them on request, and the two settings
+/// of [`retain_freed_memory`] (huge pages gained nothing without them: the float step's
+/// activations are then mapped afresh every step). `None` where nothing would change:
 /// `GLIBC_TUNABLES` already set (the user's settings stand), not glibc's Linux, or the kernel's
 /// huge pages off (then [`retain_freed_memory`] alone keeps the heap, without starting again).
 ///
@@ -36,31 +37,27 @@ pub const GLIBC_TUNABLES: &str = "GLIBC_TUNABLES";
 /// starting itself again with the variable set, before it does any work: the `klein` CLI does.
 /// Huge pages cut the page faults and TLB misses of the float graphs' large activations: the
 /// wide checkpoint's fp32 transformer step, 2 threads, Xeon without AMX, took 5-15% less
-/// (README, "Transparent huge pages").
-pub fn start_tunables(keep_freed: bool) -> Option<String> {
+/// (README, "Heap").
+pub fn start_tunables() -> Option<String> {
     if std::env::var_os(GLIBC_TUNABLES).is_some() || !glibc::IS_GLIBC {
         return None;
     }
     let mode = std::fs::read_to_string(THP_MODE_FILE).unwrap_or_default();
-    tunables_for(&mode, keep_freed)
+    tunables_for(&mode)
 }
 
 /// The kernel's transparent huge page mode: `always [madvise] never`, the one in brackets in use.
 const THP_MODE_FILE: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
 
 /// [`start_tunables`] for the kernel's huge page mode `mode` (the text of [`THP_MODE_FILE`];
-/// empty where there is none).
-fn tunables_for(mode: &str, keep_freed: bool) -> Option<String> {
+/// empty where there is none). The kept heap: `M_MMAP_MAX` 0 and a trim threshold no heap
+/// reaches (16 GiB: the tunable is a size).
+fn tunables_for(mode: &str) -> Option<String> {
     let huge_pages = mode.contains("[always]") || mode.contains("[madvise]");
-    if !huge_pages {
-        return None;
-    }
-    let mut tunables = "glibc.malloc.hugetlb=1".to_string();
-    if keep_freed {
-        // `M_MMAP_MAX` 0 and a trim threshold no heap reaches (16 GiB: the tunable is a size).
-        tunables.push_str(":glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184");
-    }
-    Some(tunables)
+    huge_pages.then(|| {
+        "glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184"
+            .to_string()
+    })
 }
 
 /// Keeps freed memory in glibc's heap for reuse (see the module documentation). Returns whether
@@ -115,18 +112,14 @@ mod tests {
     fn huge_pages_are_asked_for_only_where_the_kernel_gives_them() {
         let kept = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184";
         assert_eq!(
-            tunables_for("always [madvise] never\n", true).as_deref(),
+            tunables_for("always [madvise] never\n").as_deref(),
             Some(kept)
         );
         assert_eq!(
-            tunables_for("[always] madvise never\n", true).as_deref(),
+            tunables_for("[always] madvise never\n").as_deref(),
             Some(kept)
         );
-        assert_eq!(
-            tunables_for("always [madvise] never\n", false).as_deref(),
-            Some("glibc.malloc.hugetlb=1")
-        );
-        assert_eq!(tunables_for("always madvise [never]\n", true), None);
-        assert_eq!(tunables_for("", false), None);
+        assert_eq!(tunables_for("always madvise [never]\n"), None);
+        assert_eq!(tunables_for(""), None);
     }
 }
