@@ -38,7 +38,7 @@ pub const GLIBC_TUNABLES: &str = "GLIBC_TUNABLES";
 /// Huge pages cut the page faults and TLB misses of the float graphs' large activations: the
 /// wide checkpoint's fp32 transformer step, 2 threads, Xeon without AMX, took 5-15% less
 /// (README, "Heap").
-pub fn start_tunables() -> Option<String> {
+pub fn start_tunables() -> Option<&'static str> {
     if std::env::var_os(GLIBC_TUNABLES).is_some() || !glibc::IS_GLIBC {
         return None;
     }
@@ -52,12 +52,11 @@ const THP_MODE_FILE: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
 /// [`start_tunables`] for the kernel's huge page mode `mode` (the text of [`THP_MODE_FILE`];
 /// empty where there is none). The kept heap: `M_MMAP_MAX` 0 and a trim threshold no heap
 /// reaches (16 GiB: the tunable is a size).
-fn tunables_for(mode: &str) -> Option<String> {
+fn tunables_for(mode: &str) -> Option<&'static str> {
     let huge_pages = mode.contains("[always]") || mode.contains("[madvise]");
-    huge_pages.then(|| {
-        "glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184"
-            .to_string()
-    })
+    huge_pages.then_some(
+        "glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184",
+    )
 }
 
 /// Keeps freed memory in glibc's heap for reuse (see the module documentation). Returns whether
@@ -111,14 +110,8 @@ mod tests {
     #[test]
     fn huge_pages_are_asked_for_only_where_the_kernel_gives_them() {
         let kept = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184";
-        assert_eq!(
-            tunables_for("always [madvise] never\n").as_deref(),
-            Some(kept)
-        );
-        assert_eq!(
-            tunables_for("[always] madvise never\n").as_deref(),
-            Some(kept)
-        );
+        assert_eq!(tunables_for("always [madvise] never\n"), Some(kept));
+        assert_eq!(tunables_for("[always] madvise never\n"), Some(kept));
         assert_eq!(tunables_for("always madvise [never]\n"), None);
         assert_eq!(tunables_for(""), None);
     }

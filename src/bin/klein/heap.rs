@@ -27,9 +27,10 @@ pub(crate) fn tune_heap(command: &Command) {
         Command::Serve(args) => Some(&args.load),
         Command::Info(_) => None,
     };
-    if keep && load.is_some_and(runs_a_float_transformer) {
-        if let Some(tunables) = start_tunables() {
-            start_again(&tunables);
+    // The cheap checks first: the restarted process (its variable set) reads no manifest.
+    if let Some(tunables) = start_tunables().filter(|_| keep) {
+        if load.is_some_and(runs_a_float_transformer) {
+            start_again(tunables);
         }
     }
     let setting = match std::env::var(GLIBC_TUNABLES) {
