@@ -35,12 +35,16 @@ feeds = {
     "txt_ids": np.stack([np.zeros(512), np.zeros(512), np.zeros(512), np.arange(512)], -1).astype(np.int64),
 }
 session.run(None, feeds)  # first run: allocations and page faults
+before = resource.getrusage(resource.RUSAGE_SELF)
 start = time.perf_counter()
 velocity = session.run(None, feeds)[0]
 seconds = time.perf_counter() - start
+after = resource.getrusage(resource.RUSAGE_SELF)
+cpu = {"user": after.ru_utime - before.ru_utime, "system": after.ru_stime - before.ru_stime,
+       "minor_faults": after.ru_minflt - before.ru_minflt}
 np.save(out, velocity[0, :256])
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-by_op = {}
+by_op, run_seconds = {}, []
 if profile:
     # A second session, built after the timed run, profiles its runs.
     del session
@@ -52,11 +56,12 @@ if profile:
     events = json.load(open(profiled.end_profiling()))
     runs = [e for e in events if e.get("name") == "model_run"]
     last = runs[-1]["ts"]
+    run_seconds = [r["dur"] / 1e6 for r in runs]
     for e in events:
         if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= last:
             op = e["args"]["op_name"]
             by_op[op] = by_op.get(op, 0.0) + e["dur"] / 1e6
-print(json.dumps({"seconds": seconds, "peak_gib": peak, "by_op": by_op}))
+print(json.dumps({"seconds": seconds, "peak_gib": peak, "cpu": cpu, "by_op": by_op, "runs": run_seconds}))
 """
 
 
@@ -98,11 +103,16 @@ def main() -> int:
                 continue
             result = json.loads(run.stdout.strip().splitlines()[-1])
             results[name].append(result)
-            print(f"{name} rep {rep + 1}: step {result['seconds']:.2f} s, peak RSS {result['peak_gib']:.2f} GiB")
+            cpu = result["cpu"]
+            print(
+                f"{name} rep {rep + 1}: step {result['seconds']:.2f} s (user {cpu['user']:.1f} s, system "
+                f"{cpu['system']:.1f} s, {cpu['minor_faults']} minor faults), peak RSS {result['peak_gib']:.2f} GiB"
+            )
             by_op = sorted(result["by_op"].items(), key=lambda kv: -kv[1])
             if by_op:
                 total = sum(seconds for _, seconds in by_op)
-                print(f"  profiled run: {total:.2f} s in operators")
+                walls = ", ".join(f"{w:.2f}" for w in result["runs"])
+                print(f"  profiled runs: {walls} s; the last {total:.2f} s in operators")
                 for op, seconds in by_op:
                     print(f"    {op:32} {seconds:7.3f} s  {100 * seconds / total:5.1f}%")
     print(f"\n{args.size}x{args.size}, {args.threads} threads, median of {args.reps}:")

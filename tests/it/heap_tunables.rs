@@ -1,7 +1,7 @@
-//! The CLI's heap (src/bin/klein/heap.rs): a generation that keeps the heap starts klein again with
-//! glibc's huge pages (and its heap kept) where the kernel gives huge pages on request, one with
-//! VAE tiles asked for does neither, a `GLIBC_TUNABLES` the user set stays as it is, and the image
-//! does not depend on any of it.
+//! The CLI's heap (src/bin/klein/heap.rs): a generation of a float transformer starts klein again
+//! with glibc's huge pages (and its heap kept) where the kernel gives huge pages on request, at
+//! sizes where auto tiles too; one with VAE tiles asked for does neither, a `GLIBC_TUNABLES` the
+//! user set stays as it is, and the image does not depend on any of it.
 use std::ffi::OsStr;
 
 use crate::cli::{klein_env, read_png, FAST};
@@ -19,12 +19,12 @@ fn heap_line(stderr: &str) -> &str {
 fn generations_start_with_huge_pages_unless_the_user_tuned_glibc() {
     let dir = temp_dir("heap-tunables");
     let cache = test_cache_dir();
-    let run = |name: &str, tunables: Option<&str>, extra: &[&str]| {
+    let sized = |name: &str, tunables: Option<&str>, size: &[&str], extra: &[&str]| {
         let out = dir.join(name);
         let args = [
             &["generate", "a fox", "--seed", "7", "--timings", "-o"][..],
             &[out.to_str().unwrap()],
-            &FAST,
+            size,
             extra,
         ]
         .concat();
@@ -38,7 +38,12 @@ fn generations_start_with_huge_pages_unless_the_user_tuned_glibc() {
         run.assert_success(&[&out]);
         (heap_line(&run.stderr).to_string(), read_png(&out).pixels)
     };
+    let run =
+        |name: &str, tunables: Option<&str>, extra: &[&str]| sized(name, tunables, &FAST, extra);
     let (default, image) = run("default.png", None, &[]);
+    // Above 1024x1024 pixels auto tiles the VAE (the tiny bundle's tiles are 64 px).
+    let large = ["--width", "1040", "--height", "1040", "--steps", "1"];
+    let (auto_tiled, _) = sized("large.png", None, &large, &[]);
     let (tiled, tiled_image) = run("tiled.png", None, &["--vae-tiling", "on"]);
     let (user, user_image) = run("user.png", Some("glibc.malloc.hugetlb=0"), &[]);
 
@@ -51,14 +56,15 @@ fn generations_start_with_huge_pages_unless_the_user_tuned_glibc() {
     assert_eq!(tiled, "the allocator's defaults");
     if huge_pages {
         let kept = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184";
-        assert_eq!(
-            default,
-            format!("GLIBC_TUNABLES=glibc.malloc.hugetlb=1:{kept}")
-        );
+        let expected = format!("GLIBC_TUNABLES=glibc.malloc.hugetlb=1:{kept}");
+        assert_eq!(default, expected);
+        assert_eq!(auto_tiled, expected, "auto's tiles keep huge pages");
     } else if cfg!(all(target_os = "linux", target_env = "gnu")) {
         assert_eq!(default, "freed memory kept (mallopt)");
+        assert_eq!(auto_tiled, "the allocator's defaults");
     } else {
         assert_eq!(default, "the allocator's defaults");
+        assert_eq!(auto_tiled, "the allocator's defaults");
     }
     assert_eq!(
         user, "GLIBC_TUNABLES=glibc.malloc.hugetlb=0",

@@ -14,12 +14,10 @@ use crate::args::{default_model, Command, LoadArgs};
 static SETTING: OnceLock<String> = OnceLock::new();
 
 /// Sets the heap for `command`, first thing in `main` (before any thread starts). Generations
-/// and the server that keep the heap ([`keeps_freed_memory`]) with a float transformer start
+/// and the server with a float transformer and no VAE tiles asked for ([`huge_pages_pay`]) start
 /// klein again with `GLIBC_TUNABLES` set to `start_tunables`'s value where that gives huge pages
 /// (the process is replaced: this returns only where it was not needed or failed); otherwise the
-/// heap is kept with `mallopt` where [`keeps_freed_memory`] says so. Without the kept heap (VAE
-/// tiles) huge pages gained nothing: wide fp32 at 1536x1536, 2 steps, 2 alternating pairs,
-/// 349.2 and 312.6 s against 341.5 and 305.8 s (README, "Heap").
+/// heap is kept with `mallopt` where [`keeps_freed_memory`] says so.
 pub(crate) fn tune_heap(command: &Command) {
     let keep = keeps_freed_memory(command);
     let load = match command {
@@ -28,7 +26,7 @@ pub(crate) fn tune_heap(command: &Command) {
         Command::Info(_) => None,
     };
     // The cheap checks first: the restarted process (its variable set) reads no manifest.
-    if let Some(tunables) = start_tunables().filter(|_| keep) {
+    if let Some(tunables) = start_tunables().filter(|_| huge_pages_pay(command)) {
         if load.is_some_and(runs_a_float_transformer) {
             start_again(tunables);
         }
@@ -79,6 +77,21 @@ fn start_again(tunables: &str) {
     let _ = tunables;
 }
 
+/// Whether `command` runs with huge pages and the kept heap where its transformer is float: every
+/// generation and server without VAE tiles asked for, auto's tiles included. With the tiles that
+/// auto takes at 1536x1536 the heap's float steps and decode still gained (wide fp32, 2 steps, 2
+/// alternating pairs: decode 136.6 and 138.5 s against 147.8 and 157.7 s, denoise 126.6 and
+/// 101.3 s against 124.9 and 148.8 s) for a higher peak (12.08 and 11.33 GiB against 10.90 and
+/// 10.91 GiB: freed activations stay mapped for the decoder); huge pages without the kept heap
+/// gained nothing there (349.2 and 312.6 s against 341.5 and 305.8 s end to end; README, "Heap").
+fn huge_pages_pay(command: &Command) -> bool {
+    match command {
+        Command::Generate(args) => args.load.vae_tiling() != VaeTiling::On,
+        Command::Serve(args) => args.load.vae_tiling() != VaeTiling::On,
+        Command::Info(_) => false,
+    }
+}
+
 /// Whether `command` keeps freed activations mapped for the next step and image
 /// (runtime/heap.rs): generations do, unless VAE tiles were asked for, or `--width` x `--height`
 /// is above the pixels where auto tiles. Tiles are there to save memory, which the kept heap
@@ -102,7 +115,7 @@ fn keeps_freed_memory(command: &Command) -> bool {
 mod tests {
     use clap::Parser;
 
-    use super::keeps_freed_memory;
+    use super::{huge_pages_pay, keeps_freed_memory};
     use crate::args::Cli;
 
     fn keeps(args: &[&str]) -> bool {
@@ -155,5 +168,27 @@ mod tests {
         assert!(!sized("2048", "768", "auto"));
         assert!(sized("1536", "1536", "off"));
         assert!(keeps(&["klein", "generate", "a fox", "--width", "1536"]));
+    }
+
+    #[test]
+    fn huge_pages_unless_tiles_are_asked_for() {
+        let pays =
+            |args: &[&str]| huge_pages_pay(&Cli::try_parse_from(args).expect("valid").command);
+        assert!(pays(&["klein", "generate", "a fox"]));
+        // Auto tiles at this size; huge pages and the kept heap still pay for float steps.
+        assert!(pays(&[
+            "klein", "generate", "a fox", "--width", "1536", "--height", "1536"
+        ]));
+        assert!(pays(&["klein", "serve"]));
+        assert!(!pays(&["klein", "generate", "a fox", "--vae-tiling", "on"]));
+        assert!(!pays(&[
+            "klein",
+            "generate",
+            "a fox",
+            "--vae-tile-size",
+            "512"
+        ]));
+        assert!(!pays(&["klein", "serve", "--vae-tiling", "on"]));
+        assert!(!pays(&["klein", "info"]));
     }
 }
