@@ -2,7 +2,7 @@
 bundles alternating, with the step's seconds and the process's peak RSS; then the median of each.
 
     python benches/transformer_step.py --bundle plain=/work/big/wide-fp32 \
-        --bundle fused=/work/big/wide-fused --size 1024 --reps 2 --threads 2
+        --bundle fused=/work/big/wide-fused --size 1024 --reps 2 --threads 2 [--runs 3] [--no-arena]
 
 The inputs are random (latents, 512 prompt tokens) and the same for every bundle; the largest
 difference between the bundles' outputs is printed, so that two graphs of one checkpoint (for
@@ -19,8 +19,10 @@ CHILD = r"""
 import json, resource, sys, time
 import numpy as np, onnxruntime as ort
 path, side, threads, out, profile = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+runs, arena = int(sys.argv[6]), sys.argv[7] == "arena"
 options = ort.SessionOptions()
 options.intra_op_num_threads = threads
+options.enable_cpu_mem_arena = arena
 options.add_session_config_entry("session.set_denormal_as_zero", "1")  # as klein's sessions
 session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 shapes = {i.name: i.shape for i in session.get_inputs()}
@@ -34,14 +36,15 @@ feeds = {
     "img_ids": ids.astype(np.int64),
     "txt_ids": np.stack([np.zeros(512), np.zeros(512), np.zeros(512), np.arange(512)], -1).astype(np.int64),
 }
-session.run(None, feeds)  # first run: allocations and page faults
-before = resource.getrusage(resource.RUSAGE_SELF)
-start = time.perf_counter()
-velocity = session.run(None, feeds)[0]
-seconds = time.perf_counter() - start
-after = resource.getrusage(resource.RUSAGE_SELF)
-cpu = {"user": after.ru_utime - before.ru_utime, "system": after.ru_stime - before.ru_stime,
-       "minor_faults": after.ru_minflt - before.ru_minflt}
+timed = []  # every run: the first ones also allocate and page-fault
+for _ in range(runs):
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    start = time.perf_counter()
+    velocity = session.run(None, feeds)[0]
+    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    timed.append({"seconds": seconds, "user": after.ru_utime - before.ru_utime,
+                  "system": after.ru_stime - before.ru_stime, "minor_faults": after.ru_minflt - before.ru_minflt})
 np.save(out, velocity[0, :256])
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 by_op, run_seconds = {}, []
@@ -54,14 +57,14 @@ if profile:
     for _ in range(3):  # the last run's nodes are counted: the first ones still allocate
         profiled.run(None, feeds)
     events = json.load(open(profiled.end_profiling()))
-    runs = [e for e in events if e.get("name") == "model_run"]
-    last = runs[-1]["ts"]
-    run_seconds = [r["dur"] / 1e6 for r in runs]
+    run_events = [e for e in events if e.get("name") == "model_run"]
+    last = run_events[-1]["ts"]
+    run_seconds = [r["dur"] / 1e6 for r in run_events]
     for e in events:
         if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= last:
             op = e["args"]["op_name"]
             by_op[op] = by_op.get(op, 0.0) + e["dur"] / 1e6
-print(json.dumps({"seconds": seconds, "peak_gib": peak, "cpu": cpu, "by_op": by_op, "runs": run_seconds}))
+print(json.dumps({"seconds": seconds, "peak_gib": peak, "timed": timed, "by_op": by_op, "runs": run_seconds}))
 """
 
 
@@ -71,6 +74,17 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=1024, help="image side in pixels (default 1024)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=2,
+        help="runs of the step per process, each printed; the last one counts (default 2)",
+    )
+    parser.add_argument(
+        "--no-arena",
+        action="store_true",
+        help="without ONNX Runtime's CPU memory arena, as klein runs the transformer",
+    )
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -94,6 +108,8 @@ def main() -> int:
                     str(args.threads),
                     out,
                     f"/tmp/transformer_step_{name}_profile" if args.profile else "",
+                    str(max(args.runs, 1)),
+                    "no-arena" if args.no_arena else "arena",
                 ],
                 capture_output=True,
                 text=True,
@@ -103,11 +119,12 @@ def main() -> int:
                 continue
             result = json.loads(run.stdout.strip().splitlines()[-1])
             results[name].append(result)
-            cpu = result["cpu"]
-            print(
-                f"{name} rep {rep + 1}: step {result['seconds']:.2f} s (user {cpu['user']:.1f} s, system "
-                f"{cpu['system']:.1f} s, {cpu['minor_faults']} minor faults), peak RSS {result['peak_gib']:.2f} GiB"
-            )
+            print(f"{name} rep {rep + 1}: step {result['seconds']:.2f} s, peak RSS {result['peak_gib']:.2f} GiB")
+            for i, t in enumerate(result["timed"]):
+                print(
+                    f"  run {i + 1}: {t['seconds']:.2f} s (user {t['user']:.1f} s, system {t['system']:.1f} s, "
+                    f"{t['minor_faults']} minor page faults)"
+                )
             by_op = sorted(result["by_op"].items(), key=lambda kv: -kv[1])
             if by_op:
                 total = sum(seconds for _, seconds in by_op)
