@@ -593,7 +593,7 @@ def test_cpu_cache_keeps_quantized_images(bundles, name, tmp_path):
     "name, huge_pages", [("fp16", True), ("int8-static", True), ("int8-dynamic", False), ("int8", False)]
 )
 def test_huge_pages_only_for_float_transformers(bundles, name, huge_pages):
-    """`klein generate` that keeps its heap (no tiles asked for, at most 1024x1024 pixels) starts itself
+    """`klein generate` without VAE tiles asked for (auto's included) starts itself
     again with glibc's transparent huge pages (src/bin/klein/heap.rs) where the bundle's transformer is
     float (fp16; the static scheme quantizes only the VAE decoder), not where it is quantized (no gain
     measured there), and only where the kernel gives huge pages on request; `--timings` says the

@@ -20,14 +20,9 @@ static SETTING: OnceLock<String> = OnceLock::new();
 /// heap is kept with `mallopt` where [`keeps_freed_memory`] says so.
 pub(crate) fn tune_heap(command: &Command) {
     let keep = keeps_freed_memory(command);
-    let load = match command {
-        Command::Generate(args) => Some(&args.load),
-        Command::Serve(args) => Some(&args.load),
-        Command::Info(_) => None,
-    };
     // The cheap checks first: the restarted process (its variable set) reads no manifest.
     if let Some(tunables) = start_tunables().filter(|_| huge_pages_pay(command)) {
-        if load.is_some_and(runs_a_float_transformer) {
+        if load_args(command).is_some_and(runs_a_float_transformer) {
             start_again(tunables);
         }
     }
@@ -85,10 +80,15 @@ fn start_again(tunables: &str) {
 /// 10.91 GiB: freed activations stay mapped for the decoder); huge pages without the kept heap
 /// gained nothing there (349.2 and 312.6 s against 341.5 and 305.8 s end to end; README, "Heap").
 fn huge_pages_pay(command: &Command) -> bool {
+    load_args(command).is_some_and(|load| load.vae_tiling() != VaeTiling::On)
+}
+
+/// The bundle and session arguments of a command that loads a bundle.
+fn load_args(command: &Command) -> Option<&LoadArgs> {
     match command {
-        Command::Generate(args) => args.load.vae_tiling() != VaeTiling::On,
-        Command::Serve(args) => args.load.vae_tiling() != VaeTiling::On,
-        Command::Info(_) => false,
+        Command::Generate(args) => Some(&args.load),
+        Command::Serve(args) => Some(&args.load),
+        Command::Info(_) => None,
     }
 }
 
