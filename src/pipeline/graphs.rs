@@ -265,6 +265,7 @@ fn session_of(
             source.keeps_text_encoder,
         ))
         .without_cpu_arena(component == Component::Transformer)
+        .without_memory_pattern(component == Component::Transformer)
         .with_7bit_int8_weights(spec.quantization.as_ref().is_some_and(|q| q.reduce_range));
     if let Some(tag) = cache_tag(source.manifest, &path) {
         session = session.with_cache_tag(tag);
@@ -393,6 +394,27 @@ mod tests {
             uint8_weights_warning(Component::TextEncoder, Device::Cpu, Some(&nbits), true),
             None
         );
+    }
+
+    #[test]
+    fn only_the_transformer_runs_without_arena_and_memory_pattern() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("onnx/klein-tiny");
+        let manifest = Manifest::load(&dir).expect("the bundled tiny model");
+        let (session, loras) = (SessionConfig::default(), LoraSet::default());
+        let source = GraphSource {
+            dir: &dir,
+            manifest: &manifest,
+            session: &session,
+            loras: &loras,
+            scratch: &dir,
+            keeps_text_encoder: false,
+        };
+        for component in Component::ALL {
+            let (_, config) = session_of(component, None, &source).expect("a session config");
+            let transformer = component == Component::Transformer;
+            assert_eq!(config.no_cpu_arena, transformer, "{component:?}");
+            assert_eq!(config.no_memory_pattern, transformer, "{component:?}");
+        }
     }
 
     #[test]

@@ -264,6 +264,9 @@ pub struct SessionConfig {
     /// Whether this session runs without ONNX Runtime's CPU memory arena (see
     /// [`Self::without_cpu_arena`]).
     pub(crate) no_cpu_arena: bool,
+    /// Whether this session, where it runs on the CPU, allocates its activations one by one on
+    /// every run instead of ONNX Runtime's memory pattern (see [`Self::without_memory_pattern`]).
+    pub(crate) no_memory_pattern: bool,
     /// Whether this session's pool threads sleep instead of spinning between operators (see
     /// [`Self::without_spinning`]).
     pub(crate) no_spinning: bool,
@@ -333,6 +336,23 @@ impl SessionConfig {
     /// decode took 17-18 s instead of 14.5 s (README, "Memory at large sizes").
     pub(crate) fn without_cpu_arena(mut self, no: bool) -> Self {
         self.no_cpu_arena = no;
+        self
+    }
+
+    /// Where the session runs on the CPU, allocates each run's activations one by one (`no`)
+    /// instead of by ONNX Runtime's memory pattern, which from a shape's second run on takes all
+    /// of them as one block sized by the first run's plan. The pipeline does this for the
+    /// transformer, which runs at one shape for every step: with the pattern, its second step
+    /// asks the allocator for a new block of gigabytes while the first step's freed activations lie
+    /// in pieces (the kept heap grows by that much, and each new page is a page fault), and the
+    /// block stays mapped. Without it every step allocates as the first did, in the memory the first
+    /// freed. Wide fp32 transformer, 1024x1024, kept heap with huge pages, 3 runs in one process:
+    /// 29.5, 21.9, 21.8 s at a peak of 5.23 GiB without the pattern, 27.4, 25.3 (7.5 s of system
+    /// time), 20.1 s at 6.93 GiB with it; the CLI at 1536x1536, 4 steps, peaked at 11.6 instead of
+    /// 16.8-17.1 GiB, steps even, tiled decode 8-11% slower (README, "Heap"). Other devices keep
+    /// the pattern: their arenas serve the block from memory they hold already.
+    pub(crate) fn without_memory_pattern(mut self, no: bool) -> Self {
+        self.no_memory_pattern = no;
         self
     }
 

@@ -73,6 +73,7 @@ pub fn load_graph(
         auto_skip,
         prepack,
         no_cpu_arena,
+        no_memory_pattern,
         no_spinning,
         int8_weights_7bit,
         cpu_cache_dir: _,
@@ -159,6 +160,13 @@ pub fn load_graph(
                 .with_intra_threads(n)
                 .map_err(|e| LoadFailure::Session(error_chain(&e)))?,
             None => builder,
+        };
+        let builder = if no_memory_pattern && device == Device::Cpu {
+            builder
+                .with_memory_pattern(false)
+                .map_err(|e| LoadFailure::Session(error_chain(&e)))?
+        } else {
+            builder
         };
         let mut builder = builder;
         if no_cpu_arena {
