@@ -23,6 +23,7 @@ runs, arena = int(sys.argv[6]), sys.argv[7] == "arena"
 options = ort.SessionOptions()
 options.intra_op_num_threads = threads
 options.enable_cpu_mem_arena = arena
+options.enable_mem_pattern = arena  # klein's transformer runs without both
 options.add_session_config_entry("session.set_denormal_as_zero", "1")  # as klein's sessions
 session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 shapes = {i.name: i.shape for i in session.get_inputs()}
@@ -83,7 +84,7 @@ def main() -> int:
     parser.add_argument(
         "--no-arena",
         action="store_true",
-        help="without ONNX Runtime's CPU memory arena, as klein runs the transformer",
+        help="without ONNX Runtime's CPU memory arena and memory pattern, as klein runs the transformer",
     )
     parser.add_argument(
         "--profile",

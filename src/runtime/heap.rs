@@ -20,7 +20,9 @@
 //! VAE tiles were asked for (the kept heap raised the 1024x1024 peak from 3.4 GB to 4.1-8.9 GB
 //! with 512-pixel tiles, no faster), nor for a quantized transformer where the CLI's `--width` x
 //! `--height` is a size auto tiles; a float transformer keeps it there with huge pages (wide fp32
-//! at 1536x1536: decode 8-12% faster, peak 11.3-12.1 against 10.9 GiB). A process
+//! at 1536x1536: decode 8-12% faster, peak 11.3-12.1 against 10.9 GiB, measured while the
+//! transformer still had ONNX Runtime's memory pattern; without it, 4 steps peak at 11.6 GiB and
+//! the decode gains less). A process
 //! started with `GLIBC_TUNABLES` set keeps glibc's settings as the user tuned them (that is also
 //! the way to opt out: `GLIBC_TUNABLES=glibc.malloc.hugetlb=0`). Elsewhere (macOS, Windows, musl)
 //! both do nothing.

@@ -79,6 +79,9 @@ fn start_again(tunables: &str) {
 /// 101.3 s against 124.9 and 148.8 s) for a higher peak (12.08 and 11.33 GiB against 10.90 and
 /// 10.91 GiB: freed activations stay mapped for the decoder); huge pages without the kept heap
 /// gained nothing there (349.2 and 312.6 s against 341.5 and 305.8 s end to end; README, "Heap").
+/// Those pairs ran the transformer with ONNX Runtime's memory pattern; without it (now) the steps
+/// leave less memory mapped and the decode gains less (145.7 and 153.8 s, 4 steps, peak 11.6 GiB);
+/// the kept heap against glibc's defaults was not measured again at this size.
 fn huge_pages_pay(command: &Command) -> bool {
     load_args(command).is_some_and(|load| load.vae_tiling() != VaeTiling::On)
 }
