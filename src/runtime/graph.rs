@@ -161,14 +161,13 @@ pub fn load_graph(
                 .map_err(|e| LoadFailure::Session(error_chain(&e)))?,
             None => builder,
         };
-        let builder = if no_memory_pattern && device == Device::Cpu {
+        let mut builder = if no_memory_pattern && device == Device::Cpu {
             builder
                 .with_memory_pattern(false)
                 .map_err(|e| LoadFailure::Session(error_chain(&e)))?
         } else {
             builder
         };
-        let mut builder = builder;
         if no_cpu_arena {
             // A session option (DisableCpuMemArena), whatever the device.
             ort::ep::CPU::default()
