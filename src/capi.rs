@@ -93,6 +93,10 @@ pub struct KleinOptions {
     /// The side of the VAE's tiles in pixels, a multiple of 64 (`PipelineOptions::with_vae_tile_size`);
     /// 0: the bundle's. It applies where `vae_tiling` tiles.
     pub vae_tile_size: u32,
+    /// Release the transformer before each generation's decode, and load it again on the next
+    /// (`PipelineOptions::with_release_transformer`): the peak is then the larger of denoising and
+    /// decoding, not their sum. For one image per process or little memory; false: kept.
+    pub release_transformer: bool,
 }
 
 /// What to generate: one image. Zero-initialise, then set what you need.
@@ -552,8 +556,9 @@ unsafe fn pipeline_options(options: &KleinOptions) -> Result<PipelineOptions, Fa
         vae_tiling,
         cpu_cache_dir,
         vae_tile_size,
+        release_transformer,
     } = *options;
-    let mut result = PipelineOptions::default();
+    let mut result = PipelineOptions::default().with_release_transformer(release_transformer);
     // SAFETY: the caller's guarantee.
     if let Some(device) = unsafe { optional_str(device, "options.device") }? {
         result = result.with_device(device.parse()?);

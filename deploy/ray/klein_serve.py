@@ -14,7 +14,7 @@ file's ``args``), else an environment variable, else a default:
 | device | KLEIN_DEVICE | cuda with num_gpus > 0, else cpu | klein.Pipeline's device |
 | threads | KLEIN_THREADS | ONNX Runtime's choice | threads per operator in a replica |
 | loras | KLEIN_LORAS | none | FILE:SCALE, comma-separated |
-| low_memory | KLEIN_LOW_MEMORY | false | release the text encoder between requests |
+| low_memory | KLEIN_LOW_MEMORY | false | release the text encoder between requests and the transformer before decodes |
 | replicas | KLEIN_REPLICAS | 1 | fixed number of replicas |
 | min_replicas, max_replicas | KLEIN_MIN_REPLICAS, KLEIN_MAX_REPLICAS | | autoscaling instead of replicas |
 | target_ongoing_requests | KLEIN_TARGET_ONGOING_REQUESTS | 1 | autoscaling target per replica |
@@ -267,6 +267,7 @@ class KleinDeployment:
             threads=threads,
             loras=loras or [],
             keep_text_encoder=not low_memory,
+            release_transformer=low_memory,
             ort_lib=ort_lib,
         )
 

@@ -268,6 +268,9 @@ class Pipeline:
     bundle's files against its manifest (skipped while a stamp in the cache vouches for them).
     ``keep_text_encoder``: keep the text encoder loaded between calls (faster for many prompts; by
     default its memory goes back before the transformer loads, and it loads again on the next call).
+    ``release_transformer``: release the transformer before each call's decode and load it again on
+    the next call (the run's peak memory is then the larger of denoising and decoding, not their
+    sum; for one image per process, or little memory; default: kept).
     ``vae_tiling``: ``"auto"`` (tile the VAE above 1024x1024 pixels), ``"on"`` (as diffusers'
     ``vae.enable_tiling()``) or ``"off"``; default ``"auto"``, or ``"on"`` with ``vae_tile_size``.
     ``vae_tile_size``: the VAE's tile side in pixels, a multiple of 64 (default: the bundle's, 1024),
@@ -286,6 +289,7 @@ class Pipeline:
         loras: Sequence[LoraInput] | None = None,
         verify_hashes: bool = True,
         keep_text_encoder: bool = False,
+        release_transformer: bool = False,
         vae_tiling: Literal["auto", "on", "off"] | None = None,
         vae_tile_size: int | None = None,
         cpu_cache: str | os.PathLike[str] | None = None,
@@ -304,6 +308,7 @@ class Pipeline:
             loras=_loras(loras),
             verify_hashes=bool(verify_hashes),
             keep_text_encoder=bool(keep_text_encoder),
+            release_transformer=bool(release_transformer),
             vae_tiling=str(vae_tiling or ("on" if vae_tile_size is not None else "auto")),
             vae_tile_size=_count("vae_tile_size", vae_tile_size),
             cpu_cache=None if cpu_cache is None else os.fsdecode(cpu_cache),

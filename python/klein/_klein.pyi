@@ -68,6 +68,7 @@ class Pipeline:
         loras: Sequence[str | os.PathLike[str] | tuple[str | os.PathLike[str], float]] = [],
         verify_hashes: bool = True,
         keep_text_encoder: bool = False,
+        release_transformer: bool = False,
         vae_tiling: str = "auto",
         vae_tile_size: int | None = None,
         cpu_cache: str | None = None,

@@ -427,7 +427,7 @@ impl PyPipeline {
     /// Loads the bundle at `model` (see `klein.Pipeline`; here every argument is explicit).
     #[new]
     #[allow(clippy::too_many_arguments)] // the keyword arguments of a Python call
-    #[pyo3(signature = (model, *, device = "cpu", threads = None, loras = Vec::new(), verify_hashes = true, keep_text_encoder = false, vae_tiling = "auto", vae_tile_size = None, cpu_cache = None, ort_lib = None))]
+    #[pyo3(signature = (model, *, device = "cpu", threads = None, loras = Vec::new(), verify_hashes = true, keep_text_encoder = false, release_transformer = false, vae_tiling = "auto", vae_tile_size = None, cpu_cache = None, ort_lib = None))]
     fn new(
         py: Python<'_>,
         model: PathBuf,
@@ -436,6 +436,7 @@ impl PyPipeline {
         loras: Vec<LoraArg>,
         verify_hashes: bool,
         keep_text_encoder: bool,
+        release_transformer: bool,
         vae_tiling: &str,
         vae_tile_size: Option<u32>,
         cpu_cache: Option<PathBuf>,
@@ -455,6 +456,7 @@ impl PyPipeline {
             .with_runtime(runtime)
             .with_verify_hashes(verify_hashes)
             .with_keep_text_encoder(keep_text_encoder)
+            .with_release_transformer(release_transformer)
             .with_vae_tiling(vae_tiling)
             .with_loras(loras.clone());
         if let Some(threads) = threads {

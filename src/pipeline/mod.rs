@@ -107,6 +107,8 @@ pub struct Pipeline {
     tokenizer: ParsedTokenizer,
     session: SessionConfig,
     keep_text_encoder: bool,
+    /// Release the transformer before the decode ([`PipelineOptions::with_release_transformer`]).
+    release_transformer: bool,
     prompt_cache: Option<PromptCache>,
     verification: Option<Verification>,
     graphs: LoadedGraphs,
@@ -137,6 +139,7 @@ impl Pipeline {
             session,
             runtime: runtime_options,
             keep_text_encoder,
+            release_transformer,
             verify_hashes,
             cache_dir,
             prompt_cache_dir,
@@ -186,6 +189,7 @@ impl Pipeline {
             tokenizer,
             session,
             keep_text_encoder,
+            release_transformer,
             prompt_cache,
             verification,
             graphs: LoadedGraphs::default(),
@@ -718,6 +722,9 @@ impl Pipeline {
                 ctx = ctx.with_previews(every, first);
             }
             let latents = self.denoise(packed, &ctx, Some(&mut *progress))?;
+            if self.release_transformer && first + chunk >= batch {
+                self.graphs.release(Component::Transformer);
+            }
 
             // 7. Decode.
             images.extend(self.decode(latents.view(), lat_h, lat_w, Some(&mut *progress))?);

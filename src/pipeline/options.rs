@@ -14,6 +14,8 @@ pub struct PipelineOptions {
     pub(crate) runtime: RuntimeOptions,
     /// Keep the text-encoder session loaded after encoding (for many prompts in one process).
     pub(crate) keep_text_encoder: bool,
+    /// Release the transformer session before each `generate`'s decode (one image per process).
+    pub(crate) release_transformer: bool,
     /// Check the sha256 of every bundle file before loading any graph.
     pub(crate) verify_hashes: bool,
     /// Directory for verification stamps (`None`: [`crate::bundle::default_cache_dir`]).
@@ -79,6 +81,7 @@ impl Default for PipelineOptions {
             session: SessionConfig::default(),
             runtime: RuntimeOptions::default(),
             keep_text_encoder: false,
+            release_transformer: false,
             verify_hashes: true,
             cache_dir: None,
             prompt_cache_dir: None,
@@ -149,6 +152,15 @@ impl PipelineOptions {
     /// Keeps the text-encoder session loaded after encoding (default: released).
     pub fn with_keep_text_encoder(mut self, keep: bool) -> Self {
         self.keep_text_encoder = keep;
+        self
+    }
+    /// Releases the transformer session once [`crate::pipeline::Pipeline::generate`] has denoised
+    /// its last image, before the decode (default: kept loaded). The VAE decoder then reuses the
+    /// transformer's weights' memory, so the run's peak is the larger of the two stages, not
+    /// their sum; the next `generate` loads the transformer again. For one image per process
+    /// (the CLI's `klein generate`) or a server short of memory.
+    pub fn with_release_transformer(mut self, release: bool) -> Self {
+        self.release_transformer = release;
         self
     }
     /// Checks the sha256 of every bundle file against the manifest before loading any graph

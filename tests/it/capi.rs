@@ -187,6 +187,7 @@ pub(crate) fn cpu_options(library: &CStr, threads: u32) -> KleinOptions {
         vae_tiling: ptr::null(),
         cpu_cache_dir: ptr::null(),
         vae_tile_size: 0,
+        release_transformer: false,
     }
 }
 
@@ -430,7 +431,11 @@ fn entry_points_check_their_arguments() {
 fn c_requests_carry_num_images_and_guidance() {
     use KleinStatus::*;
     let (bundle, library) = c_paths();
-    let options = cpu_options(&library, 1);
+    // Released before each decode: the images are still the Rust API's (which keeps it).
+    let options = KleinOptions {
+        release_transformer: true,
+        ..cpu_options(&library, 1)
+    };
     let mut pipeline: *mut KleinPipeline = ptr::null_mut();
     // SAFETY (every call): valid pointers, NUL-terminated strings, a live pipeline.
     let (status, message) =

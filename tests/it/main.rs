@@ -23,6 +23,7 @@ mod outputs;
 mod previews;
 mod prompt_cache;
 mod runtime;
+mod sessions;
 mod threads;
 mod tokenize;
 mod util;

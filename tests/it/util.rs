@@ -50,12 +50,16 @@ pub fn test_cache_dir() -> PathBuf {
 /// The bundled tiny model (`onnx/klein-tiny`) on the CPU with one operator thread: light, and
 /// bit-for-bit repeatable.
 pub fn tiny_pipeline() -> Pipeline {
-    let options = PipelineOptions::default()
+    Pipeline::load(&repo().join("onnx/klein-tiny"), tiny_options()).unwrap()
+}
+
+/// The options of [`tiny_pipeline`].
+pub fn tiny_options() -> PipelineOptions {
+    PipelineOptions::default()
         .with_device(Device::Cpu)
         .with_threads(1)
         .with_runtime(RuntimeOptions::default().with_library(ort_library()))
-        .with_cache_dir(test_cache_dir());
-    Pipeline::load(&repo().join("onnx/klein-tiny"), options).unwrap()
+        .with_cache_dir(test_cache_dir())
 }
 
 /// A fresh, empty directory under Cargo's per-target temporary folder.

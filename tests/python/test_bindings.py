@@ -289,6 +289,19 @@ def test_vae_tiling_is_the_cli_file(tiny_bundle, klein_bin, tmp_path):
         klein.Pipeline(tiny_bundle, vae_tile_size=100)
 
 
+def test_release_transformer_is_the_cli_file(tiny_bundle, klein_bin, tmp_path):
+    # The CLI releases the transformer before its decode; the bindings keep it unless asked.
+    cli(klein_bin, tiny_bundle, tmp_path / "r.png", "a lighthouse", *SIZE, "--seed", "4")
+    released = klein.Pipeline(tiny_bundle, release_transformer=True)
+    for call in range(2):  # the second call loads the transformer again
+        out = released("a lighthouse", width=64, height=64, generator=4, output_type="png")
+        assert out.images == [(tmp_path / "r.png").read_bytes()], call
+        assert "load transformer" in out.timings, call
+    kept = klein.Pipeline(tiny_bundle)
+    kept("a lighthouse", width=64, height=64, generator=4)
+    assert "load transformer" not in kept("a lighthouse", width=64, height=64, generator=4).timings
+
+
 def test_inpaint_is_the_cli_file(pipe, klein_bin, tiny_bundle, tmp_path):
     """`pipe.inpaint` (source and mask as paths, then as PIL images) gives `klein generate --image
     --mask --strength`'s file; without a mask it is img2img."""

@@ -61,7 +61,7 @@ pub(crate) struct ServeArgs {
     /// Directory of LoRA files (.safetensors) that requests may name by file stem ("loras": ["style:0.8"]); without it, requests cannot use LoRAs. Clients never name paths
     #[arg(long, value_name = "DIR")]
     pub(crate) lora_dir: Option<PathBuf>,
-    /// Release the text encoder after each prompt (less memory, slower requests)
+    /// Release the text encoder after each prompt and the transformer before each decode (less memory, slower requests)
     #[arg(long)]
     pub(crate) low_memory: bool,
     // Last: its help headings apply to what follows them.

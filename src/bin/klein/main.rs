@@ -192,7 +192,10 @@ fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
     // Every error of `Pipeline::load` names the bundle or the file in it.
     let mut pipeline = Pipeline::load(
         &model,
-        pipeline_options(&args.load, args.device, args.loras.clone()),
+        // One image per process: the decoder reuses the transformer's memory (README, "Memory
+        // at large sizes").
+        pipeline_options(&args.load, args.device, args.loras.clone())
+            .with_release_transformer(true),
     )?;
     request.inpaint = load_inpaint(
         &pipeline,

@@ -75,7 +75,8 @@ pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .iter()
         .map(|&device| {
             let options = pipeline_options(&args.load, device, Vec::new())
-                .with_keep_text_encoder(!args.low_memory);
+                .with_keep_text_encoder(!args.low_memory)
+                .with_release_transformer(args.low_memory);
             Pipeline::load(&model, options)
         })
         .collect::<klein::Result<Vec<_>>>()?;
