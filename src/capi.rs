@@ -6,7 +6,8 @@
 //! only module with `unsafe` code and `extern "C"` functions.
 //!
 //! # Conventions
-//! - Every function returns a [`KleinStatus`] (an `int32_t` in C): `KLEIN_OK` (0) or an error code.
+//! - Every function but [`klein_pipeline_free`] and [`klein_string_free`] returns a [`KleinStatus`]
+//!   (an `int32_t` in C): `KLEIN_OK` (0) or an error code.
 //! - `error_message` may be NULL. Otherwise every call sets `*error_message`: NULL on success, or a
 //!   NUL-terminated UTF-8 message that the caller owns and releases with [`klein_string_free`]
 //!   (not `free`: the memory belongs to Rust's allocator).

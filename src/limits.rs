@@ -7,6 +7,9 @@
 //! ([`MAX_IMAGE_TOKENS`], one token per 16x16 pixels, shared with the references): 2288x2288,
 //! 4096x1280 or 1024x1024 plus four 1024x1024 references fit; 2304x2304 does not.
 
+/// Smallest output side in pixels: one 16x16 latent patch (a bundle's own multiple, 16 for
+/// FLUX.2, is checked again once the manifest is read).
+pub const MIN_SIDE: u32 = 16;
 /// Largest output side in pixels. The transformer's attention is quadratic in the token count;
 /// 4096x4096 is already 65,536 image tokens.
 pub const MAX_SIDE: u32 = 4096;

@@ -28,6 +28,7 @@ thread with the GIL released, so the replica's event loop keeps answering. Scale
 """
 
 import base64
+import io
 import json
 import os
 import secrets
@@ -40,6 +41,7 @@ from typing import Any
 import klein
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from PIL import Image
 from ray import serve
 from ray.serve import Application
 from starlette.concurrency import run_in_threadpool
@@ -94,6 +96,11 @@ class Job:
     guidance: float | None = None
     negative_prompt: str | None = None
     references: list[klein.EncodedImage] = field(default_factory=list)
+    #: Inpainting and img2img (an edits form with a mask or a strength): the first image, edited.
+    source: klein.EncodedImage | None = None
+    #: Where to repaint: OpenAI's mask as uploaded (transparent pixels); None: img2img.
+    mask: klein.EncodedImage | None = None
+    strength: float | None = None
 
 
 def _integer(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
@@ -186,42 +193,94 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return body
 
 
-async def _edit_form(request: Request) -> tuple[dict[str, Any], list[klein.EncodedImage]]:
-    """An edits form: its text fields as JSON values, and its ``image``/``image[]`` files (each
-    labelled by its file name, as ``klein serve`` does)."""
+@dataclass
+class EditForm:
+    """An edits form: its text fields as JSON values, its ``image``/``image[]`` files (each labelled
+    by its file name, as ``klein serve`` does), its mask and strength."""
+
+    body: dict[str, Any] = field(default_factory=dict)
+    images: list[klein.EncodedImage] = field(default_factory=list)
+    mask: klein.EncodedImage | None = None
+    strength: float | None = None
+
+
+def _white_mask(mask: klein.EncodedImage) -> klein.EncodedImage:
+    """OpenAI's mask (fully transparent pixels are edited) as klein's (white repaints, black
+    kept), a PNG under the upload's name; refused without an alpha channel, as ``klein serve``."""
+    label = mask.name
+    try:
+        with Image.open(io.BytesIO(mask.data)) as image:
+            if max(image.size) > 4 * klein.MAX_SIDE:  # before decoding: klein's own decode bound
+                raise ApiError(f"mask {label}: {image.width}x{image.height} is larger than klein decodes", "mask")
+            if image.mode not in ("RGBA", "LA", "PA") and "transparency" not in image.info:
+                raise ApiError(
+                    f"mask {label}: OpenAI's mask is a PNG with an alpha channel (fully transparent pixels are "
+                    "edited); this one has none",
+                    "mask",
+                )
+            alpha = image.convert("RGBA").getchannel("A")
+    except (OSError, Image.DecompressionBombError) as error:
+        raise ApiError(f"mask {label}: not a readable image: {error}", "mask") from None
+    white = alpha.point(lambda a: 255 if a == 0 else 0).convert("RGB")
+    png = io.BytesIO()
+    white.save(png, "PNG")
+    return klein.EncodedImage(png.getvalue(), label)
+
+
+def _strength(text: str) -> float:
+    """``strength`` in (0, 1], as ``klein serve`` takes it."""
+    try:
+        strength = float(text)
+    except ValueError:
+        raise ApiError(f"strength `{text}`: give a number", "strength") from None
+    if not 0 < strength <= 1:
+        raise ApiError(f"strength {strength:g} must be above 0 and at most 1 (1 repaints from pure noise)", "strength")
+    return strength
+
+
+async def _edit_form(request: Request) -> EditForm:
+    """The edits form of ``request``, each field checked."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise ApiError("send multipart/form-data: image[] files and the text fields")
     try:
         form = await request.form(max_files=4 * klein.MAX_REFERENCES, max_fields=4 * len(FIELDS))
     except Exception as error:  # starlette's multipart errors (malformed form, too many parts)
         raise ApiError(f"multipart body: {getattr(error, 'detail', error)}") from None
-    body: dict[str, Any] = {}
-    references: list[klein.EncodedImage] = []
+    edit = EditForm()
     try:
         for name, value in form.multi_items():
             if name == "mask":
-                raise ApiError(
-                    "inpainting (mask) is not supported by this klein version; send image[] references without a mask",
-                    "mask",
-                )
-            if name in ("image", "image[]"):
+                if not isinstance(value, UploadFile):
+                    raise ApiError("mask must be a file (a PNG, transparent where to edit)", "mask")
+                if edit.mask is not None:
+                    raise ApiError("give one mask", "mask")
+                edit.mask = klein.EncodedImage(await value.read(), value.filename or "mask")
+            elif name == "strength":
+                if not isinstance(value, str):
+                    raise ApiError("strength must be a text field", name)
+                edit.strength = _strength(value)
+            elif name in ("image", "image[]"):
                 if not isinstance(value, UploadFile):
                     raise ApiError(f"{name} must be a file", name)
-                label = value.filename or f"image-{len(references)}"
-                references.append(klein.EncodedImage(await value.read(), label))
+                label = value.filename or f"image-{len(edit.images)}"
+                edit.images.append(klein.EncodedImage(await value.read(), label))
             elif name in FIELDS:
                 if not isinstance(value, str):
                     raise ApiError(f"{name} must be a text field", name)
-                body[name] = _form_value(name, value)
+                edit.body[name] = _form_value(name, value)
             else:
-                raise ApiError(f"unknown field `{name}`; the form takes image[] (files) and {', '.join(FIELDS)}", name)
+                raise ApiError(
+                    f"unknown field `{name}`; the form takes image[] (files), mask (a PNG, transparent where to edit), "
+                    f"strength and {', '.join(FIELDS)}",
+                    name,
+                )
     finally:
         await form.close()
-    if not references:
+    if not edit.images:
         raise ApiError("give at least one image (the image or image[] field)", "image")
-    if len(references) > klein.MAX_REFERENCES:
-        raise ApiError(f"{len(references)} images: at most {klein.MAX_REFERENCES} per request", "image")
-    return body, references
+    if len(edit.images) > klein.MAX_REFERENCES:
+        raise ApiError(f"{len(edit.images)} images: at most {klein.MAX_REFERENCES} per request", "image")
+    return edit
 
 
 async def _generations_job(request: Request) -> Job:
@@ -229,8 +288,13 @@ async def _generations_job(request: Request) -> Job:
 
 
 async def _edits_job(request: Request) -> Job:
-    body, references = await _edit_form(request)
-    return check_request(body, references)
+    edit = await _edit_form(request)
+    job = check_request(edit.body, edit.images)
+    # With a mask (or a strength), the first image is the one edited, the others references.
+    if edit.mask is not None or edit.strength is not None:
+        job.source = job.references.pop(0)
+        job.mask, job.strength = edit.mask, edit.strength
+    return job
 
 
 def _form_value(name: str, text: str) -> Any:
@@ -296,19 +360,28 @@ class KleinDeployment:
 
     def generate(self, job: Job) -> dict[str, Any]:
         """Runs ``job`` (in a worker thread; klein releases the GIL) and builds the answer."""
+        common = {
+            "width": job.width,
+            "height": job.height,
+            "num_inference_steps": job.steps,
+            "guidance_scale": job.guidance,
+            "negative_prompt": job.negative_prompt,
+            "generator": job.seed,
+            "num_images_per_prompt": job.n,
+            "output_type": "png",
+        }
         try:
-            out = self.pipe(
-                job.prompt,
-                image=job.references or None,
-                width=job.width,
-                height=job.height,
-                num_inference_steps=job.steps,
-                guidance_scale=job.guidance,
-                negative_prompt=job.negative_prompt,
-                generator=job.seed,
-                num_images_per_prompt=job.n,
-                output_type="png",
-            )
+            if job.source is None:
+                out = self.pipe(job.prompt, image=job.references or None, **common)
+            else:
+                out = self.pipe.inpaint(
+                    job.prompt,
+                    image=job.source,
+                    mask_image=None if job.mask is None else _white_mask(job.mask),
+                    image_reference=job.references or None,
+                    strength=job.strength,
+                    **common,
+                )
         except klein.InvalidInputError as error:
             raise ApiError(str(error)) from None
         except klein.KleinError as error:

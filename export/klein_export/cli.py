@@ -1,4 +1,4 @@
-"""Command line: `klein-export convert | quantize | lora-map | tiny | verify | ranges | fixtures`."""
+"""Command line: `klein-export convert | lora-map | preview | quantize | tiny | verify | ranges | fixtures`."""
 
 import argparse
 import sys

@@ -338,8 +338,8 @@ class Pipeline:
         bundle's steps and guidance; a random seed (returned as ``seed``). ``negative_prompt``:
         what guidance steers away from, base models with guidance above 1 only (default: empty, as
         diffusers). ``callback(step,
-        total)`` runs after every denoising step; returning ``False`` raises ``CancelledError``,
-        and so does Ctrl-C (``KeyboardInterrupt``) between steps. ``preview(step, total, images)``
+        total)`` runs after every denoising step; returning ``False`` raises ``CancelledError``;
+        Ctrl-C stops between steps with ``KeyboardInterrupt``. ``preview(step, total, images)``
         gets PIL previews of the images being made (1/8 of their side, the model's current
         estimate) every ``preview_every`` steps and after the last; returning ``False`` cancels.
         With ``return_dict=False``, the tuple ``(images,)`` as diffusers."""
@@ -370,6 +370,8 @@ class Pipeline:
         image_reference: ImageInput | Sequence[ImageInput] | None = None,
         strength: float | None = None,
         padding_mask_crop: int | None = None,
+        height: int | None = None,
+        width: int | None = None,
         num_inference_steps: int | None = None,
         guidance_scale: float | None = None,
         negative_prompt: str | None = None,
@@ -388,7 +390,9 @@ class Pipeline:
         where diffusers' is 0.8: at 4 steps both run the same schedule). ``padding_mask_crop``
         (pixels) inpaints only the mask's region, padded, and pastes it back into the whole source
         (the output then has the source's size; the mask must have it too), as diffusers'
-        argument of that name. The other arguments are ``__call__``'s."""
+        argument of that name. ``height`` and ``width``, which diffusers ignores there, may only
+        give the output's size (the source's, floored): another is refused, as by ``klein
+        generate``. The other arguments are ``__call__``'s."""
         sources, masks = _references(image), _references(mask_image)
         if len(sources) != 1 or len(masks) > 1:
             raise InvalidInputError("invalid request: inpaint takes one source image and at most one mask_image")
@@ -401,8 +405,8 @@ class Pipeline:
                 "strength": _number("strength", strength),
                 "mask_crop": _count("padding_mask_crop", padding_mask_crop),
             },
-            height=None,
-            width=None,
+            height=height,
+            width=width,
             num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale,
             negative_prompt=negative_prompt,

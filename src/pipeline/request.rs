@@ -7,7 +7,7 @@ use crate::bundle::Manifest;
 use crate::error::{KleinError, Result};
 use crate::limits::{
     MAX_BATCH, MAX_GUIDANCE, MAX_IMAGE_TOKENS, MAX_PROMPT_BYTES, MAX_REFERENCES, MAX_SIDE,
-    MAX_STEPS, MAX_THREADS,
+    MAX_STEPS, MAX_THREADS, MIN_SIDE,
 };
 use crate::runtime::SessionConfig;
 use crate::stages::inpaint::first_step;
@@ -216,9 +216,9 @@ impl Request {
         }
         check_reference_count(self.conditioning_images().count())?;
         for (what, value) in [("width", self.width), ("height", self.height)] {
-            if let Some(value) = value.filter(|&v| v == 0 || v > MAX_SIDE) {
+            if let Some(value) = value.filter(|v| !(MIN_SIDE..=MAX_SIDE).contains(v)) {
                 return Err(request_error(format!(
-                    "{what} {value} is out of range: it must be between 16 and {MAX_SIDE} pixels \
+                    "{what} {value} is out of range: it must be between {MIN_SIDE} and {MAX_SIDE} pixels \
                      (and width/16 x height/16 at most {MAX_IMAGE_TOKENS} tokens with the references')"
                 )));
             }

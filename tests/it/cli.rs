@@ -871,8 +871,16 @@ fn sizes_outside_16_to_4096_are_refused() {
         ("--width", "8"),
     ] {
         let what = &flag[2..];
+        // A bundle that does not exist: the bound is checked before the bundle is read.
         let run = assert_refused(
-            &["--steps", "2", flag, value],
+            &[
+                "--steps",
+                "2",
+                "--model",
+                "/nonexistent/klein-bundle",
+                flag,
+                value,
+            ],
             &[
                 &format!("{what} {value} is out of range"),
                 "between 16 and 4096 pixels",

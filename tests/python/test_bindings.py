@@ -324,6 +324,12 @@ def test_inpaint_is_the_cli_file(pipe, klein_bin, tiny_bundle, tmp_path):
     img2img = pipe.inpaint("a hat", image=str(source), generator=9, output_type="png")
     assert img2img.images == [(tmp_path / "i.png").read_bytes()]
     assert img2img.images != out.images
+    # height/width: the output's size, else refused (diffusers ignores them here).
+    sized = pipe.inpaint("a hat", image=str(source), mask_image=str(mask), strength=0.75, generator=9,
+                         width=96, height=64, output_type="png")  # fmt: skip
+    assert sized.images == out.images
+    with pytest.raises(klein.InvalidInputError, match="width 64 was given, but inpainting"):
+        pipe.inpaint("a hat", image=str(source), mask_image=str(mask), width=64, height=48)
     with pytest.raises(klein.InvalidInputError, match="strength 2 must be above 0"):
         pipe.inpaint("a hat", image=str(source), strength=2, generator=9)
     with pytest.raises(klein.InvalidInputError, match="one source image"):

@@ -1,12 +1,14 @@
 """Ray Serve (deploy/ray/klein_serve.py) on a local cluster: two replicas of the tiny model behind
-Serve's HTTP proxy, the OpenAI client and multipart edits, every image byte-equal to the CLI's
-file; then one replica killed while requests are in flight: each request answers the right image
-or an HTTP error status, and a retry of the failed ones succeeds once Serve has replaced it.
+Serve's HTTP proxy, the OpenAI client and multipart edits (references, OpenAI's masks, strength),
+every image byte-equal to the CLI's file; then one replica killed while requests are in flight:
+each request answers the right image or an HTTP error status, and a retry of the failed ones
+succeeds once Serve has replaced it.
 
 Every wait is bounded; the cluster is this process's own (ray.init), shut down at the end."""
 
 import base64
 import concurrent.futures
+import io
 import json
 import os
 import shutil
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import pytest
 import requests
 from openai import APIStatusError, OpenAI
+from PIL import Image
 
 # Requests that must finish (or fail) well within this; the whole test takes about a minute here.
 HTTP_TIMEOUT = 60
@@ -218,10 +221,52 @@ def test_openai_api_errors(serve_url, expected):
         f"{url}/v1/images/edits", files=[reference, ("mask", ("m.png", b"x", "image/png"))], data=form, timeout=60
     )
     assert mask.status_code == 400 and mask.json()["error"]["param"] == "mask", mask.text
+    assert "m.png: not a readable image" in mask.json()["error"]["message"], mask.text
+    for strength in ("0", "1.5", "much"):
+        r = requests.post(f"{url}/v1/images/edits", files=[reference], data=form | {"strength": strength}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "strength", r.text
     # klein's own check: an upload that is no image, named in the message.
     notes = ("image[]", ("notes.png", b"these are not pixels", "image/png"))
     bad = requests.post(f"{url}/v1/images/edits", files=[notes], data=form, timeout=HTTP_TIMEOUT)
     assert bad.status_code == 400 and "notes.png" in bad.json()["error"]["message"], bad.text
+
+
+def png(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return out.getvalue()
+
+
+def test_edits_with_a_mask_or_a_strength_are_the_cli_inpainting_files(
+    serve_url, klein_bin, tiny_bundle, tmp_path, inpaint_inputs
+):
+    """An edit with OpenAI's mask (transparent where to edit) and a strength gives `klein generate
+    --image --mask --strength`'s file, the mask there white where the upload is transparent; with a
+    strength alone, img2img (`--image --strength`); a mask without an alpha channel is refused."""
+    inpaint_inputs.source.save(tmp_path / "source.png")
+    inpaint_inputs.white.save(tmp_path / "mask.png")
+    base = [str(klein_bin), "generate", "--model", str(tiny_bundle), "-q", "a hat", "--image", "source.png"]
+    run = {"cwd": tmp_path, "check": True, "timeout": 180, "capture_output": True}
+    subprocess.run([*base, "--mask", "mask.png", "--strength", "0.75", "--seed", "4", "-o", "inpaint.png"], **run)
+    subprocess.run([*base, "--strength", "0.5", "--seed", "5", "-o", "img2img.png"], **run)
+
+    image = ("image", ("source.png", (tmp_path / "source.png").read_bytes(), "image/png"))
+    mask = ("mask", ("mask.png", png(inpaint_inputs.transparent), "image/png"))
+    form = {"prompt": "a hat", "seed": "4", "strength": "0.75"}
+    r = requests.post(f"{serve_url}/v1/images/edits", files=[image, mask], data=form, timeout=HTTP_TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert base64.b64decode(r.json()["data"][0]["b64_json"]) == (tmp_path / "inpaint.png").read_bytes()
+    assert (r.json()["width"], r.json()["height"]) == (96, 64)
+
+    form = {"prompt": "a hat", "seed": "5", "strength": "0.5"}
+    r = requests.post(f"{serve_url}/v1/images/edits", files=[image], data=form, timeout=HTTP_TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert base64.b64decode(r.json()["data"][0]["b64_json"]) == (tmp_path / "img2img.png").read_bytes()
+
+    opaque = ("mask", ("opaque.png", png(inpaint_inputs.white), "image/png"))
+    r = requests.post(f"{serve_url}/v1/images/edits", files=[image, opaque], data=form, timeout=HTTP_TIMEOUT)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "mask", r.text
+    assert "opaque.png: OpenAI's mask is a PNG with an alpha channel" in r.json()["error"]["message"], r.text
 
 
 def test_two_replicas_answer_the_cli_files_and_survive_a_killed_replica(serve_url, expected):

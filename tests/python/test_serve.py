@@ -151,19 +151,16 @@ def test_openai_edits_with_references(server: Server, klein_bin: Path, tiny_bund
     assert got == want
 
 
-def test_inpainting_on_both_apis_gives_the_cli_file(server: Server, klein_bin: Path, tiny_bundle: Path, tmp_path: Path):
+def test_inpainting_on_both_apis_gives_the_cli_file(
+    server: Server, klein_bin: Path, tiny_bundle: Path, tmp_path: Path, inpaint_inputs
+):
     """OpenAI's edits with a mask (transparent where to edit) and the native route's image, mask
     (white repaints) and strength both give `klein generate --image --mask --strength`'s file."""
     cli_dir = tmp_path / "cli"
     cli_dir.mkdir()
-    source = Image.linear_gradient("L").resize((100, 72)).convert("RGB")
-    source.save(cli_dir / "source.png")
-    white = Image.new("RGB", (50, 36), "black")
-    white.paste((255, 255, 255), (10, 5, 40, 30))
-    white.save(cli_dir / "mask.png")
-    transparent = Image.new("RGBA", (50, 36), (9, 9, 9, 255))
-    transparent.paste((0, 0, 0, 0), (10, 5, 40, 30))
-    transparent.save(tmp_path / "mask.png")
+    inpaint_inputs.source.save(cli_dir / "source.png")
+    inpaint_inputs.white.save(cli_dir / "mask.png")
+    inpaint_inputs.transparent.save(tmp_path / "mask.png")
     args = ("a hat", "--image", "source.png", "--mask", "mask.png", "--seed", "4", "--strength", "0.75")
     (want,) = cli_png(klein_bin, tiny_bundle, cli_dir, *args, cwd=cli_dir)
     assert Image.open(io.BytesIO(want)).size == (96, 64)

@@ -74,7 +74,7 @@ pub(crate) struct ServeArgs {
 pub(crate) struct GenerateArgs {
     /// The prompt (may be empty); or --prompts for many
     pub(crate) prompt: Option<String>,
-    /// JSON Lines file, one image per line: {"prompt": "...", "seed": 7, "width": 512, "height": 512, "steps": 4, "guidance": 1.0, "refs": ["a.png"], "image": "src.png", "mask": "mask.png", "strength": 0.75, "mask_crop": 32, "loras": ["style.safetensors:0.8"], "name": "fox"} (only "prompt" is required; refs, image, mask and loras are relative to the file; a line without "loras" takes --lora). Other options apply to every line that does not set them
+    /// JSON Lines file, one image per line: {"prompt": "...", "seed": 7, "width": 512, "height": 512, "steps": 4, "guidance": 1.0, "refs": ["a.png"], "image": "src.png", "mask": "mask.png", "strength": 0.75, "mask_crop": 32, "loras": ["style.safetensors:0.8"], "name": "fox"} (only "prompt" is required; refs, image, mask and loras are relative to the file; a line without "loras" takes --lora). Other options apply to every line that does not set them. At most 64 MiB and 100000 lines
     #[arg(
         long,
         value_name = "FILE",
@@ -94,7 +94,7 @@ pub(crate) struct GenerateArgs {
     /// Output width in pixels, floored to a multiple of 16: 16 to 4096, and (width/16) x (height/16) plus the references' tokens at most 20480 (2288x2288 fits alone) [default: --image's width, else the first reference's, else the bundle's]
     #[arg(long)]
     pub(crate) width: Option<u32>,
-    /// Output height in pixels, floored to a multiple of 16: 16 to 4096, within the same token budget as --width [default: first reference's height, else the bundle's]
+    /// Output height in pixels, floored to a multiple of 16: 16 to 4096, within the same token budget as --width [default: --image's height, else the first reference's, else the bundle's]
     #[arg(long)]
     pub(crate) height: Option<u32>,
     /// Denoising steps, 1 to 1000 [default: the bundle's, 4 for distilled models]
@@ -127,7 +127,7 @@ pub(crate) struct GenerateArgs {
     /// LoRA to merge into the transformer, FILE or FILE:SCALE (repeatable, at most 16; scale -100 to 100, default 1; may be negative): diffusers/PEFT, BFL/ai-toolkit, kohya and LoKr (BFL, LyCORIS) .safetensors files
     #[arg(long = "lora", value_name = "FILE[:SCALE]", value_parser = parse_lora)]
     pub(crate) loras: Vec<LoraSpec>,
-    /// Images to generate for the prompt (one batch)
+    /// Images to generate for the prompt (one batch), 1 to 16
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=MAX_BATCH as i64))]
     pub(crate) num_images: u16,
     /// Execution provider: cpu, cuda, cuda:N, coreml or auto

@@ -145,7 +145,8 @@ impl Queue {
     }
 
     /// Queues `spec` under `id` (the client's `X-Request-Id`, else a number). Refused with 429
-    /// when the queue is full, 409 when the id is in use, 503 once the queue is closed.
+    /// when the queue is full, 400 (`X-Request-Id`) when the id is in use, 503 once the queue is
+    /// closed.
     pub(crate) fn submit(
         self: &Arc<Self>,
         spec: JobSpec,
