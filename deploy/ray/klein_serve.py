@@ -28,7 +28,6 @@ thread with the GIL released, so the replica's event loop keeps answering. Scale
 """
 
 import base64
-import io
 import json
 import os
 import secrets
@@ -41,7 +40,6 @@ from typing import Any
 import klein
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from PIL import Image
 from ray import serve
 from ray.serve import Application
 from starlette.concurrency import run_in_threadpool
@@ -204,32 +202,11 @@ class EditForm:
     strength: float | None = None
 
 
-def _white_mask(mask: klein.EncodedImage) -> klein.EncodedImage:
-    """OpenAI's mask (fully transparent pixels are edited) as klein's (white repaints, black
-    kept), a PNG under the upload's name; refused without an alpha channel, as ``klein serve``."""
-    label = mask.name
-    try:
-        with Image.open(io.BytesIO(mask.data)) as image:
-            if max(image.size) > 4 * klein.MAX_SIDE:  # before decoding: klein's own decode bound
-                raise ApiError(f"mask {label}: {image.width}x{image.height} is larger than klein decodes", "mask")
-            if image.mode not in ("RGBA", "LA", "PA") and "transparency" not in image.info:
-                raise ApiError(
-                    f"mask {label}: OpenAI's mask is a PNG with an alpha channel (fully transparent pixels are "
-                    "edited); this one has none",
-                    "mask",
-                )
-            alpha = image.convert("RGBA").getchannel("A")
-    except (OSError, Image.DecompressionBombError) as error:
-        raise ApiError(f"mask {label}: not a readable image: {error}", "mask") from None
-    white = alpha.point(lambda a: 255 if a == 0 else 0).convert("RGB")
-    png = io.BytesIO()
-    white.save(png, "PNG")
-    return klein.EncodedImage(png.getvalue(), label)
-
-
 def _strength(text: str) -> float:
-    """``strength`` in (0, 1], as ``klein serve`` takes it."""
+    """``strength`` in (0, 1], as ``klein serve`` takes it (ASCII, no digit separators)."""
     try:
+        if not text.isascii() or "_" in text:
+            raise ValueError(text)
         strength = float(text)
     except ValueError:
         raise ApiError(f"strength `{text}`: give a number", "strength") from None
@@ -305,6 +282,8 @@ def _form_value(name: str, text: str) -> Any:
         return int(text)
     if name == "guidance":
         try:
+            if not text.isascii() or "_" in text:  # as klein serve parses numbers
+                raise ValueError(text)
             return float(text)
         except ValueError:
             raise ApiError(f"{name} `{text}`: give a number", name) from None
@@ -377,7 +356,8 @@ class KleinDeployment:
                 out = self.pipe.inpaint(
                     job.prompt,
                     image=job.source,
-                    mask_image=None if job.mask is None else _white_mask(job.mask),
+                    mask_image=job.mask,
+                    mask_transparent=True,
                     image_reference=job.references or None,
                     strength=job.strength,
                     **common,

@@ -367,6 +367,7 @@ class Pipeline:
         *,
         image: ImageInput,
         mask_image: ImageInput | None = None,
+        mask_transparent: bool = False,
         image_reference: ImageInput | Sequence[ImageInput] | None = None,
         strength: float | None = None,
         padding_mask_crop: int | None = None,
@@ -385,14 +386,17 @@ class Pipeline:
     ) -> KleinPipelineOutput | tuple[Any]:
         """Inpainting and img2img, as diffusers' ``Flux2KleinInpaintPipeline``: ``image`` is the
         source (the output has its size, floored to multiples of 16), ``mask_image`` where to
-        repaint (white; black is kept; None: img2img, everything repainted), ``image_reference``
+        repaint (white; black is kept; None: img2img, everything repainted; ``mask_transparent``:
+        its fully transparent pixels instead, as OpenAI's edits, and a mask without alpha is
+        refused), ``image_reference``
         extra references, ``strength`` in (0, 1] the share of the steps that run (default 1.0,
         where diffusers' is 0.8: at 4 steps both run the same schedule). ``padding_mask_crop``
         (pixels) inpaints only the mask's region, padded, and pastes it back into the whole source
         (the output then has the source's size; the mask must have it too), as diffusers'
         argument of that name. ``height`` and ``width``, which diffusers ignores there, may only
-        give the output's size (the source's, floored): another is refused, as by ``klein
-        generate``. The other arguments are ``__call__``'s."""
+        give the size the source is generated at (downscaled above 1 megapixel, floored to 16;
+        with ``padding_mask_crop`` the output still has the source's whole size): another is
+        refused, as by ``klein generate``. The other arguments are ``__call__``'s."""
         sources, masks = _references(image), _references(mask_image)
         if len(sources) != 1 or len(masks) > 1:
             raise InvalidInputError("invalid request: inpaint takes one source image and at most one mask_image")
@@ -402,6 +406,7 @@ class Pipeline:
             inpaint={
                 "source": sources[0],
                 "mask": masks[0] if masks else None,
+                "mask_transparent": bool(mask_transparent),
                 "strength": _number("strength", strength),
                 "mask_crop": _count("padding_mask_crop", padding_mask_crop),
             },

@@ -90,6 +90,7 @@ class Pipeline:
         callback: Callable[[int, int], object] | None = None,
         source: str | tuple[bytes, str] | None = None,
         mask: str | tuple[bytes, str] | None = None,
+        mask_transparent: bool = False,
         strength: float | None = None,
         mask_crop: int | None = None,
         preview_every: int | None = None,

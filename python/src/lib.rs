@@ -21,6 +21,7 @@ use klein::pipeline::{
 };
 use klein::runtime::{Device, RuntimeOptions};
 use klein::stages::inpaint::DEFAULT_STRENGTH;
+use klein::stages::mask::{decode_transparent_mask, load_transparent_mask};
 use klein::stages::output::{encode_image, ImageFormat};
 use klein::stages::reference::{decode_image, decode_image_bytes};
 use klein::KleinError;
@@ -156,6 +157,8 @@ impl From<ReferenceArg<'_>> for Reference {
 struct InpaintArgs {
     source: Reference,
     mask: Option<Reference>,
+    /// The mask's fully transparent pixels repaint (OpenAI's edits), not its white ones.
+    mask_transparent: bool,
     strength: f64,
     /// `padding_mask_crop`: crop to the mask's region with this padding.
     mask_crop: Option<u32>,
@@ -176,6 +179,18 @@ impl Reference {
             Reference::Encoded(bytes, label) => decode_image_bytes(bytes, Path::new(label)),
         }
     }
+
+    /// A mask as klein's mask image (white repaints): as it is, or, `transparent`, OpenAI's
+    /// (its fully transparent pixels repaint).
+    fn decode_mask(&self, transparent: bool) -> klein::Result<klein::image::RgbImage> {
+        match (self, transparent) {
+            (_, false) => self.decode(),
+            (Reference::Path(path), true) => load_transparent_mask(Path::new(path)),
+            (Reference::Encoded(bytes, label), true) => {
+                decode_transparent_mask(bytes, Path::new(label))
+            }
+        }
+    }
 }
 
 impl InpaintArgs {
@@ -185,7 +200,7 @@ impl InpaintArgs {
             let (source_label, mask_label) = (self.source.label(), mask.label());
             return pipeline.crop_to_mask(
                 self.source.decode()?,
-                mask.decode()?,
+                mask.decode_mask(self.mask_transparent)?,
                 padding,
                 self.strength,
                 (Path::new(source_label), Path::new(mask_label)),
@@ -197,9 +212,8 @@ impl InpaintArgs {
         };
         let mask = match &self.mask {
             None => None,
-            Some(Reference::Path(path)) => Some(pipeline.load_mask(Path::new(path), &source)?),
-            Some(Reference::Encoded(bytes, label)) => {
-                Some(pipeline.decode_mask(bytes, Path::new(label), &source)?)
+            Some(mask) => {
+                Some(pipeline.prepare_mask(&mask.decode_mask(self.mask_transparent)?, &source))
             }
         };
         Ok(Inpaint::new(source, mask, self.strength))
@@ -500,10 +514,11 @@ impl PyPipeline {
     /// Generates `num_images` images for `prompt` with the GIL released. `references`: paths
     /// (labelled by the string as given) or `(file bytes, label)` pairs. `callback(step, total)`
     /// runs after every denoising step; returning `False` cancels. `source` (and `mask`, a path
-    /// or a pair as a reference) inpaints with `strength` (default 1.0), cropped to the mask's
-    /// region with `mask_crop` pixels of padding when given. `preview(step, total,
+    /// or a pair as a reference; its white repaints, or with `mask_transparent` its fully
+    /// transparent pixels, as OpenAI's edits) inpaints with `strength` (default 1.0), cropped to
+    /// the mask's region with `mask_crop` pixels of padding when given. `preview(step, total,
     /// [(rgb, width, height)])` gets step previews every `preview_every` steps (default 1).
-    #[pyo3(signature = (prompt, *, references = Vec::new(), width = None, height = None, steps = None, guidance = None, negative_prompt = None, seed = 0, num_images = 1, png = false, callback = None, source = None, mask = None, strength = None, mask_crop = None, preview_every = None, preview = None))]
+    #[pyo3(signature = (prompt, *, references = Vec::new(), width = None, height = None, steps = None, guidance = None, negative_prompt = None, seed = 0, num_images = 1, png = false, callback = None, source = None, mask = None, mask_transparent = false, strength = None, mask_crop = None, preview_every = None, preview = None))]
     #[allow(clippy::too_many_arguments)] // the keyword arguments of a Python call
     fn generate(
         &self,
@@ -521,6 +536,7 @@ impl PyPipeline {
         callback: Option<Py<PyAny>>,
         source: Option<ReferenceArg<'_>>,
         mask: Option<ReferenceArg<'_>>,
+        mask_transparent: bool,
         strength: Option<f64>,
         mask_crop: Option<u32>,
         preview_every: Option<usize>,
@@ -538,6 +554,7 @@ impl PyPipeline {
             Some(source) => Some(InpaintArgs {
                 source: source.into(),
                 mask: mask.map(Reference::from),
+                mask_transparent,
                 strength: strength.unwrap_or(DEFAULT_STRENGTH),
                 mask_crop,
             }),

@@ -62,7 +62,6 @@ use request::Plan;
 use crate::bundle::support;
 use crate::bundle::{default_cache_dir, Component, Manifest, Verification};
 use crate::error::{KleinError, Result};
-use crate::limits::MAX_SIDE;
 use crate::runtime::{self, Device, Graph, SessionConfig, TensorInput};
 use crate::stages::latents::{pack_latents, prepare_image_ids, unpack_latents};
 use crate::stages::noise::randn;
@@ -781,15 +780,13 @@ fn check_vae_tile(manifest: &Manifest, requested: Option<u32>) -> Result<usize> 
     let Some(pixels) = requested else {
         return Ok(manifest.vae.sample_size);
     };
+    crate::stages::vae_tiling::check_tile_size(pixels)?;
     let tile = pixels as usize;
-    let fits = tile > 0
-        && tile <= MAX_SIDE as usize
-        && vae_layout(manifest, tile, true).is_ok()
-        && vae_layout(manifest, tile, false).is_ok();
-    if !fits {
+    if vae_layout(manifest, tile, true).is_err() || vae_layout(manifest, tile, false).is_err() {
         return Err(KleinError::Request(format!(
-            "VAE tile size {pixels}: give a multiple of 64 pixels up to {MAX_SIDE} (tiles and their \
-             strides must fall on whole 2x2 latent patches and 16-pixel blocks)"
+            "VAE tile size {pixels}: tiles and their strides must fall on whole 2x2 latent patches \
+             and 16-pixel blocks of bundle {}",
+            manifest.model.name
         )));
     }
     Ok(tile)

@@ -223,6 +223,12 @@ impl Request {
                 )));
             }
         }
+        // The output's own tokens (one per MIN_SIDE x MIN_SIDE pixels); the references' are
+        // added once their sizes are read.
+        if let (Some(width), Some(height)) = (self.width, self.height) {
+            let tokens = (width / MIN_SIDE) as usize * (height / MIN_SIDE) as usize;
+            check_token_budget(tokens, 0, 0)?;
+        }
         Ok(())
     }
 }

@@ -13,15 +13,21 @@ use crate::error::{KleinError, Result};
 /// the same schedule and start as 1.0 (`int(4 - 3.2) = 0` steps skipped, first sigma 1).
 pub const DEFAULT_STRENGTH: f64 = 1.0;
 
-/// `get_timesteps`: the index of the first of `steps` scheduled steps that `strength` runs
-/// (`int(max(steps - min(steps * strength, steps), 0))`, in f64 as Python computes it). Refuses a
-/// strength outside (0, 1], and one so small that no step is left (diffusers' "< 1" error).
-pub fn first_step(steps: usize, strength: f64) -> Result<usize> {
+/// A strength in (0, 1], checked without a bundle (NaN refused).
+pub fn check_strength(strength: f64) -> Result<()> {
     if !(strength > 0.0 && strength <= 1.0) {
         return Err(KleinError::Request(format!(
             "strength {strength} must be above 0 and at most 1 (1 repaints from pure noise)"
         )));
     }
+    Ok(())
+}
+
+/// `get_timesteps`: the index of the first of `steps` scheduled steps that `strength` runs
+/// (`int(max(steps - min(steps * strength, steps), 0))`, in f64 as Python computes it). Refuses a
+/// strength outside (0, 1], and one so small that no step is left (diffusers' "< 1" error).
+pub fn first_step(steps: usize, strength: f64) -> Result<usize> {
+    check_strength(strength)?;
     let total = steps as f64;
     let init = (total * strength).min(total);
     let start = (total - init).max(0.0) as usize;

@@ -8,10 +8,13 @@
 //! 4. `x / 255` in float32, then binarised: below 0.5 is 0 (kept), else 1 (repainted).
 //! 5. `F.interpolate(mask, (H/16, W/16), mode="bilinear")` (half-pixel centres, no antialias) and
 //!    packed row-major, one weight per latent token.
+use std::path::Path;
+
 use image::RgbImage;
 use ndarray::Array1;
 
-use crate::stages::reference::resize_like_pillow;
+use crate::error::Result;
+use crate::stages::reference::{image_error, read_file, read_header_bytes, resize_like_pillow};
 
 /// A binarised mask at the source image's processed size: 1 where the image is repainted.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,6 +23,32 @@ pub struct Mask {
     pub height: u32,
     /// `height * width` values, 0 or 1, row-major.
     pub values: Vec<u8>,
+}
+
+/// OpenAI's edits mask as klein's mask image: its fully transparent pixels (alpha 0) become white
+/// (repainted), the others black (kept). The bytes of a PNG, JPEG or WebP file within klein's
+/// decode bounds, with an alpha channel (refused without one); `label` names it in errors.
+pub fn decode_transparent_mask(bytes: &[u8], label: &Path) -> Result<RgbImage> {
+    read_header_bytes(bytes, label)?;
+    let error = image_error(label);
+    let decoded =
+        image::load_from_memory(bytes).map_err(|e| error(format!("not a readable image: {e}")))?;
+    if !decoded.color().has_alpha() {
+        return Err(error(
+            "OpenAI's mask is a PNG with an alpha channel (fully transparent pixels are edited); \
+             this one has none"
+                .into(),
+        ));
+    }
+    let rgba = decoded.to_rgba8();
+    Ok(RgbImage::from_fn(rgba.width(), rgba.height(), |x, y| {
+        image::Rgb([if rgba.get_pixel(x, y)[3] == 0 { 255 } else { 0 }; 3])
+    }))
+}
+
+/// [`decode_transparent_mask`] of a file.
+pub fn load_transparent_mask(path: &Path) -> Result<RgbImage> {
+    decode_transparent_mask(&read_file(path)?, path)
 }
 
 /// Steps 2-4 of the module doc: the decoded RGB mask to a binary mask of `width` x `height`.

@@ -12,9 +12,23 @@
 use ndarray::{concatenate, s, Array4, ArrayView4, Axis};
 
 use crate::error::{KleinError, Result};
+use crate::limits::MAX_SIDE;
 
 /// diffusers' `tile_overlap_factor`.
 pub const OVERLAP_FACTOR: f64 = 0.25;
+
+/// A tile side asked for (`--vae-tile-size`), checked without a bundle: a multiple of 64 pixels
+/// up to [`MAX_SIDE`], so that tiles and their strides fall on whole 2x2 latent patches and
+/// 16-pixel blocks. The pipeline checks the bundle's own alignment again when it loads.
+pub fn check_tile_size(pixels: u32) -> Result<()> {
+    if pixels == 0 || !pixels.is_multiple_of(64) || pixels > MAX_SIDE {
+        return Err(KleinError::Request(format!(
+            "VAE tile size {pixels}: give a multiple of 64 pixels up to {MAX_SIDE} (tiles and their \
+             strides must fall on whole 2x2 latent patches and 16-pixel blocks)"
+        )));
+    }
+    Ok(())
+}
 
 /// The tiles along one side: where each starts, how long each is, and how the results join.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -403,3 +403,25 @@ fn inpainting_lines_equal_single_runs() {
     assert_eq!((cropped.width, cropped.height), (72, 52));
     assert_eq!(cropped.text.get("mask_crop").map(String::as_str), Some("6"));
 }
+
+/// The command line's numbers, the lines' defaults, are checked before the bundle or the prompts
+/// file is read, and nothing is written.
+#[test]
+fn command_line_bounds_are_checked_before_the_bundle_is_read() {
+    let dir = temp_dir("batch-bounds");
+    let prompts = prompts_file(&dir, &[r#"{"prompt": "a fox"}"#]);
+    let out_dir = dir.join("out");
+    let model = ["--model", "/nonexistent/klein-bundle"];
+    for (extra, needles) in [
+        (&["--steps", "0"][..], &["steps is 0"][..]),
+        (
+            &["--width", "5000"][..],
+            &["width 5000 is out of range"][..],
+        ),
+    ] {
+        let run = batch(&prompts, &out_dir, &[&model[..], extra].concat());
+        run.assert_user_error(needles);
+        assert!(!run.stderr.contains("/nonexistent"), "{}", run.describe());
+        assert!(!out_dir.exists(), "{}", run.describe());
+    }
+}

@@ -894,6 +894,35 @@ fn sizes_outside_16_to_4096_are_refused() {
     }
 }
 
+/// Bounds that need no bundle are checked before it is read: each of these names its bound, not
+/// the bundle that does not exist.
+#[test]
+fn bounds_are_checked_before_the_bundle_is_read() {
+    let cases: [(&[&str], &[&str]); 4] = [
+        (
+            &["--width", "4096", "--height", "4096"],
+            &["65536 image tokens", "at most 20480"],
+        ),
+        (
+            &["--image", "source.png", "--strength", "1.5"],
+            &["strength 1.5 must be above 0 and at most 1"],
+        ),
+        (
+            &["--vae-tile-size", "100"],
+            &["VAE tile size 100", "multiple of 64"],
+        ),
+        (
+            &["--vae-tile-size", "8192"],
+            &["VAE tile size 8192", "up to 4096"],
+        ),
+    ];
+    for (args, needles) in cases {
+        let args = [&["--model", "/nonexistent/klein-bundle"][..], args].concat();
+        let run = assert_refused(&args, needles);
+        assert!(!run.stderr.contains("/nonexistent"), "{}", run.describe());
+    }
+}
+
 #[test]
 fn zero_steps_is_refused() {
     assert_refused(

@@ -336,6 +336,37 @@ def test_inpaint_is_the_cli_file(pipe, klein_bin, tiny_bundle, tmp_path):
         pipe.inpaint("a hat", image=[str(source), str(source)])
 
 
+def test_a_transparent_mask_is_the_white_one(pipe, klein_bin, tiny_bundle, tmp_path, inpaint_inputs):
+    """`mask_transparent=True` (OpenAI's edits) repaints the mask's fully transparent pixels: the
+    image of `--mask` with those pixels white, the others black, for a PIL mask and for a file (also
+    with `padding_mask_crop`); a mask without an alpha channel is refused."""
+    source, white, transparent = tmp_path / "source.png", tmp_path / "white.png", tmp_path / "transparent.png"
+    inpaint_inputs.source.save(source)
+    inpaint_inputs.white.save(white)
+    inpaint_inputs.transparent.save(transparent)
+    cli(
+        klein_bin, tiny_bundle, tmp_path / "k.png", "a hat", "--image", str(source), "--mask", str(white), "--seed", "3"
+    )
+    want = pixels((tmp_path / "k.png").read_bytes())
+    for mask in (inpaint_inputs.transparent, str(transparent)):
+        out = pipe.inpaint("a hat", image=str(source), mask_image=mask, mask_transparent=True, generator=3,
+                           output_type="png")  # fmt: skip
+        assert np.array_equal(pixels(out.images[0]), want)
+    plain = pipe.inpaint("a hat", image=str(source), mask_image=str(transparent), generator=3, output_type="png")
+    assert not np.array_equal(pixels(plain.images[0]), want)  # the same file read as white-repaints
+
+    full = inpaint_inputs.transparent.resize((100, 72), Image.NEAREST)
+    full_white = inpaint_inputs.white.resize((100, 72), Image.NEAREST)
+    full_white.save(tmp_path / "full.png")
+    crop = ["--image", str(source), "--mask", str(tmp_path / "full.png"), "--mask-crop", "8", "--seed", "3"]
+    cli(klein_bin, tiny_bundle, tmp_path / "c.png", "a hat", *crop)
+    out = pipe.inpaint("a hat", image=str(source), mask_image=full, mask_transparent=True, padding_mask_crop=8,
+                       generator=3, output_type="png")  # fmt: skip
+    assert np.array_equal(pixels(out.images[0]), pixels((tmp_path / "c.png").read_bytes()))
+    with pytest.raises(klein.InvalidInputError, match="white.png: OpenAI's mask is a PNG with an alpha channel"):
+        pipe.inpaint("a hat", image=str(source), mask_image=str(white), mask_transparent=True)
+
+
 def test_padding_mask_crop_is_the_cli_file(pipe, klein_bin, tiny_bundle, tmp_path):
     """`pipe.inpaint(padding_mask_crop=)` (paths, then PIL images) gives `klein generate --mask-crop`'s
     file, at the whole source's size; a crop without a mask is refused."""

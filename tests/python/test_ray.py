@@ -220,9 +220,8 @@ def test_openai_api_errors(serve_url, expected):
     mask = requests.post(
         f"{url}/v1/images/edits", files=[reference, ("mask", ("m.png", b"x", "image/png"))], data=form, timeout=60
     )
-    assert mask.status_code == 400 and mask.json()["error"]["param"] == "mask", mask.text
-    assert "m.png: not a readable image" in mask.json()["error"]["message"], mask.text
-    for strength in ("0", "1.5", "much"):
+    assert mask.status_code == 400 and "image m.png" in mask.json()["error"]["message"], mask.text
+    for strength in ("0", "1.5", "much", "0.7_5", "nan"):
         r = requests.post(f"{url}/v1/images/edits", files=[reference], data=form | {"strength": strength}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "strength", r.text
     # klein's own check: an upload that is no image, named in the message.
@@ -265,8 +264,8 @@ def test_edits_with_a_mask_or_a_strength_are_the_cli_inpainting_files(
 
     opaque = ("mask", ("opaque.png", png(inpaint_inputs.white), "image/png"))
     r = requests.post(f"{serve_url}/v1/images/edits", files=[image, opaque], data=form, timeout=HTTP_TIMEOUT)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "mask", r.text
-    assert "opaque.png: OpenAI's mask is a PNG with an alpha channel" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400, r.text  # klein's own check, naming the upload (as for references)
+    assert "image opaque.png: OpenAI's mask is a PNG with an alpha channel" in r.json()["error"]["message"], r.text
 
 
 def test_two_replicas_answer_the_cli_files_and_survive_a_killed_replica(serve_url, expected):

@@ -515,6 +515,11 @@ def test_bad_edit_requests(server: Server, repo: Path):
     for parts, param in cases:
         err = error_of(httpx.post(url, files=parts, timeout=60), 400)
         assert err["param"] == param, (param, err)
+    rgba = io.BytesIO()
+    Image.new("RGBA", (8, 8)).save(rgba, "PNG")  # a usable mask, twice
+    two = [("prompt", (None, "x")), image, ("mask", ("m.png", rgba.getvalue())), ("mask", ("n.png", rgba.getvalue()))]
+    err = error_of(httpx.post(url, files=two, timeout=60), 400)
+    assert (err["param"], err["message"]) == ("mask", "give one mask"), err
     # Not multipart at all.
     assert error_of(httpx.post(url, json={"prompt": "x"}), 400)["type"] == "invalid_request_error"
 

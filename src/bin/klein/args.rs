@@ -119,7 +119,7 @@ pub(crate) struct GenerateArgs {
     #[arg(long, value_name = "IMAGE", requires = "image")]
     pub(crate) mask: Option<PathBuf>,
     /// How much of --image is repainted, above 0 to 1: the share of the steps that run, from the source noised to that level [default: 1.0; diffusers' 0.8 runs the same 4 steps]
-    #[arg(long, requires = "image")]
+    #[arg(long, requires = "image", value_parser = parse_strength)]
     pub(crate) strength: Option<f64>,
     /// Inpaint only the mask's region (diffusers' padding_mask_crop): the box around the mask's white, grown by PIXELS on each side and to the output's aspect ratio, is generated at the source's processing size, then pasted back into the whole source through the mask; the output has the source's size. The mask must have the source's size
     #[arg(long, value_name = "PIXELS", requires = "mask", value_parser = clap::value_parser!(u32).range(0..=MAX_SIDE as i64))]
@@ -177,7 +177,7 @@ pub(crate) struct LoadArgs {
     #[arg(long, value_name = "on|off|auto")]
     pub(crate) vae_tiling: Option<VaeTiling>,
     /// Side of the VAE's tiles in pixels, a multiple of 64 [default: the bundle's, 1024 for FLUX.2], as diffusers' vae.tile_sample_min_size: smaller tiles hold less memory at the cost of more overlap. Turns tiling on unless --vae-tiling is given
-    #[arg(long, value_name = "PIXELS")]
+    #[arg(long, value_name = "PIXELS", value_parser = parse_vae_tile_size)]
     pub(crate) vae_tile_size: Option<u32>,
     /// ONNX Runtime shared library [default: $ORT_DYLIB_PATH, else the one set up at build time]
     #[arg(long)]
@@ -250,6 +250,20 @@ pub(crate) struct InfoArgs {
 /// `FILE` or `FILE:SCALE`.
 fn parse_lora(text: &str) -> Result<LoraSpec, String> {
     Ok(LoraSpec::parse(text))
+}
+
+/// `--strength`: a number in (0, 1], checked before anything is read.
+fn parse_strength(text: &str) -> Result<f64, String> {
+    let strength: f64 = text.parse().map_err(|e| format!("{e}"))?;
+    klein::stages::inpaint::check_strength(strength).map_err(|e| e.to_string())?;
+    Ok(strength)
+}
+
+/// `--vae-tile-size`: a multiple of 64 up to the largest side, checked before anything is read.
+fn parse_vae_tile_size(text: &str) -> Result<u32, String> {
+    let pixels: u32 = text.parse().map_err(|e| format!("{e}"))?;
+    klein::stages::vae_tiling::check_tile_size(pixels).map_err(|e| e.to_string())?;
+    Ok(pixels)
 }
 
 /// The bundle to use: `--model`, else `$KLEIN_MODEL`, else the bundled tiny model.

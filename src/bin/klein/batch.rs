@@ -154,6 +154,9 @@ pub(crate) fn generate_batch(
     out_dir: &Path,
 ) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
+    // The command line's numbers (the lines' defaults) before anything is read; a line's own are
+    // checked when it runs, and a bad one is reported in the summary.
+    crate::command_line_request(args, "").check_bounds()?;
     let size = std::fs::metadata(prompts).map_or(0, |m| m.len());
     if size > MAX_BATCH_FILE_BYTES {
         return Err(UsageError(format!(

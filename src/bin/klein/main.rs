@@ -165,17 +165,10 @@ pub(crate) fn inpaint_metadata(image: Option<&Path>, mask: Option<&Path>) -> Vec
         .collect()
 }
 
-/// `klein generate PROMPT -o FILE`: one prompt, `--num-images` images.
-fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
-    let model = default_model(args.load.model.clone())?;
-    let (paths, format) = output_files(&args.output, usize::from(args.num_images), args.quality)?;
-    let seed = args.seed.unwrap_or_else(random_seed);
-    let previews = preview_files(args, usize::from(args.num_images))?;
-    let reporter = Reporter::new(args.quiet).with_previews(previews);
-
-    let mut request = Request::new(prompt)
-        .with_seed(seed)
-        .with_num_images(args.num_images as usize);
+/// The request of `prompt` with the command line's size, steps, guidance, negative prompt and
+/// preview interval: one prompt's, or the defaults of a batch's lines.
+pub(crate) fn command_line_request(args: &GenerateArgs, prompt: &str) -> Request {
+    let mut request = Request::new(prompt);
     request.width = args.width;
     request.height = args.height;
     request.steps = args.steps;
@@ -185,6 +178,20 @@ fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
         .preview
         .is_some()
         .then_some(usize::from(args.preview_every));
+    request
+}
+
+/// `klein generate PROMPT -o FILE`: one prompt, `--num-images` images.
+fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
+    let model = default_model(args.load.model.clone())?;
+    let (paths, format) = output_files(&args.output, usize::from(args.num_images), args.quality)?;
+    let seed = args.seed.unwrap_or_else(random_seed);
+    let previews = preview_files(args, usize::from(args.num_images))?;
+    let reporter = Reporter::new(args.quiet).with_previews(previews);
+
+    let mut request = command_line_request(args, prompt)
+        .with_seed(seed)
+        .with_num_images(args.num_images as usize);
     // Every number the user gave, before anything is read or loaded.
     request.check_bounds()?;
     check_reference_count(args.refs.len())?;

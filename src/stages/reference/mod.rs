@@ -75,7 +75,7 @@ pub struct ReferenceImage {
     pub pixels: Array4<f32>,
 }
 
-fn image_error(label: &Path) -> impl Fn(String) -> KleinError + '_ {
+pub(crate) fn image_error(label: &Path) -> impl Fn(String) -> KleinError + '_ {
     move |reason| KleinError::Image {
         path: label.to_path_buf(),
         reason,
@@ -83,7 +83,7 @@ fn image_error(label: &Path) -> impl Fn(String) -> KleinError + '_ {
 }
 
 /// Reads a whole reference file, refusing one larger than [`MAX_DECODE_FILE_BYTES`] unread.
-fn read_file(path: &Path) -> Result<Vec<u8>> {
+pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>> {
     let io_error = |action: &'static str| {
         move |source: std::io::Error| KleinError::Io {
             path: path.to_path_buf(),

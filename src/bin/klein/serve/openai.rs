@@ -188,6 +188,9 @@ pub(crate) async fn edits(
                 references.push(Upload { label, bytes: bytes.to_vec() });
             }
             "mask" => {
+                if mask.is_some() {
+                    return Err(ApiError::field("mask", "give one mask"));
+                }
                 let label = field.file_name().unwrap_or("mask").to_string();
                 let bytes = field.bytes().await.map_err(multipart_error)?;
                 mask = Some(Upload { label, bytes: bytes.to_vec() });

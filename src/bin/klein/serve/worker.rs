@@ -10,11 +10,12 @@ use std::time::Instant;
 
 use klein::pipeline::{Inpaint, Pipeline, Progress, Request};
 use klein::stages::inpaint::DEFAULT_STRENGTH;
+use klein::stages::mask::decode_transparent_mask;
 use klein::stages::output::{encode_image, ImageFormat};
 use klein::stages::reference::decode_image_bytes;
 
 use super::error::{ApiError, ErrorKind};
-use super::jobs::{lock, InpaintUpload, Job, JobEvent, JobOutput, MaskKind, Queue, Upload};
+use super::jobs::{lock, InpaintUpload, Job, JobEvent, JobOutput, MaskKind, Queue};
 use super::metrics::Metrics;
 
 /// What every worker shares: the queue's receiver, its counts, the metrics, and how many
@@ -121,40 +122,12 @@ fn load_inpaint(pipeline: &Pipeline, upload: &InpaintUpload) -> Result<Inpaint, 
                 .map_err(|e| ApiError::from_klein(&e, Some("mask")))?,
         ),
         Some((mask, MaskKind::Transparent)) => {
-            Some(pipeline.prepare_mask(&transparent_to_white(mask)?, &source))
+            let rgb = decode_transparent_mask(&mask.bytes, Path::new(&mask.label))
+                .map_err(|e| ApiError::from_klein(&e, Some("mask")))?;
+            Some(pipeline.prepare_mask(&rgb, &source))
         }
     };
     Ok(Inpaint::new(source, mask, strength))
-}
-
-/// OpenAI's mask (edit where alpha is 0) as klein's (white repaints): a PNG with an alpha
-/// channel, refused without one, and before decoding when larger than klein decodes.
-fn transparent_to_white(mask: &Upload) -> Result<image::RgbImage, ApiError> {
-    let label = Path::new(&mask.label);
-    klein::stages::reference::read_header_bytes(&mask.bytes, label)
-        .map_err(|e| ApiError::from_klein(&e, Some("mask")))?;
-    let decoded = image::load_from_memory(&mask.bytes).map_err(|e| {
-        ApiError::field(
-            "mask",
-            format!("mask {}: not a readable image: {e}", mask.label),
-        )
-    })?;
-    if !decoded.color().has_alpha() {
-        return Err(ApiError::field(
-            "mask",
-            format!(
-                "mask {}: OpenAI's mask is a PNG with an alpha channel (fully transparent pixels \
-                 are edited); this one has none",
-                mask.label
-            ),
-        ));
-    }
-    let rgba = decoded.to_rgba8();
-    Ok(image::RgbImage::from_fn(
-        rgba.width(),
-        rgba.height(),
-        |x, y| image::Rgb([if rgba.get_pixel(x, y)[3] == 0 { 255 } else { 0 }; 3]),
-    ))
 }
 
 /// One generation: LoRAs, references, the pipeline, the encoded images.
