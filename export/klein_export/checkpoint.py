@@ -48,6 +48,8 @@ class Checkpoint:
             )
         for component, classes in EXPECTED_CLASSES.items():
             entry = self.model_index.get(component)
+            if not (isinstance(entry, list) and len(entry) == 2):  # ["library", "ClassName"]
+                entry = None
             if not entry or entry[1] not in classes:
                 found = entry[1] if entry else None
                 raise CheckpointError(

@@ -123,7 +123,7 @@ def _verify(args):
 def _verify_against(args):
     from .against import component_differences, image_difference
 
-    size = args.size or 512
+    size = 512 if args.size is None else args.size
     for difference in component_differences(args.bundle, args.against, size, size):
         print(difference.line(), flush=True)
     if args.no_images:
@@ -258,7 +258,7 @@ def parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tiny", help="write a random-weight checkpoint (real classes, real tokenizer)")
     t.add_argument("--out", required=True)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=_seed, default=0, help="seed of the random weights, 0 to 2**63-1 (default 0)")
     t.add_argument(
         "--preset",
         default="tiny",
@@ -294,7 +294,7 @@ def parser() -> argparse.ArgumentParser:
     )
     v.add_argument(
         "--size",
-        type=int,
+        type=_side,
         help="image side in pixels: with --against, of the compared images (default 512); with --checkpoint, one "
         "image of that size instead of the two small default cases",
     )
@@ -309,9 +309,9 @@ def parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("ranges", help="largest |activation| per module over a diffusers run, against the float16 range")
     r.add_argument("--checkpoint", required=True)
-    r.add_argument("--steps", type=int, default=2, help="denoising steps (default 2)")
-    r.add_argument("--size", type=int, default=64, help="image side in pixels (default 64)")
-    r.add_argument("--top", type=int, default=40, help="rows to print (default 40)")
+    r.add_argument("--steps", type=_at_least(1), default=2, help="denoising steps (default 2)")
+    r.add_argument("--size", type=_side, default=64, help="image side in pixels, a multiple of 16 (default 64)")
+    r.add_argument("--top", type=_at_least(1), default=40, help="rows to print (default 40)")
     r.set_defaults(func=_ranges)
 
     f = sub.add_parser("fixtures", help="run diffusers' pipeline and write the runtime's reference fixtures")
@@ -321,12 +321,47 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _at_least(low: int):
+    """An argparse type: a whole number of at least `low`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value}: give {low} or more")
+        return value
+
+    return parse
+
+
+def _side(text: str) -> int:
+    """An argparse type: an image side, a positive multiple of 16 pixels up to 4096."""
+    value = _at_least(16)(text)
+    if value % 16 or value > 4096:
+        raise argparse.ArgumentTypeError(f"{value}: give a multiple of 16 pixels, 16 to 4096")
+    return value
+
+
+def _seed(text: str) -> int:
+    """An argparse type: a torch seed, 0 to 2**63 - 1."""
+    value = _at_least(0)(text)
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"{value}: give a seed below 2**63")
+    return value
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.func(args)
     except (KleinExportError, FileExistsError, FileNotFoundError) as e:
         print(f"klein-export: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except OSError as e:  # a path that is not a directory, a file that cannot be read or written
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"klein-export: error: {where}{e.strerror or e}", file=sys.stderr)
         return EXIT_USER_ERROR
 
 

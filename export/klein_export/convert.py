@@ -239,6 +239,9 @@ def convert(
     check_variant(ckpt, variant)
     check_loras(ckpt.transformer_config, loras)
     out = Path(out)
+    if out.resolve() == ckpt.root.resolve() or out.resolve() in ckpt.root.resolve().parents:
+        # --force replaces the output: it must not hold the checkpoint.
+        raise CheckpointError(f"{out}: the output would replace the checkpoint {checkpoint}; give another --out")
     if out.exists() and not force:
         raise BundleExistsError(f"{out}: already exists; pass --force to overwrite it")
     buckets = None

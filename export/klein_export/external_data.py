@@ -15,13 +15,27 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .errors import BundleError
+
 ALIGN_THRESHOLD = 1 << 20  # onnx.save_model's align_threshold
 ALIGNMENT = 1 << 16  # onnx.save_model's allocation_granularity
 
 
 def load_structure(path: Path) -> onnx.ModelProto:
-    """The graph at `path` with its external weights left on disk (their `external_data` entries kept)."""
-    return onnx.load(str(path), load_external_data=False)
+    """The graph at `path` with its external weights left on disk (their `external_data` entries kept);
+    BundleError naming the file when it is missing or not an ONNX graph."""
+    return load_graph(path, weights=False)
+
+
+def load_graph(path: Path, weights: bool = True) -> onnx.ModelProto:
+    """The graph at `path` (with its external weights unless `weights` is False); BundleError naming
+    the file when it is missing or cannot be read as an ONNX graph."""
+    if not Path(path).is_file():
+        raise BundleError(f"{path}: missing (a graph of the bundle's manifest); export the bundle again")
+    try:
+        return onnx.load(str(path), load_external_data=weights)
+    except Exception as e:  # protobuf's DecodeError, onnx's errors, a missing external-data file
+        raise BundleError(f"{path}: not a readable ONNX graph ({type(e).__name__}: {e})") from e
 
 
 def is_external(tensor: onnx.TensorProto) -> bool:

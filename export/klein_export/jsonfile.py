@@ -5,10 +5,14 @@ from pathlib import Path
 
 
 def read_json(path: Path, error: type, missing: str) -> dict:
-    """The parsed file; `error` naming it when it is missing (with the reason `missing`) or not JSON."""
+    """The parsed file, a JSON object; `error` naming it when it is missing (with the reason
+    `missing`), not JSON or not an object."""
     if not path.is_file():
         raise error(f"{path}: missing ({missing})")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise error(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(value, dict):
+        raise error(f"{path}: a JSON object ({{...}}) is expected, not {type(value).__name__}")
+    return value

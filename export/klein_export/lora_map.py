@@ -14,6 +14,8 @@ from pathlib import Path
 
 import onnx
 
+from .external_data import load_structure
+
 # onnx TensorProto data types the runtime merges into.
 DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16"}
 
@@ -78,7 +80,7 @@ def inline_offsets(graph_path: Path) -> dict:
 def _initializer_index(graph_path: Path):
     """sha256 of the bytes of every 2-D float initializer -> [(name, dims, dtype, file, offset, bytes)]."""
     graph_path = Path(graph_path)
-    model = onnx.load(str(graph_path), load_external_data=False)
+    model = load_structure(graph_path)
     inline = None
     index = {}
     for init in model.graph.initializer:

@@ -32,6 +32,10 @@ def parse_lora(text: str) -> LoraSpec:
             scale = float(tail)
             path = head
         except ValueError:
+            if not Path(text).is_file() and Path(head).is_file():
+                raise LoraError(
+                    f"{text}: the LoRA scale `{tail}` is not a number (give FILE:SCALE, e.g. x:0.8)"
+                ) from None
             path = text
     path = Path(path)
     if not path.is_file():
@@ -55,7 +59,7 @@ def check_loras(transformer_config: dict, loras):
     for lora in loras:
         try:
             state_dict = Flux2KleinPipeline.lora_state_dict(str(lora.path))
-        except (ValueError, KeyError, RuntimeError) as e:
+        except (ValueError, KeyError, RuntimeError, OSError) as e:  # OSError: not a safetensors file
             raise LoraError(f"{lora.path}: diffusers cannot read it as a FLUX.2 LoRA: {e}") from e
         _check_modules(transformer, state_dict, lora.path)
         _check_shapes(transformer, state_dict, lora.path)
@@ -77,7 +81,7 @@ def merge_loras(transformer, loras):
             transformer.load_lora_adapter(state_dict, adapter_name=name, metadata=metadata, prefix="transformer")
         except LoraError:
             raise
-        except (ValueError, KeyError, RuntimeError) as e:
+        except (ValueError, KeyError, RuntimeError, OSError) as e:
             raise LoraError(f"{lora.path}: diffusers cannot apply it to this transformer: {e}") from e
         names.append(name)
     transformer.set_adapters(names, [lora.scale for lora in loras])

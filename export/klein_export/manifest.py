@@ -175,8 +175,14 @@ def write_manifest(manifest: dict, bundle_dir: Path):
 
 
 def read_manifest(bundle_dir) -> dict:
-    """The bundle's manifest; BundleError naming the file when it is missing or not JSON."""
-    return read_json(Path(bundle_dir) / MANIFEST, BundleError, "not a klein bundle")
+    """The bundle's manifest; BundleError naming the file when it is missing, not JSON or without
+    the sections every tool reads."""
+    path = Path(bundle_dir) / MANIFEST
+    manifest = read_json(path, BundleError, "not a klein bundle")
+    missing = [key for key in ("model", "graphs", "latents") if not isinstance(manifest.get(key), dict)]
+    if missing:
+        raise BundleError(f"{path}: no {', '.join(missing)} section (not a manifest written by klein-export)")
+    return manifest
 
 
 def _first(value):

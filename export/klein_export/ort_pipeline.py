@@ -8,6 +8,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from .errors import BundleError
 from .manifest import read_manifest
 
 
@@ -15,7 +16,11 @@ def session(bundle, file: str) -> ort.InferenceSession:
     """A CPU session (2 threads) on the graph `file` of `bundle`."""
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 2
-    return ort.InferenceSession(str(Path(bundle) / file), opts, providers=["CPUExecutionProvider"])
+    path = Path(bundle) / file
+    try:
+        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime's NoSuchFile, InvalidProtobuf, Fail...
+        raise BundleError(f"{path}: ONNX Runtime cannot load it ({e})") from e
 
 
 def run_graph(bundle, spec: dict, feeds: dict) -> np.ndarray:

@@ -43,8 +43,8 @@ import onnx
 
 from .atomic import atomic_directory
 from .cache_key import stamp_bundle
-from .errors import BundleExistsError, QuantizationError
-from .external_data import DataWriter, is_external, load_structure, nbytes, read_tensor
+from .errors import BundleError, BundleExistsError, QuantizationError
+from .external_data import DataWriter, is_external, load_graph, load_structure, nbytes, read_tensor
 from .manifest import bundle_files, read_manifest, write_manifest
 from .onnx_export import EXTERNAL_DATA_THRESHOLD
 from .product_splits import cut_float_products, plan_products, product_nodes
@@ -449,7 +449,7 @@ def quantize_graph(path: Path, config: QuantizationConfig, calibration=None) -> 
     if dynamic:
         model, partial, weights, split_inputs = _dynamic_matmuls(path, config.reduce_range)
     else:  # external data read into memory
-        (model, weights, split_inputs), partial = _nbits_matmuls(onnx.load(str(path)), config, path.parent), None
+        (model, weights, split_inputs), partial = _nbits_matmuls(load_graph(path), config, path.parent), None
     quantized = sum(n.op_type == config.method for n in model.graph.node)
     if quantized == 0:
         raise QuantizationError(f"{path.name}: no MatMul with a constant weight to quantize")
@@ -548,7 +548,11 @@ def quantize_copy(bundle, out, config: QuantizationConfig, force=False, log=prin
     made in a sibling temporary directory and renamed into place when complete."""
     bundle, out = Path(bundle), Path(out)
     graphs = read_manifest(bundle)["graphs"]  # a klein bundle, or BundleError before anything is written
+    for component, graph in graphs.items():  # named in the bundle, not in the temporary copy
+        if not (bundle / graph.get("file", "")).is_file():
+            raise BundleError(f"{bundle / graph.get('file', component)}: missing (graphs.{component} of the manifest)")
     for component in config.components:  # named here, not in the temporary copy
+        load_structure(bundle / graphs[component]["file"])  # BundleError when missing or not a graph
         if graphs[component].get("quantization") is not None:
             bits = graphs[component]["quantization"]["bits"]
             raise QuantizationError(f"{bundle / graphs[component]['file']}: already quantized ({bits} bits)")

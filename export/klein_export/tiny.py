@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .atomic import atomic_directory
 from .checkpoint import DEFAULT_OUT_LAYERS, OUT_LAYERS_KEY
 from .errors import OutputExistsError
 
@@ -195,54 +196,51 @@ def build_tiny(
     spec = PRESETS[preset]
     qwen_cfg, transformer_cfg, vae_cfg, storage = spec.qwen, spec.transformer, spec.vae, spec.storage
     out_layers = spec.out_layers if out_layers is None else tuple(out_layers)
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    g = torch.Generator("cpu").manual_seed(seed)
-    dtype = getattr(torch, storage)
+    with atomic_directory(out_dir) as tmp:  # removed if anything fails, renamed when complete
+        g = torch.Generator("cpu").manual_seed(seed)
+        dtype = getattr(torch, storage)
 
-    def save(model, component):
-        if dtype != torch.float32:
-            model.to(dtype)
-        model.save_pretrained(tmp / component)
+        def save(model, component):
+            if dtype != torch.float32:
+                model.to(dtype)
+            model.save_pretrained(tmp / component)
 
-    qwen = Qwen3ForCausalLM(Qwen3Config(**{**qwen_cfg, **(qwen_overrides or {})})).eval()
-    _init_(qwen, g, {"q_norm": 2.0, "k_norm": 2.0})
-    save(qwen, "text_encoder")
-    del qwen
+        qwen = Qwen3ForCausalLM(Qwen3Config(**{**qwen_cfg, **(qwen_overrides or {})})).eval()
+        _init_(qwen, g, {"q_norm": 2.0, "k_norm": 2.0})
+        save(qwen, "text_encoder")
+        del qwen
 
-    transformer = Flux2Transformer2DModel(**{**transformer_cfg, **(transformer_overrides or {})}).eval()
-    _init_(
-        transformer,
-        g,
-        {
-            "norm_q": 4.0,
-            "norm_k": 4.0,
-            "norm_added_q": 4.0,
-            "norm_added_k": 4.0,
-            "modulation": 2.0,
-            "context_embedder": 4.0,
-        },
-    )
-    save(transformer, "transformer")
-    del transformer
+        transformer = Flux2Transformer2DModel(**{**transformer_cfg, **(transformer_overrides or {})}).eval()
+        _init_(
+            transformer,
+            g,
+            {
+                "norm_q": 4.0,
+                "norm_k": 4.0,
+                "norm_added_q": 4.0,
+                "norm_added_k": 4.0,
+                "modulation": 2.0,
+                "context_embedder": 4.0,
+            },
+        )
+        save(transformer, "transformer")
+        del transformer
 
-    vae = AutoencoderKLFlux2(**{**vae_cfg, **(vae_overrides or {})}).eval()
-    _init_(vae, g, {})
-    with torch.no_grad():
-        vae.bn.running_mean.copy_(0.5 * torch.randn(vae.bn.running_mean.shape, generator=g))
-        vae.bn.running_var.copy_(0.5 + 1.5 * torch.rand(vae.bn.running_var.shape, generator=g))
-    save(vae, "vae")
-    del vae
+        vae = AutoencoderKLFlux2(**{**vae_cfg, **(vae_overrides or {})}).eval()
+        _init_(vae, g, {})
+        with torch.no_grad():
+            vae.bn.running_mean.copy_(0.5 * torch.randn(vae.bn.running_mean.shape, generator=g))
+            vae.bn.running_var.copy_(0.5 + 1.5 * torch.rand(vae.bn.running_var.shape, generator=g))
+        save(vae, "vae")
+        del vae
 
-    FlowMatchEulerDiscreteScheduler(**SCHEDULER).save_pretrained(tmp / "scheduler")
-    (tmp / "tokenizer").mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(ASSETS / name, tmp / "tokenizer" / name)
-    (tmp / "model_index.json").write_text(
-        json.dumps(_model_index(distilled, out_layers, kv), indent=2) + "\n", encoding="utf-8"
-    )
-    tmp.rename(out_dir)
+        FlowMatchEulerDiscreteScheduler(**SCHEDULER).save_pretrained(tmp / "scheduler")
+        (tmp / "tokenizer").mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(ASSETS / name, tmp / "tokenizer" / name)
+        (tmp / "model_index.json").write_text(
+            json.dumps(_model_index(distilled, out_layers, kv), indent=2) + "\n", encoding="utf-8"
+        )
     return out_dir
 
 

@@ -1,0 +1,110 @@
+"""`klein-export` on malformed inputs: each case exits 2 with one line naming the file or the
+option and what is valid, no traceback, and nothing written. Cheap cases only (no export runs)."""
+
+import json
+import shutil
+
+import pytest
+
+from klein_export.cli import main
+
+
+def _run(args, capsys) -> str:
+    """`main(args)`'s stderr; the exit code must be 2 and no traceback printed."""
+    code = main([str(a) for a in args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and err.startswith("klein-export: error: "), err
+    return err
+
+
+@pytest.fixture
+def bundle_copy(tiny_bundle, tmp_path):
+    """A copy of the tiny bundle's manifest and graphs structure (its files, as the tools read them)."""
+    dst = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle, dst)
+    return dst
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [("[]", "a JSON object ({...}) is expected, not list"), ("{}", "no model, graphs, latents section")],
+)
+def test_a_manifest_of_the_wrong_shape_is_named(bundle_copy, tmp_path, capsys, text, needle):
+    (bundle_copy / "manifest.json").write_text(text)
+    for args in (
+        ["quantize", "--bundle", bundle_copy, "--out", tmp_path / "q", "--quantize", "int8"],
+        ["verify", "--bundle", bundle_copy, "--against", bundle_copy, "--no-images"],
+    ):
+        err = _run(args, capsys)
+        assert f"{bundle_copy / 'manifest.json'}: {needle}" in err
+    assert not (tmp_path / "q").exists()
+
+
+def test_a_model_index_of_the_wrong_shape_is_named(tiny_checkpoint, tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    (ckpt / "model_index.json").write_text("[]")
+    err = _run(["convert", "--checkpoint", ckpt, "--out", tmp_path / "out"], capsys)
+    assert f"{ckpt / 'model_index.json'}: a JSON object" in err
+    index = json.loads((tiny_checkpoint / "model_index.json").read_text())
+    index["transformer"] = ["diffusers"]  # not [library, class]
+    (ckpt / "model_index.json").write_text(json.dumps(index))
+    err = _run(["convert", "--checkpoint", ckpt, "--out", tmp_path / "out"], capsys)
+    assert "component 'transformer' is None" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_corrupt_or_missing_graph_is_named(tiny_checkpoint, bundle_copy, tmp_path, capsys):
+    graph = bundle_copy / "transformer.onnx"
+    graph.write_text("not a graph")
+    err = _run(["lora-map", "--checkpoint", tiny_checkpoint, "--bundle", bundle_copy], capsys)
+    assert f"{graph}: not a readable ONNX graph" in err
+    err = _run(["quantize", "--bundle", bundle_copy, "--out", tmp_path / "q", "--quantize", "int4"], capsys)
+    assert f"{graph}: not a readable ONNX graph" in err
+    graph.unlink()
+    err = _run(["quantize", "--bundle", bundle_copy, "--out", tmp_path / "q", "--quantize", "int4"], capsys)
+    assert f"{graph}: missing" in err  # the input's file, not the temporary copy's
+    assert not (tmp_path / "q").exists()
+
+
+def test_an_output_that_holds_the_checkpoint_is_refused(tiny_checkpoint, tmp_path, capsys):
+    ckpt = tmp_path / "models" / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    for out in (ckpt, ckpt.parent):
+        err = _run(["convert", "--checkpoint", ckpt, "--out", out, "--force"], capsys)
+        assert "would replace the checkpoint" in err
+    assert (ckpt / "model_index.json").is_file()
+
+
+def test_a_lora_that_is_no_safetensors_or_has_a_bad_scale_is_named(tiny_checkpoint, tmp_path, capsys):
+    lora = tmp_path / "style.safetensors"
+    lora.write_text("plain text")
+    err = _run(["convert", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "out", "--lora", lora], capsys)
+    assert f"{lora}: diffusers cannot read it as a FLUX.2 LoRA" in err
+    err = _run(["convert", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "out", "--lora", f"{lora}:abc"], capsys)
+    assert "the LoRA scale `abc` is not a number" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["ranges", "--checkpoint", "x", "--steps", "0"],
+        ["ranges", "--checkpoint", "x", "--size", "7"],
+        ["verify", "--bundle", "x", "--size", "0"],
+        ["tiny", "--out", "x", "--seed", str(2**64)],
+    ],
+)
+def test_numbers_out_of_range_are_refused_by_the_parser(args, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(args)
+    assert exit.value.code == 2
+    assert "give" in capsys.readouterr().err
+
+
+def test_an_output_under_a_file_is_an_error_not_a_traceback(tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    err = _run(["tiny", "--out", tmp_path / "afile" / "sub"], capsys)
+    assert "afile" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
