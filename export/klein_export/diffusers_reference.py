@@ -9,7 +9,7 @@ import gc
 import numpy as np
 import torch
 
-from .checkpoint import DEFAULT_OUT_LAYERS, Checkpoint
+from .checkpoint import DEFAULT_OUT_LAYERS, Checkpoint, CheckpointError
 
 
 def load_pipeline(checkpoint, **components):
@@ -20,7 +20,10 @@ def load_pipeline(checkpoint, **components):
 
     kv = Checkpoint(checkpoint).is_kv and "transformer" not in components
     cls = Flux2KleinKVPipeline if kv else Flux2KleinPipeline
-    pipe = cls.from_pretrained(str(checkpoint), dtype=torch.float32, **components)
+    try:
+        pipe = cls.from_pretrained(str(checkpoint), dtype=torch.float32, **components)
+    except Exception as e:  # the libraries raise many types for a bad file; name the checkpoint
+        raise CheckpointError(f"{checkpoint}: diffusers could not load it ({type(e).__name__}: {e})") from e
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
