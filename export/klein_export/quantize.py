@@ -552,6 +552,8 @@ def quantize_copy(bundle, out, config: QuantizationConfig, force=False, log=prin
         if not (bundle / graph.get("file", "")).is_file():
             raise BundleError(f"{bundle / graph.get('file', component)}: missing (graphs.{component} of the manifest)")
     for component in config.components:  # named here, not in the temporary copy
+        if not isinstance(graphs.get(component), dict):
+            raise BundleError(f"{bundle / 'manifest.json'}: graphs has no {component} (it has {', '.join(graphs)})")
         load_structure(bundle / graphs[component]["file"])  # BundleError when missing or not a graph
         if graphs[component].get("quantization") is not None:
             bits = graphs[component]["quantization"]["bits"]

@@ -41,6 +41,15 @@ def test_a_manifest_of_the_wrong_shape_is_named(bundle_copy, tmp_path, capsys, t
     assert not (tmp_path / "q").exists()
 
 
+def test_a_manifest_without_a_graph_is_named(bundle_copy, tmp_path, capsys):
+    manifest = json.loads((bundle_copy / "manifest.json").read_text())
+    del manifest["graphs"]["transformer"]
+    (bundle_copy / "manifest.json").write_text(json.dumps(manifest))
+    err = _run(["quantize", "--bundle", bundle_copy, "--out", tmp_path / "q", "--quantize", "int8"], capsys)
+    assert f"{bundle_copy / 'manifest.json'}: graphs has no transformer" in err
+    assert not (tmp_path / "q").exists()
+
+
 def test_a_model_index_of_the_wrong_shape_is_named(tiny_checkpoint, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint, ckpt)
