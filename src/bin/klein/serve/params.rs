@@ -75,7 +75,6 @@ pub(crate) fn check_guidance(guidance: Option<f64>) -> Result<Option<f64>, ApiEr
     }
 }
 
-/// The seed, or a random one (returned to the client and stored in the image).
 /// A strength in (0, 1] (inpainting and img2img).
 pub(crate) fn check_strength(strength: Option<f64>) -> Result<Option<f64>, ApiError> {
     match strength {
@@ -87,6 +86,7 @@ pub(crate) fn check_strength(strength: Option<f64>) -> Result<Option<f64>, ApiEr
     }
 }
 
+/// The seed, or a random one (returned to the client and stored in the image).
 pub(crate) fn seed_or_random(seed: Option<u64>) -> u64 {
     seed.unwrap_or_else(crate::outputs::random_seed)
 }
