@@ -7,6 +7,7 @@ a time so that a caller can export and free each before the next (the 4B does no
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from .errors import CheckpointError
 from .jsonfile import read_json
@@ -16,6 +17,10 @@ from .jsonfile import read_json
 # model_index.json under OUT_LAYERS_KEY (the pipeline's own argument name).
 DEFAULT_OUT_LAYERS = (9, 18, 27)
 OUT_LAYERS_KEY = "text_encoder_out_layers"
+
+# Text encoder weights the export never reads (the output head and the final norm: the prompt is
+# hidden states of earlier layers), so a checkpoint may leave them out.
+TEXT_ENCODER_UNUSED = ("lm_head.weight", "model.norm.weight")
 
 # The plain klein pipeline, and the KV variant's (reference K/V cached after the first step).
 PIPELINE_CLASSES = ("Flux2KleinPipeline", "Flux2KleinKVPipeline")
@@ -30,6 +35,16 @@ EXPECTED_CLASSES = {
 
 def _read_json(path: Path) -> dict:
     return read_json(path, CheckpointError, "a diffusers FLUX.2-klein checkpoint has this file")
+
+
+def _check_header(path: Path) -> None:
+    """A truncated or corrupt weights file, found before any export starts: the safetensors
+    header is read and its tensors' byte ranges checked against the file's length (no data read)."""
+    try:
+        with safe_open(path, "pt"):
+            pass
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({err}); copy or download it again") from None
 
 
 class Checkpoint:
@@ -62,8 +77,11 @@ class Checkpoint:
         self.vae_config = _read_json(self.root / "vae" / "config.json")
         self.scheduler_config = _read_json(self.root / "scheduler" / "scheduler_config.json")
         for component in ("text_encoder", "transformer", "vae"):
-            if not any((self.root / component).glob("*.safetensors")):
+            weights = sorted((self.root / component).glob("*.safetensors"))
+            if not weights:
                 raise CheckpointError(f"{self.root / component}: no *.safetensors weights")
+            for path in weights:
+                _check_header(path)
         if not (self.root / "tokenizer" / "tokenizer.json").is_file():
             raise CheckpointError(
                 f"{self.root / 'tokenizer' / 'tokenizer.json'}: missing (a fast tokenizer file is required)"
@@ -152,8 +170,11 @@ class Checkpoint:
         logging.set_verbosity_error()  # the skipped layers' weights would be reported as unexpected keys
         try:
             return self._load(
-                lambda: Qwen3ForCausalLM.from_pretrained(self.root / "text_encoder", dtype=torch.float32, **overrides),
+                lambda: Qwen3ForCausalLM.from_pretrained(
+                    self.root / "text_encoder", dtype=torch.float32, output_loading_info=True, **overrides
+                ),
                 "text_encoder",
+                unused=TEXT_ENCODER_UNUSED,
             )
         finally:
             logging.set_verbosity(verbosity)
@@ -162,7 +183,9 @@ class Checkpoint:
         from diffusers import Flux2Transformer2DModel
 
         return self._load(
-            lambda: Flux2Transformer2DModel.from_pretrained(self.root / "transformer", torch_dtype=torch.float32),
+            lambda: Flux2Transformer2DModel.from_pretrained(
+                self.root / "transformer", torch_dtype=torch.float32, output_loading_info=True
+            ),
             "transformer",
         )
 
@@ -170,19 +193,41 @@ class Checkpoint:
         from diffusers import AutoencoderKLFlux2
 
         return self._load(
-            lambda: AutoencoderKLFlux2.from_pretrained(self.root / "vae", torch_dtype=torch.float32), "vae"
+            lambda: AutoencoderKLFlux2.from_pretrained(
+                self.root / "vae", torch_dtype=torch.float32, output_loading_info=True
+            ),
+            "vae",
         )
 
     def load_tokenizer(self):
         from transformers import AutoTokenizer
 
-        return self._load(lambda: AutoTokenizer.from_pretrained(self.root / "tokenizer"), "tokenizer")
+        return self._load(lambda: (AutoTokenizer.from_pretrained(self.root / "tokenizer"), None), "tokenizer")
 
-    def _load(self, loader, component):
+    def _load(self, loader, component, unused=()):
+        """`loader()`'s model; it returns `(model, loading_info)` (None for the tokenizer). Weights
+        in `unused` may be missing (the export never reads them)."""
         try:
-            model = loader()
+            model, info = loader()
         except Exception as e:  # the libraries raise many types for a bad file; name the component
             raise CheckpointError(f"{self.root / component}: could not be loaded ({type(e).__name__}: {e})") from e
+        # Weights the files lack: transformers would initialise them at random, diffusers leave
+        # them without data; either way the export would not be this checkpoint's model.
+        missing = sorted(set((info or {}).get("missing_keys", ())) - set(unused))
+        check_complete(self.root / component, model, missing)
         if hasattr(model, "eval"):
             model.eval()
         return model
+
+
+def check_complete(where, model, missing=()) -> None:
+    """Refuses a loaded `model` whose weights `missing` (its loader's report) were not in the files,
+    or that holds tensors without data (`meta`, as diffusers leaves what it did not find)."""
+    if isinstance(model, torch.nn.Module):
+        missing = list(missing) or [name for name, t in model.state_dict().items() if t.is_meta]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise CheckpointError(
+            f"{where}: its safetensors files lack {len(missing)} of the model's weights ({shown}): "
+            "they do not hold this component's weights (a wrong or partly copied file?)"
+        )

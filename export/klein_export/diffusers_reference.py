@@ -5,11 +5,12 @@ them from model_index.json, and its default (9, 18, 27) is wrong for a checkpoin
 """
 
 import gc
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from .checkpoint import DEFAULT_OUT_LAYERS, Checkpoint, CheckpointError
+from .checkpoint import DEFAULT_OUT_LAYERS, Checkpoint, CheckpointError, check_complete
 
 
 def load_pipeline(checkpoint, **components):
@@ -24,6 +25,8 @@ def load_pipeline(checkpoint, **components):
         pipe = cls.from_pretrained(str(checkpoint), dtype=torch.float32, **components)
     except Exception as e:  # the libraries raise many types for a bad file; name the checkpoint
         raise CheckpointError(f"{checkpoint}: diffusers could not load it ({type(e).__name__}: {e})") from e
+    for name, component in pipe.components.items():
+        check_complete(Path(checkpoint) / name, component)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -119,10 +119,32 @@ def test_an_output_under_a_file_is_an_error_not_a_traceback(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
-def test_corrupt_weights_are_named_by_the_diffusers_tools(tiny_checkpoint, tmp_path, capsys):
+@pytest.mark.parametrize("command", ["convert", "ranges"])
+def test_truncated_weights_are_named_before_any_export(tiny_checkpoint, tmp_path, capsys, command):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint, ckpt)
     weights = next((ckpt / "transformer").glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:1000])
-    err = _run(["ranges", "--checkpoint", ckpt], capsys)
-    assert f"{ckpt}: diffusers could not load it" in err
+    out = tmp_path / "out"
+    args = [command, "--checkpoint", ckpt] + (["--out", out] if command == "convert" else [])
+    err = _run(args, capsys)
+    assert f"{weights}: not a readable safetensors file" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["convert", "ranges"])
+def test_weights_the_files_lack_are_named_not_made_up(tiny_checkpoint, tmp_path, capsys, command):
+    """A whole safetensors file (its header passes) without the model's tensors: diffusers would
+    leave them without data (a crash later), transformers would make them up at random."""
+    import torch
+    from safetensors.torch import save_file
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    weights = next((ckpt / "transformer").glob("*.safetensors"))
+    save_file({"not.a.weight": torch.zeros(3)}, weights)
+    out = tmp_path / "out"
+    args = [command, "--checkpoint", ckpt] + (["--out", out] if command == "convert" else [])
+    err = _run(args, capsys)
+    assert f"{ckpt / 'transformer'}: its safetensors files lack" in err
+    assert not out.exists()
