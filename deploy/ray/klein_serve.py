@@ -64,6 +64,9 @@ FIELDS = (
 )
 #: The numbers of an edits form, parsed from their text.
 INTEGER_FIELDS = ("n", "seed", "steps")
+#: ``klein.InvalidInputError.param`` (the Python argument) as the edit form's field: the source
+#: and the references are both ``image`` fields there.
+PARAMS = {"image": "image", "image_reference": "image", "mask_image": "mask"}
 
 
 class ApiError(Exception):
@@ -363,7 +366,8 @@ class KleinDeployment:
                     **common,
                 )
         except klein.InvalidInputError as error:
-            raise ApiError(str(error)) from None
+            # The Python argument an image's error names, as the form field that carried it.
+            raise ApiError(str(error), PARAMS.get(error.param)) from None
         except klein.KleinError as error:
             raise ApiError(str(error), status=500) from None
         return {

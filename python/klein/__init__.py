@@ -202,23 +202,25 @@ def _png_bytes(image: Image.Image) -> bytes:
     return buffer.getvalue()
 
 
-def _references(image: Any) -> list[str | tuple[bytes, str]]:
+def _references(image: Any, name: str = "image") -> list[str | tuple[bytes, str]]:
+    """``image`` (one or a sequence) as the native side takes it; PIL images and bare bytes are
+    labelled ``<name>-<i>`` (errors and the PNG's text name them so)."""
     if image is None:
         return []
     items = list(image) if isinstance(image, (list, tuple)) else [image]
     references: list[str | tuple[bytes, str]] = []
     for index, item in enumerate(items):
         if isinstance(item, Image.Image):
-            references.append((_png_bytes(item), f"image-{index}"))
+            references.append((_png_bytes(item), f"{name}-{index}"))
         elif isinstance(item, (str, os.PathLike)):
             references.append(os.fsdecode(item))
         elif isinstance(item, EncodedImage):
             references.append((bytes(item.data), str(item.name)))
         elif isinstance(item, (bytes, bytearray, memoryview)):
-            references.append((bytes(item), f"image-{index}"))
+            references.append((bytes(item), f"{name}-{index}"))
         else:
             raise InvalidInputError(
-                f"invalid request: image[{index}] is a {type(item).__name__}; give a PIL.Image.Image, "
+                f"invalid request: {name}[{index}] is a {type(item).__name__}; give a PIL.Image.Image, "
                 "the path of a PNG, JPEG or WebP file, or its bytes (bytes or klein.EncodedImage)"
             )
     return references
@@ -347,6 +349,7 @@ class Pipeline:
             prompt,
             references=_references(image),
             inpaint={},
+            params={"references": "image"},
             height=height,
             width=width,
             num_inference_steps=num_inference_steps,
@@ -397,12 +400,13 @@ class Pipeline:
         give the size the source is generated at (downscaled above 1 megapixel, floored to 16;
         with ``padding_mask_crop`` the output still has the source's whole size): another is
         refused, as by ``klein generate``. The other arguments are ``__call__``'s."""
-        sources, masks = _references(image), _references(mask_image)
+        sources, masks = _references(image), _references(mask_image, "mask_image")
         if len(sources) != 1 or len(masks) > 1:
             raise InvalidInputError("invalid request: inpaint takes one source image and at most one mask_image")
         return self._run(
             prompt,
             references=_references(image_reference),
+            params={"source": "image", "mask": "mask_image", "references": "image_reference"},
             inpaint={
                 "source": sources[0],
                 "mask": masks[0] if masks else None,
@@ -430,6 +434,7 @@ class Pipeline:
         *,
         references: list[str | tuple[bytes, str]],
         inpaint: dict[str, Any],
+        params: dict[str, str],
         height: int | None,
         width: int | None,
         num_inference_steps: int | None,
@@ -452,22 +457,28 @@ class Pipeline:
         if callback is not None and not callable(callback):
             raise InvalidInputError("invalid request: callback must be callable(step, total)")
         count = _count("num_images_per_prompt", num_images_per_prompt, optional=False)
-        generation = self._native.generate(
-            prompt,
-            references=references,
+        arguments = {
+            "references": references,
             **inpaint,
-            width=_count("width", width),
-            height=_count("height", height),
-            steps=_count("num_inference_steps", num_inference_steps),
-            guidance=_number("guidance_scale", guidance_scale),
-            negative_prompt=negative_prompt,
-            seed=_seed(generator),
-            num_images=count,
-            png=output_type == "png",
-            callback=callback,
-            preview_every=_count("preview_every", preview_every, optional=False) if preview else None,
-            preview=_preview_callback(preview),
-        )
+            "width": _count("width", width),
+            "height": _count("height", height),
+            "steps": _count("num_inference_steps", num_inference_steps),
+            "guidance": _number("guidance_scale", guidance_scale),
+            "negative_prompt": negative_prompt,
+            "seed": _seed(generator),
+            "num_images": count,
+            "png": output_type == "png",
+            "callback": callback,
+            "preview_every": _count("preview_every", preview_every, optional=False) if preview else None,
+            "preview": _preview_callback(preview),
+        }
+        try:
+            generation = self._native.generate(prompt, **arguments)
+        except KleinError as error:
+            # An input's error names the native argument (``source``, ``mask``, ``references``):
+            # as the caller's argument (``params``).
+            error.param = params.get(error.param, error.param)
+            raise
         for message in generation.warnings:
             warnings.warn(message, KleinWarning, stacklevel=3)
         if generation.prompt_truncated:

@@ -18,6 +18,10 @@ MAX_PROMPT_BYTES: int
 class KleinError(Exception):
     """An error of klein (the message names the file, field or stage)."""
 
+    param: str | None
+    """The argument at fault where the error is one input image's (``image``, ``mask_image``,
+    ``image_reference``: its file could not be read or used), else None."""
+
 class InvalidInputError(KleinError, ValueError):
     """What the caller gave cannot be used: a file, a bundle, a size, a count, an option."""
 

@@ -52,6 +52,8 @@ fn exception_type<'py>(
     let namespace = PyDict::new(py);
     namespace.set_item("__module__", "klein")?;
     namespace.set_item("__doc__", doc)?;
+    // The argument at fault, where the error is one input's (set on the instance); else None.
+    namespace.set_item("param", py.None())?;
     let class = py
         .get_type::<PyType>()
         .call1((name, bases, namespace))?
@@ -103,6 +105,16 @@ fn to_py_err(py: Python<'_>, error: &KleinError) -> PyErr {
         _ => &classes.base,
     };
     PyErr::from_type(class.bind(py).clone(), chain(error))
+}
+
+/// `error` as [`to_py_err`] makes it, naming `param`, the native argument it comes from (the
+/// Python side renames it to its own argument's name).
+fn input_err(py: Python<'_>, error: &KleinError, param: &str) -> PyErr {
+    let raised = to_py_err(py, error);
+    if let Err(failed) = raised.value(py).setattr("param", param) {
+        return failed;
+    }
+    raised
 }
 
 /// The pipeline, whatever a panic elsewhere left (klein does not panic on input).
@@ -194,26 +206,44 @@ impl Reference {
 }
 
 impl InpaintArgs {
-    /// The source and mask decoded and preprocessed for `pipeline`.
-    fn load(&self, pipeline: &Pipeline) -> klein::Result<Inpaint> {
+    /// The source and mask decoded and preprocessed for `pipeline`; an error is the input's
+    /// whose file it names (`source` or `mask`, as [`Failure::Input`] names them).
+    fn load(&self, pipeline: &Pipeline) -> Result<Inpaint, Failure> {
+        let source_err = |e| Failure::Input(e, "source");
+        let mask_err = |e| Failure::Input(e, "mask");
         if let (Some(padding), Some(mask)) = (self.mask_crop, &self.mask) {
             let (source_label, mask_label) = (self.source.label(), mask.label());
-            return pipeline.crop_to_mask(
-                self.source.decode()?,
-                mask.decode_mask(self.mask_transparent)?,
-                padding,
-                self.strength,
-                (Path::new(source_label), Path::new(mask_label)),
-            );
+            let source = self.source.decode().map_err(source_err)?;
+            let mask_rgb = mask.decode_mask(self.mask_transparent).map_err(mask_err)?;
+            // Its errors are the mask's (its region, its size against the source's) but for
+            // the source's size, which names the source.
+            return pipeline
+                .crop_to_mask(
+                    source,
+                    mask_rgb,
+                    padding,
+                    self.strength,
+                    (Path::new(source_label), Path::new(mask_label)),
+                )
+                .map_err(|e| match &e {
+                    KleinError::Image { path, .. }
+                        if source_label != mask_label && path == Path::new(source_label) =>
+                    {
+                        source_err(e)
+                    }
+                    _ => mask_err(e),
+                });
         }
         let source = match &self.source {
-            Reference::Path(path) => pipeline.load_source(Path::new(path))?,
-            Reference::Encoded(bytes, label) => pipeline.decode_source(bytes, Path::new(label))?,
-        };
+            Reference::Path(path) => pipeline.load_source(Path::new(path)),
+            Reference::Encoded(bytes, label) => pipeline.decode_source(bytes, Path::new(label)),
+        }
+        .map_err(source_err)?;
         let mask = match &self.mask {
             None => None,
             Some(mask) => {
-                Some(pipeline.prepare_mask(&mask.decode_mask(self.mask_transparent)?, &source))
+                let rgb = mask.decode_mask(self.mask_transparent).map_err(mask_err)?;
+                Some(pipeline.prepare_mask(&rgb, &source))
             }
         };
         Ok(Inpaint::new(source, mask, self.strength))
@@ -315,6 +345,9 @@ fn seconds_per_stage(timings: &Timings) -> Vec<(String, f64)> {
 /// `KeyboardInterrupt`) when it stopped the work, else klein's.
 enum Failure {
     Klein(KleinError),
+    /// klein's error about one input: the native argument's name (`source`, `mask`,
+    /// `references`), set as the exception's `param`.
+    Input(KleinError, &'static str),
     Python(PyErr),
 }
 
@@ -333,7 +366,7 @@ impl PyPipeline {
         let pipeline = &mut *pipeline;
         let mut labels = Vec::with_capacity(references.len());
         if let Some(inpaint) = &inpaint {
-            request.inpaint = Some(inpaint.load(pipeline).map_err(Failure::Klein)?);
+            request.inpaint = Some(inpaint.load(pipeline)?);
         }
         let source_size = request
             .inpaint
@@ -354,7 +387,7 @@ impl PyPipeline {
                     request.width.or(source_size.map(|s| s.0)),
                     request.height.or(source_size.map(|s| s.1)),
                 )
-                .map_err(Failure::Klein)?;
+                .map_err(|e| Failure::Input(e, "references"))?;
         }
         for reference in &references {
             let (image, label) = match reference {
@@ -363,7 +396,9 @@ impl PyPipeline {
                     (pipeline.decode_reference(bytes, Path::new(label)), label)
                 }
             };
-            request.references.push(image.map_err(Failure::Klein)?);
+            request
+                .references
+                .push(image.map_err(|e| Failure::Input(e, "references"))?);
             labels.push(label.clone());
         }
         drop(references);
@@ -584,6 +619,7 @@ impl PyPipeline {
             .detach(|| self.run_generation(request, references, inpaint, png, callback, preview))
             .map_err(|failure| match failure {
                 Failure::Klein(error) => to_py_err(py, &error),
+                Failure::Input(error, param) => input_err(py, &error, param),
                 Failure::Python(raised) => raised,
             })?;
         let bytes = |data: &[u8]| PyBytes::new(py, data).unbind();

@@ -302,6 +302,33 @@ def test_release_transformer_is_the_cli_file(tiny_bundle, klein_bin, tmp_path):
     assert "load transformer" not in kept("a lighthouse", width=64, height=64, generator=4).timings
 
 
+def test_an_input_image_error_names_its_argument(pipe, tmp_path):
+    """`error.param` names the argument whose image klein could not use (as an API's 400 names the
+    field); errors of no one input leave it None."""
+    source, unreadable = tmp_path / "source.png", tmp_path / "notes.png"
+    synthetic().resize((100, 72)).save(source)
+    unreadable.write_bytes(b"these are not the pixels you are looking for")
+    cases = [
+        ("image", lambda: pipe("a fox", image=[str(source), unreadable], width=64, height=64)),
+        ("image", lambda: pipe.inpaint("a fox", image=unreadable)),
+        ("mask_image", lambda: pipe.inpaint("a fox", image=str(source), mask_image=unreadable)),
+        ("image_reference", lambda: pipe.inpaint("a fox", image=str(source), image_reference=unreadable)),
+        # With padding_mask_crop: the mask's size against the source's is the mask's fault...
+        ("mask_image", lambda: pipe.inpaint("a fox", image=synthetic().resize((100, 72)),
+                                            mask_image=Image.new("RGB", (50, 36), "white"), padding_mask_crop=8)),
+        # ... a source too small to generate from is the source's.
+        ("image", lambda: pipe.inpaint("a fox", image=Image.new("RGB", (8, 8)),
+                                       mask_image=Image.new("RGB", (8, 8), "white"), padding_mask_crop=8)),
+        (None, lambda: pipe("a fox", width=8000, height=64)),
+    ]  # fmt: skip
+    for param, call in cases:
+        with pytest.raises(klein.InvalidInputError) as error:
+            call()
+        assert error.value.param == param, (param, str(error.value))
+    with pytest.raises(klein.InvalidInputError, match="mask_image-0"):  # a PIL mask, labelled as such
+        pipe.inpaint("a fox", image=str(source), mask_image=Image.new("RGB", (50, 36)), padding_mask_crop=8)
+
+
 def test_inpaint_is_the_cli_file(pipe, klein_bin, tiny_bundle, tmp_path):
     """`pipe.inpaint` (source and mask as paths, then as PIL images) gives `klein generate --image
     --mask --strength`'s file; without a mask it is img2img."""

@@ -221,6 +221,7 @@ def test_openai_api_errors(serve_url, expected):
         f"{url}/v1/images/edits", files=[reference, ("mask", ("m.png", b"x", "image/png"))], data=form, timeout=60
     )
     assert mask.status_code == 400 and "image m.png" in mask.json()["error"]["message"], mask.text
+    assert mask.json()["error"]["param"] == "mask", mask.text  # klein's error, as the field that carried it
     for strength in ("0", "1.5", "much", "0.7_5", "nan"):
         r = requests.post(f"{url}/v1/images/edits", files=[reference], data=form | {"strength": strength}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "strength", r.text
@@ -228,6 +229,7 @@ def test_openai_api_errors(serve_url, expected):
     notes = ("image[]", ("notes.png", b"these are not pixels", "image/png"))
     bad = requests.post(f"{url}/v1/images/edits", files=[notes], data=form, timeout=HTTP_TIMEOUT)
     assert bad.status_code == 400 and "notes.png" in bad.json()["error"]["message"], bad.text
+    assert bad.json()["error"]["param"] == "image", bad.text
 
 
 def png(image: Image.Image) -> bytes:
@@ -266,6 +268,7 @@ def test_edits_with_a_mask_or_a_strength_are_the_cli_inpainting_files(
     r = requests.post(f"{serve_url}/v1/images/edits", files=[image, opaque], data=form, timeout=HTTP_TIMEOUT)
     assert r.status_code == 400, r.text  # klein's own check, naming the upload (as for references)
     assert "image opaque.png: OpenAI's mask is a PNG with an alpha channel" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "mask", r.text
 
 
 def test_two_replicas_answer_the_cli_files_and_survive_a_killed_replica(serve_url, expected):

@@ -77,13 +77,11 @@ pub(crate) fn check_guidance(guidance: Option<f64>) -> Result<Option<f64>, ApiEr
 
 /// A strength in (0, 1] (inpainting and img2img).
 pub(crate) fn check_strength(strength: Option<f64>) -> Result<Option<f64>, ApiError> {
-    match strength {
-        Some(s) if !(s > 0.0 && s <= 1.0) => Err(ApiError::field(
-            "strength",
-            format!("strength {s} must be above 0 and at most 1 (1 repaints from pure noise)"),
-        )),
-        other => Ok(other),
+    if let Some(s) = strength {
+        klein::stages::inpaint::check_strength(s)
+            .map_err(|e| ApiError::from_klein(&e, Some("strength")))?;
     }
+    Ok(strength)
 }
 
 /// The seed, or a random one (returned to the client and stored in the image).
