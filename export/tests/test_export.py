@@ -6,6 +6,8 @@ import shutil
 
 import onnx
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from klein_export import FORMAT_VERSION
 from klein_export.checkpoint import CheckpointError
@@ -118,11 +120,19 @@ def test_wrong_component_class_is_a_clear_error(tiny_checkpoint, tmp_path):
         convert(ckpt, tmp_path / "out")
 
 
-def test_corrupt_weights_leave_no_partial_bundle(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        # Found when the checkpoint is opened, before any export.
+        (lambda w: w.write_bytes(w.read_bytes()[:1000]), "not a readable safetensors file"),
+        # Found when the transformer loads, after the text encoder's export.
+        (lambda w: save_file({"not.a.weight": torch.zeros(3)}, w), "transformer: its safetensors files lack"),
+    ],
+)
+def test_corrupt_weights_leave_no_partial_bundle(tiny_checkpoint, tmp_path, corrupt, message):
     ckpt = _copy(tiny_checkpoint, tmp_path)
-    weights = next((ckpt / "transformer").glob("*.safetensors"))
-    weights.write_bytes(weights.read_bytes()[:1000])
-    with pytest.raises(CheckpointError, match="transformer: could not be loaded"):
+    corrupt(next((ckpt / "transformer").glob("*.safetensors")))
+    with pytest.raises(CheckpointError, match=message):
         convert(ckpt, tmp_path / "out")
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"], "no bundle and no temporary directory left behind"
 
