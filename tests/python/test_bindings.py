@@ -261,6 +261,8 @@ def test_type_stubs_match_the_native_module():
             members = {name for name in dir(getattr(native, cls.name)) if not name.startswith("_")}
             if issubclass(getattr(native, cls.name), BaseException):
                 members -= {"args", "with_traceback", "add_note"}
+                if cls.name != "KleinError":  # what KleinError's stub declares is inherited
+                    members -= set(dir(native.KleinError))
             assert stub_names(cls) == members, cls.name
     assert (Path(klein.__file__).parent / "py.typed").is_file()
 
