@@ -1,5 +1,6 @@
 //! `klein::runtime::retain_freed_memory`: a freed large block is reused without the kernel faulting
-//! its pages in again. It runs on the main thread, as the CLI's generations do (glibc's heaps for
+//! its pages in again; `give_back_freed_memory` (tiled VAE passes) returns the kept memory and maps
+//! large blocks afresh until its guard drops, then the heap is kept again. It runs on the main thread, as the CLI's generations do (glibc's heaps for
 //! other threads serve blocks over 64 MB by `mmap` regardless), so this test has no harness: its
 //! own process, `main` (Cargo.toml: `harness = false`).
 
@@ -44,6 +45,50 @@ fn main() {
         "{again} page faults for a block the heap already holds, {default} for a new mapping"
     );
     println!("heap: a freed 64 MB block came back with {again} page faults ({default} for a new mapping)");
+
+    /// This process's resident memory in MiB (`/proc/self/status`, `VmRSS` in kB).
+    fn rss_mib() -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+        let line = status
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .expect("VmRSS");
+        let kb: u64 = line
+            .split_whitespace()
+            .nth(1)
+            .expect("a size")
+            .parse()
+            .expect("a number");
+        kb / 1024
+    }
+
+    // 256 MB freed into the kept heap stay resident until they are given back.
+    drop(std::hint::black_box(vec![1u8; 256 << 20]));
+    let kept = rss_mib();
+    let given_back = klein::runtime::give_back_freed_memory();
+    let trimmed = rss_mib();
+    assert!(
+        kept >= trimmed + 200,
+        "giving back a heap holding 256 MB free: resident {kept} MiB -> {trimmed} MiB"
+    );
+    // Until the guard drops, each large block is a new mapping again (glibc's default).
+    faults_of_a_large_block();
+    let given = faults_of_a_large_block();
+    assert!(
+        given * 2 > default,
+        "{given} page faults for a large block with the heap given back, {default} by default"
+    );
+    drop(given_back);
+    faults_of_a_large_block();
+    let kept_again = faults_of_a_large_block();
+    assert!(
+        kept_again < 200 && kept_again * 4 < default,
+        "{kept_again} page faults once the guard dropped: the heap should be kept again"
+    );
+    println!(
+        "heap: given back {} MiB; a large block then took {given} page faults, {kept_again} once kept again",
+        kept - trimmed
+    );
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]

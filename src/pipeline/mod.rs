@@ -62,7 +62,7 @@ use request::Plan;
 use crate::bundle::support;
 use crate::bundle::{default_cache_dir, Component, Manifest, Verification};
 use crate::error::{KleinError, Result};
-use crate::runtime::{self, Device, Graph, SessionConfig, TensorInput};
+use crate::runtime::{self, give_back_freed_memory, Device, Graph, SessionConfig, TensorInput};
 use crate::stages::latents::{pack_latents, prepare_image_ids, unpack_latents};
 use crate::stages::noise::randn;
 use crate::stages::output::{to_rgb_images, RgbImage};
@@ -488,6 +488,7 @@ impl Pipeline {
             .any(|&t| t)
             .then(|| self.vae_layout(false))
             .transpose()?;
+        let _heap = layout.is_some().then(give_back_freed_memory);
         let graph = self.graph(Component::VaeEncoder, bucket, &mut progress)?;
         let (tokens, grids) = timed(&mut progress, Stage::EncodeReferences, |_| {
             let mut packed = Vec::with_capacity(references.len());
@@ -562,6 +563,8 @@ impl Pipeline {
         let bucket = self.bucket_of_size(lat_w as u32 * m, lat_h as u32 * m)?;
         let tiled = self.vae_tiles(lat_w * m as usize, lat_h * m as usize)?;
         let layout = tiled.then(|| self.vae_layout(true)).transpose()?;
+        // The tiles on glibc's usual heap, whose kept memory goes back first (runtime's heap).
+        let _heap = tiled.then(give_back_freed_memory);
         let graph = self.graph(Component::VaeDecoder, bucket, &mut progress)?;
         timed(&mut progress, Stage::Decode, |_| {
             // [B, 3, 16h, 16w]

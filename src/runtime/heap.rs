@@ -18,14 +18,18 @@
 //! `klein` CLI and server do, at start (they start again with [`start_tunables`]' value set where
 //! the transformer is float, or call [`retain_freed_memory`]). The heap is not kept where
 //! VAE tiles were asked for (the kept heap raised the 1024x1024 peak from 3.4 GB to 4.1-8.9 GB
-//! with 512-pixel tiles, no faster), nor for a quantized transformer where the CLI's `--width` x
-//! `--height` is a size auto tiles; a float transformer keeps it there with huge pages (wide fp32
-//! at 1536x1536: decode 8-12% faster, peak 11.3-12.1 against 10.9 GiB, measured while the
-//! transformer still had ONNX Runtime's memory pattern; without it, 4 steps peak at 11.6 GiB and
-//! the decode gains less). A process
+//! with 512-pixel tiles, no faster). Where auto tiles (above 1024x1024 pixels), a heap kept by
+//! [`retain_freed_memory`] serves the steps and is given back for the tiles
+//! ([`give_back_freed_memory`], which the pipeline holds through tiled VAE passes); a float
+//! transformer started with huge pages keeps it through the tiles too (wide fp32 at 1536x1536:
+//! decode 8-12% faster, peak 11.3-12.1 against 10.9 GiB, measured while the transformer still had
+//! ONNX Runtime's memory pattern; without it, 4 steps peak at 11.6 GiB and the decode gains
+//! less). A process
 //! started with `GLIBC_TUNABLES` set keeps glibc's settings as the user tuned them (that is also
 //! the way to opt out: `GLIBC_TUNABLES=glibc.malloc.hugetlb=0`). Elsewhere (macOS, Windows, musl)
 //! both do nothing.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 /// The environment variable through which glibc reads its allocator's settings, once, at start.
 pub const GLIBC_TUNABLES: &str = "GLIBC_TUNABLES";
@@ -66,7 +70,64 @@ fn tunables_for(mode: &str) -> Option<&'static str> {
 /// Keeps freed memory in glibc's heap for reuse (see the module documentation). Returns whether
 /// the setting was applied: false where `GLIBC_TUNABLES` is set or the platform is not glibc's.
 pub fn retain_freed_memory() -> bool {
-    std::env::var_os(GLIBC_TUNABLES).is_none() && glibc::keep_freed()
+    let mut kept = kept();
+    kept.applied = std::env::var_os(GLIBC_TUNABLES).is_none() && glibc::keep_freed();
+    kept.applied
+}
+
+/// Whether [`retain_freed_memory`] applied its settings, and how many [`GivenBack`] guards hold
+/// them off (tiled VAE passes; the server may run more than one generation).
+struct Kept {
+    applied: bool,
+    given_back: usize,
+}
+
+static KEPT: Mutex<Kept> = Mutex::new(Kept {
+    applied: false,
+    given_back: 0,
+});
+
+/// The heap's state; a panic elsewhere while it was held leaves it usable (plain fields).
+fn kept() -> MutexGuard<'static, Kept> {
+    KEPT.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Gives the memory that [`retain_freed_memory`] kept back to the system (`malloc_trim`) and lets
+/// glibc serve large blocks with `mmap` again, as by default, until the guard drops; then the heap
+/// is kept again. The pipeline holds it through tiled VAE passes: tiles are there to save memory,
+/// which a heap kept through the denoising and the tiles took back (wide dds at 1536x1536: peaks
+/// of 10.8-17.8 GiB against 9.6 GiB; README, "Heap"), while the steps themselves gain from it.
+/// Does nothing where the heap was not kept by [`retain_freed_memory`] (never, in a library
+/// whose application did not call it; nor with `GLIBC_TUNABLES`, whose settings stand).
+pub fn give_back_freed_memory() -> GivenBack {
+    let mut kept = kept();
+    let active = kept.applied;
+    if active {
+        if kept.given_back == 0 {
+            glibc::give_back();
+        }
+        kept.given_back += 1;
+    }
+    GivenBack { active }
+}
+
+/// What [`give_back_freed_memory`] returns: the heap is kept again when the last one drops.
+#[must_use = "the heap is kept again when the guard drops"]
+pub struct GivenBack {
+    active: bool,
+}
+
+impl Drop for GivenBack {
+    fn drop(&mut self) {
+        if !self.active {
+            return;
+        }
+        let mut kept = kept();
+        kept.given_back -= 1;
+        if kept.given_back == 0 {
+            glibc::keep_freed();
+        }
+    }
 }
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
@@ -78,10 +139,20 @@ mod glibc {
 
     /// `mallopt` parameters (glibc's malloc.h).
     const M_TRIM_THRESHOLD: c_int = -1;
+    const M_MMAP_THRESHOLD: c_int = -3;
     const M_MMAP_MAX: c_int = -4;
+
+    /// glibc's own `M_MMAP_MAX`, and the thresholds its dynamic ones rise to once blocks of 32 MB
+    /// have been freed (`DEFAULT_MMAP_THRESHOLD_MAX` on 64-bit hosts; the trim threshold twice
+    /// that): setting one by `mallopt` stops glibc from adjusting them, so [`give_back`] sets the
+    /// values a long run reaches by default.
+    const DEFAULT_MMAP_MAX: c_int = 65536;
+    const MMAP_THRESHOLD: c_int = 32 << 20;
+    const TRIM_THRESHOLD: c_int = 64 << 20;
 
     extern "C" {
         fn mallopt(param: c_int, value: c_int) -> c_int;
+        fn malloc_trim(pad: usize) -> c_int;
     }
 
     /// No block served by `mmap` (every one from the heap) and the heap never trimmed. Threads
@@ -96,6 +167,20 @@ mod glibc {
         // (those mapped before are still unmapped when freed).
         unsafe { mallopt(M_MMAP_MAX, 0) == 1 && mallopt(M_TRIM_THRESHOLD, -1) == 1 }
     }
+
+    /// Blocks of 32 MB and more mapped again and the heap trimmed above 64 MB, as glibc's defaults
+    /// settle; then every free page of every heap is given back (`malloc_trim` also returns the
+    /// free pages inside a heap, not only its top).
+    pub(super) fn give_back() {
+        // SAFETY: as in `keep_freed`; `malloc_trim` takes each heap's lock in turn and only
+        // returns pages that no allocation holds.
+        unsafe {
+            mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD);
+            mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD);
+            mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX);
+            malloc_trim(0);
+        }
+    }
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
@@ -105,6 +190,8 @@ mod glibc {
     pub(super) fn keep_freed() -> bool {
         false
     }
+
+    pub(super) fn give_back() {}
 }
 
 #[cfg(test)]

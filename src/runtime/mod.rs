@@ -49,7 +49,9 @@ pub use device::{
     ComputeUnits, ConvSearch, CoreMlOptions, CudaOptions, Device, OptimizationLevel, SessionConfig,
 };
 pub use graph::{describe_skipped, graph_files, load_graph, Graph};
-pub use heap::{retain_freed_memory, start_tunables, GLIBC_TUNABLES};
+pub use heap::{
+    give_back_freed_memory, retain_freed_memory, start_tunables, GivenBack, GLIBC_TUNABLES,
+};
 pub use library::{
     init, locate_library, runtime_info, LibrarySource, LogLevel, LogSink, RuntimeInfo,
     RuntimeOptions, ORT_DYLIB_ENV,
