@@ -169,8 +169,8 @@ mod glibc {
     }
 
     /// Blocks of 32 MB and more mapped again and the heap trimmed above 64 MB, as glibc's defaults
-    /// settle; then every free page of every heap is given back (`malloc_trim` also returns the
-    /// free pages inside a heap, not only its top).
+    /// settle; then the free memory is given back (`malloc_trim`: the main heap's top, and the
+    /// free pages inside every heap; other threads' heaps keep their tops, of at most 64 MB).
     pub(super) fn give_back() {
         // SAFETY: as in `keep_freed`; `malloc_trim` takes each heap's lock in turn and only
         // returns pages that no allocation holds.
