@@ -13,14 +13,14 @@ use crate::args::{default_model, Command, LoadArgs};
 static SETTING: OnceLock<String> = OnceLock::new();
 
 /// Sets the heap for `command`, first thing in `main` (before any thread starts). Generations
-/// and the server with a float transformer and no VAE tiles asked for ([`huge_pages_pay`]) start
-/// klein again with `GLIBC_TUNABLES` set to `start_tunables`'s value where that gives huge pages
-/// (the process is replaced: this returns only where it was not needed or failed); otherwise the
-/// heap is kept with `mallopt` where [`keeps_freed_memory`] says so.
+/// and the server with no VAE tiles asked for ([`keeps_heap`]) start klein again with
+/// `GLIBC_TUNABLES` set to `start_tunables`'s value where the transformer is float and that gives
+/// huge pages (the process is replaced: this returns only where it was not needed or failed);
+/// otherwise they keep the heap with `mallopt`.
 pub(crate) fn tune_heap(command: &Command) {
-    let keep = keeps_freed_memory(command);
+    let keep = keeps_heap(command);
     // The cheap checks first: the restarted process (its variable set) reads no manifest.
-    if let Some(tunables) = start_tunables().filter(|_| huge_pages_pay(command)) {
+    if let Some(tunables) = start_tunables().filter(|_| keep) {
         if load_args(command).is_some_and(runs_a_float_transformer) {
             start_again(tunables);
         }
@@ -71,9 +71,15 @@ fn start_again(tunables: &str) {
     let _ = tunables;
 }
 
-/// Whether `command` runs with huge pages and the kept heap where its transformer is float: every
-/// generation and server without VAE tiles asked for, auto's tiles included. With the tiles that
-/// auto takes at 1536x1536 the heap's float steps and decode still gained (wide fp32, 2 steps, 2
+/// Whether `command` keeps freed activations mapped for the next step and image
+/// (runtime/heap.rs), with huge pages where its transformer is float: every generation and server
+/// without VAE tiles asked for, auto's tiles included. Asked-for tiles are there to save memory,
+/// which the kept heap takes back (at 1024x1024 with 512-pixel tiles, 4.1-8.9 GB peaks against
+/// 3.4 GB, no faster; README, "Heap"). Where auto tiles (above 1024x1024 pixels) the pipeline
+/// gives a `mallopt` heap back before the tiles and keeps it again after them
+/// (`give_back_freed_memory`): the steps keep their gain (wide dds at 1536x1536, denoising 3-9%
+/// faster) and the tiles their memory. A float transformer's heap (huge pages, set at start) stays
+/// kept through the tiles: there its steps and decode still gained (wide fp32, 2 steps, 2
 /// alternating pairs: decode 136.6 and 138.5 s against 147.8 and 157.7 s, denoise 126.6 and
 /// 101.3 s against 124.9 and 148.8 s) for a higher peak (12.08 and 11.33 GiB against 10.90 and
 /// 10.91 GiB: freed activations stay mapped for the decoder); huge pages without the kept heap
@@ -81,7 +87,7 @@ fn start_again(tunables: &str) {
 /// Those pairs ran the transformer with ONNX Runtime's memory pattern; without it (now) the steps
 /// leave less memory mapped and the decode gains less (145.7 and 153.8 s, 4 steps, peak 11.6 GiB);
 /// the kept heap against glibc's defaults was not measured again at this size.
-fn huge_pages_pay(command: &Command) -> bool {
+fn keeps_heap(command: &Command) -> bool {
     load_args(command).is_some_and(|load| load.vae_tiling() != VaeTiling::On)
 }
 
@@ -94,30 +100,15 @@ fn load_args(command: &Command) -> Option<&LoadArgs> {
     }
 }
 
-/// Whether `command` keeps freed activations mapped for the next step and image
-/// (runtime/heap.rs): generations and the server do, unless VAE tiles were asked for. Tiles are
-/// there to save memory, which the kept heap takes back (at 1024x1024 with 512-pixel tiles,
-/// 4.1-8.9 GB peaks against 3.4 GB, no faster; README, "Heap"). Where auto tiles (above
-/// 1024x1024 pixels) the pipeline gives the kept memory back before the tiles and keeps the heap
-/// again after them (`give_back_freed_memory`): the steps keep their gain (wide dds at 1536x1536,
-/// denoising 10% faster on a kept heap) and the tiles their memory.
-fn keeps_freed_memory(command: &Command) -> bool {
-    match command {
-        Command::Generate(args) => args.load.vae_tiling() != VaeTiling::On,
-        Command::Serve(args) => args.load.vae_tiling() != VaeTiling::On,
-        Command::Info(_) => false,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use clap::Parser;
 
-    use super::{huge_pages_pay, keeps_freed_memory};
+    use super::keeps_heap;
     use crate::args::Cli;
 
     fn keeps(args: &[&str]) -> bool {
-        keeps_freed_memory(&Cli::try_parse_from(args).expect("valid arguments").command)
+        keeps_heap(&Cli::try_parse_from(args).expect("valid arguments").command)
     }
 
     #[test]
@@ -169,8 +160,7 @@ mod tests {
 
     #[test]
     fn huge_pages_unless_tiles_are_asked_for() {
-        let pays =
-            |args: &[&str]| huge_pages_pay(&Cli::try_parse_from(args).expect("valid").command);
+        let pays = |args: &[&str]| keeps_heap(&Cli::try_parse_from(args).expect("valid").command);
         assert!(pays(&["klein", "generate", "a fox"]));
         // Auto tiles at this size; huge pages and the kept heap still pay for float steps.
         assert!(pays(&[
