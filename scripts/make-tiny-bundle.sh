@@ -11,5 +11,4 @@ rm -rf "$ckpt"
 klein-export tiny --out "$ckpt" --seed 0
 klein-export convert --checkpoint "$ckpt" --out onnx/klein-tiny --variant tiny --name klein-tiny --force
 klein-export verify --checkpoint "$ckpt" --bundle onnx/klein-tiny
-rm -rf tests/fixtures/diffusers
-klein-export fixtures --checkpoint "$ckpt" --out tests/fixtures/diffusers
+klein-export fixtures --checkpoint "$ckpt" --out tests/fixtures/diffusers --force

@@ -136,7 +136,7 @@ def _verify_against(args):
 def _fixtures(args):
     from .fixtures import write_fixtures
 
-    write_fixtures(args.checkpoint, args.out)
+    write_fixtures(args.checkpoint, args.out, force=args.force)
     return 0
 
 
@@ -317,6 +317,7 @@ def parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fixtures", help="run diffusers' pipeline and write the runtime's reference fixtures")
     f.add_argument("--checkpoint", required=True)
     f.add_argument("--out", required=True)
+    f.add_argument("--force", action="store_true", help="replace an existing --out (once every case is written)")
     f.set_defaults(func=_fixtures)
     return p
 

@@ -16,7 +16,9 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
+from .atomic import atomic_directory
 from .checkpoint import DEFAULT_OUT_LAYERS, Checkpoint
+from .errors import OutputExistsError
 
 CASES = (
     {
@@ -196,11 +198,17 @@ def run_case(pipe, case: dict, out_dir: Path, out_layers=DEFAULT_OUT_LAYERS) -> 
     return meta
 
 
-def write_fixtures(checkpoint, out_dir, cases=CASES, log=print):
+def write_fixtures(checkpoint, out_dir, cases=CASES, force=False, log=print):
+    """Writes every case under `out_dir`, whole or not at all: an existing `out_dir` is refused unless
+    `force`, and then replaced only once every case has been written."""
     from .diffusers_reference import load_pipeline
 
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not force:
+        raise OutputExistsError(f"{out_dir}: already exists; pass --force to replace it")
     pipe = load_pipeline(checkpoint)
     layers = Checkpoint(checkpoint).text_encoder_out_layers
-    for case in cases:
-        meta = run_case(pipe, case, Path(out_dir) / case["name"], layers)
-        log(f"{case['name']}: {meta['width']}x{meta['height']}, {len(meta['refs'])} reference(s)")
+    with atomic_directory(out_dir) as tmp:
+        for case in cases:
+            meta = run_case(pipe, case, tmp / case["name"], layers)
+            log(f"{case['name']}: {meta['width']}x{meta['height']}, {len(meta['refs'])} reference(s)")
