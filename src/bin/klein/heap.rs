@@ -13,14 +13,14 @@ use crate::args::{default_model, Command, LoadArgs};
 static SETTING: OnceLock<String> = OnceLock::new();
 
 /// Sets the heap for `command`, first thing in `main` (before any thread starts). Generations
-/// and the server with no VAE tiles asked for ([`keeps_heap`]) start klein again with
-/// `GLIBC_TUNABLES` set to `start_tunables`'s value where the transformer is float and that gives
-/// huge pages (the process is replaced: this returns only where it was not needed or failed);
-/// otherwise they keep the heap with `mallopt`.
+/// and the server ([`keeps_heap`]) keep freed memory with `mallopt`; those with no VAE tiles asked
+/// for ([`huge_pages_pay`]) whose transformer is float start klein again instead, with
+/// `GLIBC_TUNABLES` set to `start_tunables`'s value where that gives huge pages (the process is
+/// replaced: this returns only where it was not needed or failed).
 pub(crate) fn tune_heap(command: &Command) {
     let keep = keeps_heap(command);
     // The cheap checks first: the restarted process (its variable set) reads no manifest.
-    if let Some(tunables) = start_tunables().filter(|_| keep) {
+    if let Some(tunables) = start_tunables().filter(|_| huge_pages_pay(command)) {
         if load_args(command).is_some_and(runs_a_float_transformer) {
             start_again(tunables);
         }
@@ -72,22 +72,30 @@ fn start_again(tunables: &str) {
 }
 
 /// Whether `command` keeps freed activations mapped for the next step and image
-/// (runtime/heap.rs), with huge pages where its transformer is float: every generation and server
-/// without VAE tiles asked for, auto's tiles included. Asked-for tiles are there to save memory,
-/// which the kept heap takes back (at 1024x1024 with 512-pixel tiles, 4.1-8.9 GB peaks against
-/// 3.4 GB, no faster; README, "Heap"). Where auto tiles (above 1024x1024 pixels) the pipeline
-/// gives a `mallopt` heap back before the tiles and keeps it again after them
-/// (`give_back_freed_memory`): the steps keep their gain (wide dds at 1536x1536, denoising 3-9%
-/// faster) and the tiles their memory. A float transformer's heap (huge pages, set at start) stays
-/// kept through the tiles: there its steps and decode still gained (wide fp32, 2 steps, 2
-/// alternating pairs: decode 136.6 and 138.5 s against 147.8 and 157.7 s, denoise 126.6 and
-/// 101.3 s against 124.9 and 148.8 s) for a higher peak (12.08 and 11.33 GiB against 10.90 and
-/// 10.91 GiB: freed activations stay mapped for the decoder); huge pages without the kept heap
-/// gained nothing there (349.2 and 312.6 s against 341.5 and 305.8 s end to end; README, "Heap").
-/// Those pairs ran the transformer with ONNX Runtime's memory pattern; without it (now) the steps
-/// leave less memory mapped and the decode gains less (145.7 and 153.8 s, 4 steps, peak 11.6 GiB);
-/// the kept heap against glibc's defaults was not measured again at this size.
+/// (runtime/heap.rs): every generation and the server. Where the VAE is tiled (asked for, or
+/// auto's above 1024x1024 pixels) the pipeline gives the heap back before the tiles and keeps it
+/// again after them (`give_back_freed_memory`), so the steps keep their gain and the tiles their
+/// memory: wide dds at 1536x1536 (auto's tiles), denoising 3-9% faster at the same peak; at
+/// 1024x1024 with `--vae-tile-size 512`, 2 alternating pairs, denoise 42.2 and 40.1 s against 54.2
+/// and 47.5 s, peak 2.89 against 2.88 GiB, images byte-equal (README, "Heap"). Before the give-back
+/// the kept heap took the tiles' memory back (4.1-8.9 GB peaks against 3.4 GB), so asked-for tiles
+/// left glibc alone.
 fn keeps_heap(command: &Command) -> bool {
+    load_args(command).is_some()
+}
+
+/// Whether a float transformer's generation starts with huge pages (and the heap kept through
+/// the tiles: a process started with `GLIBC_TUNABLES` is not given back): every generation and
+/// the server without VAE tiles asked for, auto's tiles included. There its steps and decode
+/// still gained (wide fp32 at 1536x1536, 2 steps, 2 alternating pairs: decode 136.6 and 138.5 s
+/// against 147.8 and 157.7 s, denoise 126.6 and 101.3 s against 124.9 and 148.8 s) for a higher
+/// peak (12.08 and 11.33 GiB against 10.90 and 10.91 GiB: freed activations stay mapped for the
+/// decoder); huge pages without the kept heap gained nothing there (349.2 and 312.6 s against
+/// 341.5 and 305.8 s end to end; README, "Heap"). Those pairs ran the transformer with ONNX
+/// Runtime's memory pattern; without it (now) the steps leave less memory mapped and the decode
+/// gains less (145.7 and 153.8 s, 4 steps, peak 11.6 GiB). Asked-for tiles are there to save
+/// memory: those keep the `mallopt` heap, which is given back for them.
+fn huge_pages_pay(command: &Command) -> bool {
     load_args(command).is_some_and(|load| load.vae_tiling() != VaeTiling::On)
 }
 
@@ -104,69 +112,37 @@ fn load_args(command: &Command) -> Option<&LoadArgs> {
 mod tests {
     use clap::Parser;
 
-    use super::keeps_heap;
-    use crate::args::Cli;
+    use super::{huge_pages_pay, keeps_heap};
+    use crate::args::{Cli, Command};
 
-    fn keeps(args: &[&str]) -> bool {
-        keeps_heap(&Cli::try_parse_from(args).expect("valid arguments").command)
+    fn command(args: &[&str]) -> Command {
+        Cli::try_parse_from(args).expect("valid arguments").command
     }
 
     #[test]
-    fn the_heap_is_kept_unless_tiles_are_asked_for() {
+    fn generations_and_the_server_keep_the_heap() {
+        let keeps = |args: &[&str]| keeps_heap(&command(args));
         assert!(keeps(&["klein", "generate", "a fox"]));
-        assert!(keeps(&[
-            "klein",
-            "generate",
-            "a fox",
-            "--vae-tiling",
-            "auto"
-        ]));
         assert!(keeps(&["klein", "serve", "--vae-tiling", "off"]));
-        assert!(!keeps(&[
-            "klein",
-            "generate",
-            "a fox",
-            "--vae-tiling",
-            "on"
+        // Tiles, asked for or auto's: the pipeline gives the heap back for them.
+        assert!(keeps(&["klein", "generate", "a fox", "--vae-tiling", "on"]));
+        assert!(keeps(&["klein", "serve", "--vae-tile-size", "512"]));
+        assert!(keeps(&[
+            "klein", "generate", "a fox", "--width", "1536", "--height", "1536"
         ]));
-        assert!(!keeps(&[
-            "klein",
-            "generate",
-            "a fox",
-            "--vae-tile-size",
-            "512"
-        ]));
-        assert!(!keeps(&["klein", "serve", "--vae-tile-size", "512"]));
         assert!(!keeps(&["klein", "info"]));
-        // Sizes where auto tiles (above 1024x1024 pixels) keep it too: the pipeline gives it
-        // back for the tiles.
-        let sized = |width: &str, height: &str, tiling: &str| {
-            keeps(&[
-                "klein",
-                "generate",
-                "a fox",
-                "--width",
-                width,
-                "--height",
-                height,
-                "--vae-tiling",
-                tiling,
-            ])
-        };
-        assert!(sized("1536", "1536", "auto"));
-        assert!(sized("1536", "1536", "off"));
-        assert!(!sized("1536", "1536", "on"));
     }
 
     #[test]
     fn huge_pages_unless_tiles_are_asked_for() {
-        let pays = |args: &[&str]| keeps_heap(&Cli::try_parse_from(args).expect("valid").command);
+        let pays = |args: &[&str]| huge_pages_pay(&command(args));
         assert!(pays(&["klein", "generate", "a fox"]));
         // Auto tiles at this size; huge pages and the kept heap still pay for float steps.
         assert!(pays(&[
             "klein", "generate", "a fox", "--width", "1536", "--height", "1536"
         ]));
         assert!(pays(&["klein", "serve"]));
+        assert!(pays(&["klein", "serve", "--vae-tiling", "off"]));
         assert!(!pays(&["klein", "generate", "a fox", "--vae-tiling", "on"]));
         assert!(!pays(&[
             "klein",
