@@ -16,12 +16,12 @@
 //!
 //! Both change the whole process's allocator, so the library never applies them by itself: the
 //! `klein` CLI and server do, at start (they start again with [`start_tunables`]' value set where
-//! the transformer is float, or call [`retain_freed_memory`]). The heap is not kept where
-//! VAE tiles were asked for (the kept heap raised the 1024x1024 peak from 3.4 GB to 4.1-8.9 GB
-//! with 512-pixel tiles, no faster). Where auto tiles (above 1024x1024 pixels), a heap kept by
+//! the transformer is float and no VAE tiles were asked for, or call [`retain_freed_memory`]).
+//! Where the VAE is tiled (asked for, or auto's above 1024x1024 pixels), a heap kept by
 //! [`retain_freed_memory`] serves the steps and is given back for the tiles
-//! ([`give_back_freed_memory`], which the pipeline holds through tiled VAE passes); a float
-//! transformer started with huge pages keeps it through the tiles too (wide fp32 at 1536x1536:
+//! ([`give_back_freed_memory`], which the pipeline holds through tiled VAE passes; kept through
+//! them, it had raised the 1024x1024 peak with 512-pixel tiles from 3.4 GB to 4.1-8.9 GB); a
+//! float transformer started with huge pages keeps it through auto's tiles (wide fp32 at 1536x1536:
 //! decode 8-12% faster, peak 11.3-12.1 against 10.9 GiB, measured while the transformer still had
 //! ONNX Runtime's memory pattern; without it, 4 steps peak at 11.6 GiB and the decode gains
 //! less). A process
