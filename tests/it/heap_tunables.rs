@@ -52,9 +52,8 @@ fn generations_start_with_huge_pages_unless_the_user_tuned_glibc() {
     // The kernel's mode, in brackets: `always [madvise] never`.
     let mode =
         std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
-    let huge_pages = cfg!(all(target_os = "linux", target_env = "gnu"))
-        && (mode.contains("[always]") || mode.contains("[madvise]"));
     let glibc = cfg!(all(target_os = "linux", target_env = "gnu"));
+    let huge_pages = glibc && (mode.contains("[always]") || mode.contains("[madvise]"));
     // Asked-for tiles save memory: no huge pages (they would keep the heap through the tiles), the
     // heap kept with mallopt, which the pipeline gives back for the tiles.
     let kept_alone = if glibc {

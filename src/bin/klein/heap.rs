@@ -76,8 +76,8 @@ fn start_again(tunables: &str) {
 /// auto's above 1024x1024 pixels) the pipeline gives the heap back before the tiles and keeps it
 /// again after them (`give_back_freed_memory`), so the steps keep their gain and the tiles their
 /// memory: wide dds at 1536x1536 (auto's tiles), denoising 3-9% faster at the same peak; at
-/// 1024x1024 with `--vae-tile-size 512`, 2 alternating pairs, denoise 42.2 and 40.1 s against 54.2
-/// and 47.5 s, peak 2.89 against 2.88 GiB, images byte-equal (README, "Heap"). Before the give-back
+/// 1024x1024 with `--vae-tile-size 512`, 3 alternating pairs, denoise 40.1-42.4 s against
+/// 47.5-54.2 s, peak 2.89 against 2.88 GiB, images byte-equal (README, "Heap"). Before the give-back
 /// the kept heap took the tiles' memory back (4.1-8.9 GB peaks against 3.4 GB), so asked-for tiles
 /// left glibc alone.
 fn keeps_heap(command: &Command) -> bool {
