@@ -3,15 +3,19 @@
 // oneDNN, MKL) and OpenBLAS pick the kernels they would pick on an AVX2-only host. Used by
 // benches/avx2-host.sh for issue 15 target 7 on hosts that have AVX-512.
 //
-// How: Linux's CPUID faulting (arch_prctl ARCH_SET_CPUID, 0; needs the `cpuid_fault` flag in
-// /proc/cpuinfo) makes every `cpuid` instruction raise SIGSEGV; the handler runs the real
-// instruction with faulting briefly off, clears the masked feature bits and steps over it. The
-// setting is per thread and inherited by threads and fork, so every thread of the program is
-// covered. What it cannot change: XCR0 (`xgetbv`), which libraries read only beside the CPUID bits,
-// and the core itself (same clocks, caches and memory as the host).
+// How, where the host has CPUID faulting (arch_prctl ARCH_SET_CPUID, 0; the `cpuid_fault` flag in
+// /proc/cpuinfo): every `cpuid` instruction raises SIGSEGV; the handler runs the real instruction
+// with faulting briefly off, clears the masked feature bits and steps over it. The setting is per
+// thread and inherited by threads and fork, so every thread of the program is covered.
+// Where it has not (AVX2_HOST_PATCHED=1, set by avx2-host.sh): only copies of programs and
+// libraries made by benches/avx2_patch.py are covered, whose `cpuid` instructions are `ud2`; the
+// SIGILL handler answers those that lie in a file under a directory named avx2-host.
+// What it cannot change: XCR0 (`xgetbv`), which libraries read only beside the CPUID bits, and the
+// core itself (same clocks, caches and memory as the host).
 #define _GNU_SOURCE
 #include <asm/prctl.h>
 #include <cpuid.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,22 +53,29 @@ static void mask(unsigned leaf, unsigned sub, unsigned r[4]) {
     }
 }
 
+// Answers the 2-byte instruction at RIP (a `cpuid`, faulting, or the `ud2` that replaced one) as
+// `cpuid` with the masked values, and steps over it. `faulting`: CPUID faulting is on, so turned off
+// around the real instruction.
+static void answer_cpuid(greg_t *regs, int faulting) {
+    unsigned leaf = (unsigned)regs[REG_RAX], sub = (unsigned)regs[REG_RCX], r[4];
+    if (faulting) set_cpuid_faulting(0);
+    __cpuid_count(leaf, sub, r[0], r[1], r[2], r[3]);
+    if (faulting) set_cpuid_faulting(1);
+    mask(leaf, sub, r);
+    regs[REG_RAX] = r[0];
+    regs[REG_RBX] = r[1];
+    regs[REG_RCX] = r[2];
+    regs[REG_RDX] = r[3];
+    regs[REG_RIP] += 2;
+}
+
 static void on_segv(int sig, siginfo_t *info, void *context) {
     ucontext_t *uc = context;
     greg_t *regs = uc->uc_mcontext.gregs;
     const unsigned char *ip = (const unsigned char *)regs[REG_RIP];
     // A faulting CPUID is a general-protection fault: SI_KERNEL, never a bad address.
     if (info->si_code == SI_KERNEL && ip[0] == 0x0f && ip[1] == 0xa2) {
-        unsigned leaf = (unsigned)regs[REG_RAX], sub = (unsigned)regs[REG_RCX], r[4];
-        set_cpuid_faulting(0);
-        __cpuid_count(leaf, sub, r[0], r[1], r[2], r[3]);
-        set_cpuid_faulting(1);
-        mask(leaf, sub, r);
-        regs[REG_RAX] = r[0];
-        regs[REG_RBX] = r[1];
-        regs[REG_RCX] = r[2];
-        regs[REG_RDX] = r[3];
-        regs[REG_RIP] += 2;
+        answer_cpuid(regs, 1);
         return;
     }
     // Any other fault is the program's: hand it on, or die of it as without this library.
@@ -77,12 +88,65 @@ static void on_segv(int sig, siginfo_t *info, void *context) {
     }
 }
 
+// Whether `ip` lies in a mapping of a file under a directory named avx2-host (a copy made by
+// benches/avx2_patch.py), read from /proc/self/maps with async-signal-safe calls only.
+static int in_patched_copy(unsigned long ip) {
+    static char buf[1 << 16];
+    int fd = open("/proc/self/maps", O_RDONLY);
+    if (fd < 0) return 0;
+    int found = 0;
+    size_t have = 0;
+    for (;;) {
+        ssize_t n = read(fd, buf + have, sizeof buf - 1 - have);
+        if (n <= 0) break;
+        have += (size_t)n;
+        buf[have] = 0;
+        char *line = buf, *end;
+        while ((end = strchr(line, '\n')) != NULL) {
+            *end = 0;
+            unsigned long lo, hi;
+            if (sscanf(line, "%lx-%lx", &lo, &hi) == 2 && lo <= ip && ip < hi) {
+                found = strstr(line, "/avx2-host/") != NULL;
+                close(fd);
+                return found;
+            }
+            line = end + 1;
+        }
+        have = (size_t)(buf + have - line);
+        memmove(buf, line, have);
+    }
+    close(fd);
+    return found;
+}
+
+static void on_sigill(int sig, siginfo_t *info, void *context) {
+    (void)sig;
+    ucontext_t *uc = context;
+    greg_t *regs = uc->uc_mcontext.gregs;
+    const unsigned char *ip = (const unsigned char *)regs[REG_RIP];
+    if (info->si_code == ILL_ILLOPN && ip[0] == 0x0f && ip[1] == 0x0b && in_patched_copy((unsigned long)ip)) {
+        answer_cpuid(regs, 0);
+        return;
+    }
+    // A real ud2 (a trap): die of it as without this library.
+    signal(SIGILL, SIG_DFL);
+}
+
 __attribute__((constructor)) static void avx2_host_init(void) {
     struct sigaction action;
     memset(&action, 0, sizeof action);
     action.sa_sigaction = on_segv;
     action.sa_flags = SA_SIGINFO | SA_ONSTACK;
     sigemptyset(&action.sa_mask);
+    const char *patched = getenv("AVX2_HOST_PATCHED");
+    if (patched != NULL && strcmp(patched, "1") == 0) {
+        action.sa_sigaction = on_sigill;
+        if (sigaction(SIGILL, &action, NULL) != 0) {
+            fprintf(stderr, "avx2_host: cannot handle SIGILL\n");
+            _exit(2);
+        }
+        return;
+    }
     if (sigaction(SIGSEGV, &action, &previous) != 0 || syscall(SYS_arch_prctl, ARCH_SET_CPUID, 0) != 0) {
         fprintf(stderr, "avx2_host: CPUID faulting is not available on this kernel or CPU (no cpuid_fault)\n");
         _exit(2);

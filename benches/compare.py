@@ -490,7 +490,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--threads", type=int, default=2, help="klein --threads and torch.set_num_threads")
     p.add_argument("--reps", type=int, default=3, help="fresh-process repetitions of every configuration")
-    p.add_argument("--klein", default=str(DEFAULT_KLEIN), help="the klein binary")
+    p.add_argument(
+        "--klein",
+        default=os.environ.get("KLEIN_AVX2_HOST_BIN", str(DEFAULT_KLEIN)),
+        help="the klein binary (default: target/release/klein, or its masked copy under benches/avx2-host.sh)",
+    )
     p.add_argument("--work", help="directory for images, logs and JSON (default: a new temporary one)")
     p.add_argument("--quiet-wait", type=float, default=0, metavar="SECONDS", help="before each run, wait up to this long for the other processes to use under 0.2 CPUs")
     p.add_argument(
@@ -532,6 +536,11 @@ def main(argv=None) -> int:
             p.error(f"{b}: not a klein bundle (no manifest.json)")
     if not Path(args.klein).is_file():
         p.error(f"{args.klein}: no klein binary (cargo build --release)")
+    if patched_copies() and "/avx2-host/" not in str(Path(args.klein).resolve()):
+        p.error(
+            f"{args.klein}: under benches/avx2-host.sh on this host only the copies made by "
+            "benches/avx2_patch.py are masked; use its copy of klein ($KLEIN_AVX2_HOST_BIN)"
+        )
     isa = host_isa()
     bf16_units = bool({"avx512_bf16", "amx_bf16"} & set(isa))
     run_bf16 = args.diffusers_bf16 == "on" or (args.diffusers_bf16 == "auto" and bf16_units)
@@ -539,7 +548,9 @@ def main(argv=None) -> int:
     if not diffusers_runs:
         p.error("no diffusers run left: drop --no-diffusers-fp32 or run bf16")
     # A private copy: a `cargo build` elsewhere must not swap the binary between repetitions.
-    klein = work / "klein-under-test"
+    # (A masked copy stays in a directory named avx2-host, where avx2_host.c answers its cpuid.)
+    klein = work / "avx2-host" / "klein-under-test" if patched_copies() else work / "klein-under-test"
+    klein.parent.mkdir(exist_ok=True)
     shutil.copy2(args.klein, klein)
 
     config = json.loads((checkpoint / "transformer" / "config.json").read_text())
@@ -554,7 +565,11 @@ def main(argv=None) -> int:
         print(f"klein bundle {name}: {b}")
     print(f'prompt: "{args.prompt}", seed {args.seed}, {width}x{height}, {args.steps} steps, {args.threads} threads, {args.reps} reps')
     print(f"machine: {os.cpu_count()} CPUs, {_meminfo_gb()}, {cpu_model()}")
-    masked = " (CPUID masked to an AVX2 host by benches/avx2-host.sh)" if masked_to_avx2() else ""
+    masked = ""
+    if masked_to_avx2():
+        how = "ONNX Runtime's and klein's cpuid patched, torch's ATEN_CPU_CAPABILITY"
+        how = how if patched_copies() else "CPUID faulting"
+        masked = f" (masked to an AVX2 host by benches/avx2-host.sh: {how})"
     print(f"instruction sets: {', '.join(isa) or 'none of those looked for'}{masked}")
     why = "the CPU has bf16 units" if bf16_units else "no bf16 units: diffusers' fastest CPU setting here is fp32"
     print(f"diffusers bf16: {'run' if run_bf16 else 'not run'} ({why}; --diffusers-bf16 {args.diffusers_bf16})")
@@ -803,6 +818,11 @@ def host_isa() -> list:
 
 def masked_to_avx2() -> bool:
     return os.environ.get("KLEIN_BENCH_ISA_MASK") == "avx2" and "libavx2_host.so" in os.environ.get("LD_PRELOAD", "")
+
+
+def patched_copies() -> bool:
+    """Whether benches/avx2-host.sh masks only the copies it patched (a host without CPUID faulting)."""
+    return masked_to_avx2() and os.environ.get("AVX2_HOST_PATCHED") == "1"
 
 
 def cpu_model() -> str:
