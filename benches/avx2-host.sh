@@ -6,11 +6,13 @@
 # Two ways, by what the host allows:
 # - with `cpuid_fault` in /proc/cpuinfo: every `cpuid` instruction of the command and its children
 #   is answered masked (torch, ONNX Runtime, klein, everything);
-# - without it: copies made here of ONNX Runtime's library (ORT_DYLIB_PATH, else .ort/), of the
-#   .venv's onnxruntime Python package and of target/release/klein have their `cpuid` instructions
-#   turned into `ud2` (benches/avx2_patch.py) and are answered masked; ORT_DYLIB_PATH, PYTHONPATH
-#   and KLEIN_AVX2_HOST_BIN point at them (compare.py runs that klein). torch is held to its AVX2
-#   kernels by its own settings (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS).
+# - without it (or with AVX2_HOST_MODE=patched): copies made here of ONNX Runtime's library
+#   (ORT_DYLIB_PATH, else .ort/), of the .venv's onnxruntime Python package and of
+#   target/release/klein (each where it exists) have their `cpuid` instructions turned into `ud2`
+#   (benches/avx2_patch.py) and are answered masked; ORT_DYLIB_PATH, PYTHONPATH and
+#   KLEIN_AVX2_HOST_BIN point at them (compare.py runs that klein; any other program of ours must be
+#   such a copy, in a directory named avx2-host). torch is held to its AVX2 kernels by its own
+#   settings (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS).
 # The core, clocks and memory stay the host's: the figures show which kernels win on AVX2, not what
 # an older CPU would time.
 set -euo pipefail
@@ -31,19 +33,24 @@ patched() {
     fi
 }
 
-if ! grep -qw cpuid_fault /proc/cpuinfo; then
+if [ "${AVX2_HOST_MODE:-}" = patched ] || ! grep -qw cpuid_fault /proc/cpuinfo; then
     ort="${ORT_DYLIB_PATH:-$(ls "$root"/.ort/libonnxruntime.so.* 2>/dev/null | head -n 1)}"
+    [ -n "$ort" ] || { echo "avx2-host: no ONNX Runtime library (set ORT_DYLIB_PATH or run scripts/setup-ort.sh)" >&2; exit 2; }
     patched "$ort" "$out/ort/$(basename "$ort")"
     export ORT_DYLIB_PATH="$out/ort/$(basename "$ort")"
-    pkg=$(ls -d "$root"/.venv/lib/python3*/site-packages/onnxruntime | head -n 1)
-    mkdir -p "$out/python"
-    tar -C "$(dirname "$pkg")" --exclude 'onnxruntime_pybind11_state*.so' -cf - onnxruntime | tar -C "$out/python" -xf -
-    for so in "$pkg"/capi/onnxruntime_pybind11_state*.so; do
-        patched "$so" "$out/python/onnxruntime/capi/$(basename "$so")"
-    done
-    export PYTHONPATH="$out/python${PYTHONPATH:+:$PYTHONPATH}"
-    patched "$root/target/release/klein" "$out/bin/klein"
-    export KLEIN_AVX2_HOST_BIN="$out/bin/klein"
+    pkg=$(ls -d "$root"/.venv/lib/python3*/site-packages/onnxruntime 2>/dev/null | head -n 1)
+    if [ -n "$pkg" ]; then
+        mkdir -p "$out/python"
+        tar -C "$(dirname "$pkg")" --exclude 'onnxruntime_pybind11_state*.so' -cf - onnxruntime | tar -C "$out/python" -xf -
+        for so in "$pkg"/capi/onnxruntime_pybind11_state*.so; do
+            patched "$so" "$out/python/onnxruntime/capi/$(basename "$so")"
+        done
+        export PYTHONPATH="$out/python${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    if [ -e "$root/target/release/klein" ]; then
+        patched "$root/target/release/klein" "$out/bin/klein"
+        export KLEIN_AVX2_HOST_BIN="$out/bin/klein"
+    fi
     export AVX2_HOST_PATCHED=1
     export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 fi

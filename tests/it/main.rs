@@ -3,6 +3,7 @@
 //! The ONNX Runtime tests need the library: run `scripts/setup-ort.sh` once (it fills `.ort/`), or
 //! set `ORT_DYLIB_PATH`.
 
+mod avx2_host;
 mod batch;
 mod bundle;
 mod cancel;

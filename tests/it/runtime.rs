@@ -378,8 +378,9 @@ fn devices_parse_and_print() {
 /// int8 products come out right on this CPU. `int8_products.onnx` is the worst case for the u8 x s8
 /// kernels of x86-64 CPUs without VNNI, which sum pairs of products in 16 bits with saturation:
 /// activations 255 (x = 1, the top of its range) against weight codes 127 make every pair
-/// 64770 > 32767, so a run without `session.x64quantprecision` there returns about half (checked
-/// under `benches/avx2-host.sh`: 0.5x without it). Elsewhere the products are exact anyway.
+/// 64770 > 32767, so a run without `session.x64quantprecision` there returns about half (0.5x
+/// under `benches/avx2-host.sh`; `avx2_host.rs` runs this test there). Elsewhere the products are
+/// exact anyway.
 #[test]
 fn int8_products_do_not_saturate() {
     let mut graph = load("int8_products", &cpu()).unwrap();
@@ -388,7 +389,7 @@ fn int8_products_do_not_saturate() {
 
 /// The same worst case with `--reduce-range`'s largest code, 64: pairs of at most 32640, which the
 /// u8 x s8 kernels hold, so a session told the weights are 7-bit keeps those kernels and is exact
-/// (checked under `benches/avx2-host.sh`, where the session then runs without
+/// (`avx2_host.rs` runs it under `benches/avx2-host.sh`, where the session then runs without
 /// `session.x64quantprecision`).
 #[test]
 fn seven_bit_int8_products_do_not_saturate() {
