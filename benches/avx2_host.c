@@ -88,13 +88,25 @@ static void on_segv(int sig, siginfo_t *info, void *context) {
     }
 }
 
+// Reads a hexadecimal number at *p and moves *p past it.
+static unsigned long hex(const char **p) {
+    unsigned long v = 0;
+    for (;; (*p)++) {
+        char c = **p;
+        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        if (d < 0) return v;
+        v = v * 16 + (unsigned long)d;
+    }
+}
+
 // Whether `ip` lies in a mapping of a file under a directory named avx2-host (a copy made by
-// benches/avx2_patch.py), read from /proc/self/maps with async-signal-safe calls only.
+// benches/avx2_patch.py), read from /proc/self/maps with open/read and a buffer on the stack (no
+// allocation, no shared state: threads may fault at once). A line longer than the buffer (a path of
+// over 4000 bytes) ends the search: not found.
 static int in_patched_copy(unsigned long ip) {
-    static char buf[1 << 16];
+    char buf[4096];
     int fd = open("/proc/self/maps", O_RDONLY);
     if (fd < 0) return 0;
-    int found = 0;
     size_t have = 0;
     for (;;) {
         ssize_t n = read(fd, buf + have, sizeof buf - 1 - have);
@@ -104,11 +116,13 @@ static int in_patched_copy(unsigned long ip) {
         char *line = buf, *end;
         while ((end = strchr(line, '\n')) != NULL) {
             *end = 0;
-            unsigned long lo, hi;
-            if (sscanf(line, "%lx-%lx", &lo, &hi) == 2 && lo <= ip && ip < hi) {
-                found = strstr(line, "/avx2-host/") != NULL;
+            const char *q = line;
+            unsigned long lo = hex(&q);
+            q += *q == '-';
+            unsigned long hi = hex(&q);
+            if (lo <= ip && ip < hi) {
                 close(fd);
-                return found;
+                return strstr(line, "/avx2-host/") != NULL;
             }
             line = end + 1;
         }
@@ -116,7 +130,7 @@ static int in_patched_copy(unsigned long ip) {
         memmove(buf, line, have);
     }
     close(fd);
-    return found;
+    return 0;
 }
 
 static void on_sigill(int sig, siginfo_t *info, void *context) {
@@ -140,7 +154,10 @@ __attribute__((constructor)) static void avx2_host_init(void) {
     sigemptyset(&action.sa_mask);
     const char *patched = getenv("AVX2_HOST_PATCHED");
     if (patched != NULL && strcmp(patched, "1") == 0) {
+        // On the faulting thread's own stack: an alternate one (Rust's is a few KiB) is too small
+        // for in_patched_copy's buffer.
         action.sa_sigaction = on_sigill;
+        action.sa_flags = SA_SIGINFO;
         if (sigaction(SIGILL, &action, NULL) != 0) {
             fprintf(stderr, "avx2_host: cannot handle SIGILL\n");
             _exit(2);
