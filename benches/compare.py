@@ -356,8 +356,9 @@ def checkpoint_linear_params(transformer_dir: Path):
 def ort_matmul_peak(m: int, k: int, n: int, threads: int, runs: int = 7) -> dict:
     """GFLOP/s of one fp32 [m, k] x [k, n] MatMul (weights as an initializer) in ONNX Runtime."""
     import numpy as np
-    import onnx
     import onnxruntime as ort
+
+    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
@@ -447,7 +448,10 @@ def fmt_ratio(a, b):
 
 def print_table(header, rows, out=sys.stdout):
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).ljust(widths[0]) if i == 0 else str(c).rjust(widths[i]) for i, c in enumerate(r))
+
+    def line(r):
+        return "  ".join(str(c).ljust(widths[0]) if i == 0 else str(c).rjust(widths[i]) for i, c in enumerate(r))
+
     print(line(header), file=out)
     print("  ".join("-" * w for w in widths), file=out)
     for r in rows:
@@ -455,14 +459,22 @@ def print_table(header, rows, out=sys.stdout):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--checkpoint", required=True, help="diffusers checkpoint directory")
     p.add_argument(
         "--bundle",
         help="klein fp32 bundle of that checkpoint (leave out where it cannot be stored or run beside the rest, "
         "as for the full-size 4B on a 24 GB machine: the image errors against klein fp32 are then not printed)",
     )
-    p.add_argument("--extra-bundle", action="append", default=[], metavar="NAME=DIR", help="another bundle of the same checkpoint (fp16, int8, ...); repeatable")
+    p.add_argument(
+        "--extra-bundle",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="another bundle of the same checkpoint (fp16, int8, ...); repeatable",
+    )
     p.add_argument(
         "--diffusers-bf16",
         nargs="?",
@@ -496,7 +508,13 @@ def main(argv=None) -> int:
         help="the klein binary (default: target/release/klein, or its masked copy under benches/avx2-host.sh)",
     )
     p.add_argument("--work", help="directory for images, logs and JSON (default: a new temporary one)")
-    p.add_argument("--quiet-wait", type=float, default=0, metavar="SECONDS", help="before each run, wait up to this long for the other processes to use under 0.2 CPUs")
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="before each run, wait up to this long for the other processes to use under 0.2 CPUs",
+    )
     p.add_argument(
         "--klein-cpu-cache",
         metavar="DIR",
@@ -563,7 +581,10 @@ def main(argv=None) -> int:
     print(f"checkpoint: {checkpoint}")
     for name, b in bundles:
         print(f"klein bundle {name}: {b}")
-    print(f'prompt: "{args.prompt}", seed {args.seed}, {width}x{height}, {args.steps} steps, {args.threads} threads, {args.reps} reps')
+    print(
+        f'prompt: "{args.prompt}", seed {args.seed}, {width}x{height}, {args.steps} steps, '
+        f"{args.threads} threads, {args.reps} reps"
+    )
     print(f"machine: {os.cpu_count()} CPUs, {_meminfo_gb()}, {cpu_model()}")
     masked = ""
     if masked_to_avx2():
@@ -608,6 +629,7 @@ def main(argv=None) -> int:
     images = {key: [] for key in results}
     failed = False
     child_env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+
     def klein_cmd(bundle, stem, extra):
         return [
             str(klein), "generate", args.prompt, "--model", str(bundle), "--seed", str(args.seed),
@@ -635,8 +657,16 @@ def main(argv=None) -> int:
             key = f"diffusers {d}"
             stem = work / f"diffusers-{d}-rep{rep}"
             spec = dict(
-                checkpoint=str(checkpoint), dtype=d, prompt=args.prompt, seed=args.seed, width=width, height=height,
-                steps=args.steps, threads=args.threads, image=f"{stem}.png", json=f"{stem}.json",
+                checkpoint=str(checkpoint),
+                dtype=d,
+                prompt=args.prompt,
+                seed=args.seed,
+                width=width,
+                height=height,
+                steps=args.steps,
+                threads=args.threads,
+                image=f"{stem}.png",
+                json=f"{stem}.json",
                 free_text_encoder=args.diffusers_free_text_encoder,
             )
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
@@ -666,7 +696,9 @@ def main(argv=None) -> int:
                 failed = True
                 continue
             r = parse_klein_timings(c["log"], args.steps)
-            r.update({k: c[k] for k in ("wall", "rss", "cpu", "others")}, quiet=quiet, **klein_phases(c["lines"], c["wall"]))
+            r.update(
+                {k: c[k] for k in ("wall", "rss", "cpu", "others")}, quiet=quiet, **klein_phases(c["lines"], c["wall"])
+            )
             results[key].append(r)
             images[key].append(Path(f"{stem}.png"))
             report_run(key, rep, r)
@@ -676,10 +708,13 @@ def main(argv=None) -> int:
 
     # 3. The table.
     runs = [k for k in results if results[k]]
+
     def med(key, field):
         return median([r.get(field, math.nan) for r in results[key]])
+
     def step_med(key):
         return median([median(r["steps"]) for r in results[key]])
+
     rows_spec = [
         ("load", lambda k: med(k, "load")),
         ("text encoder", lambda k: med(k, "text encoder")),
@@ -688,7 +723,10 @@ def main(argv=None) -> int:
         ("VAE decode", lambda k: med(k, "decode")),
         ("load + generate", lambda k: med(k, "load + generate")),
         ("end to end (process)", lambda k: med(k, "wall")),
-        ("  start-up (klein: to 1st line; diffusers: imports)", lambda k: med(k, "startup") if k.startswith("klein") else med(k, "import")),
+        (
+            "  start-up (klein: to 1st line; diffusers: imports)",
+            lambda k: med(k, "startup") if k.startswith("klein") else med(k, "import"),
+        ),
         ("  after generation (klein: to exit)", lambda k: med(k, "finish")),
         ("peak RSS (GiB)", lambda k: med(k, "rss") / 2**30),
         ("CPU seconds of the process", lambda k: med(k, "cpu")),
@@ -705,10 +743,16 @@ def main(argv=None) -> int:
         cells = []
         for k in runs:
             cell = f"{v[k]:.2f}" if "RSS" in label or "CPU" in label else fmt_s(v[k])
-            if label.startswith("denoise step") and k.startswith("klein") and any(r["step is mean"] for r in results[k]):
+            if (
+                label.startswith("denoise step")
+                and k.startswith("klein")
+                and any(r["step is mean"] for r in results[k])
+            ):
                 cell += "*"
             cells.append(cell)
-        ratios = [fmt_ratio(v[kr], v[dr]) for kr, dr in ratio_cols] if "load (CPUs)" not in label else [""] * len(ratio_cols)
+        ratios = (
+            [fmt_ratio(v[kr], v[dr]) for kr, dr in ratio_cols] if "load (CPUs)" not in label else [""] * len(ratio_cols)
+        )
         rows.append([label] + cells + ratios)
     gflops_row = ["step GFLOP/s"]
     frac_row = ["step / ORT matmul peak"]
@@ -732,14 +776,18 @@ def main(argv=None) -> int:
     )
     measured = ", ".join(f"{r['peak gflops']:.0f}" for r in peaks)
     print(
-        f"ORT fp32 matmul peak: {peak['peak gflops']:.1f} GFLOP/s ([{pm}, {pk}] x [{pk}, {pn}], {args.threads} threads; "
+        f"ORT fp32 matmul peak: {peak['peak gflops']:.1f} GFLOP/s "
+        f"([{pm}, {pk}] x [{pk}, {pn}], {args.threads} threads; "
         f"highest of {len(peaks)} measurements: {measured})"
     )
     for k in runs:
         walls = ", ".join(f"{r['wall']:.1f}" for r in results[k])
         rss = ", ".join(f"{r['rss'] / 2**30:.2f}" for r in results[k])
         others = ", ".join(f"{r['others']:.2f}" for r in results[k])
-        print(f"  {k}: end to end per rep [{walls}] s, peak RSS per rep [{rss}] GiB, other processes' load [{others}] CPUs")
+        print(
+            f"  {k}: end to end per rep [{walls}] s, peak RSS per rep [{rss}] GiB, "
+            f"other processes' load [{others}] CPUs"
+        )
 
     if diff_runs:
         fastest = min(diff_runs, key=lambda k: values["end to end (process)"][k])
@@ -782,7 +830,8 @@ def klein_phases(lines, wall) -> dict:
 def report_run(key, rep, r):
     print(
         f"{key} rep {rep}: {r['wall']:.1f} s, peak RSS {r['rss'] / 2**30:.2f} GiB, {r['cpu']:.1f} CPU s, "
-        f"other processes {r['others']:.2f} CPUs" + ("" if math.isnan(r.get("quiet", math.nan)) else f" (before: {r['quiet']:.2f})")
+        f"other processes {r['others']:.2f} CPUs"
+        + ("" if math.isnan(r.get("quiet", math.nan)) else f" (before: {r['quiet']:.2f})")
         + (f", torch kernels {r['torch cpu capability']}" if "torch cpu capability" in r else "")
         + (
             f"; text encoder freed in {r['freeing the text encoder']:.2f} s, resident "
@@ -836,7 +885,10 @@ def cpu_model() -> str:
 def _meminfo_gb() -> str:
     try:
         info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-        kb = lambda key: int(info[key].split()[0])
+
+        def kb(key):
+            return int(info[key].split()[0])
+
         return f"{kb('MemTotal') / 2**20:.1f} GiB RAM, {kb('MemAvailable') / 2**20:.1f} GiB available"
     except (OSError, KeyError, ValueError):
         return "memory unknown"

@@ -110,20 +110,43 @@ def image_size(path: Path):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--flux2c", required=True, help="flux2.c checkout with its `flux` binary built (benches/flux2c-build.sh)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--flux2c", required=True, help="flux2.c checkout with its `flux` binary built (benches/flux2c-build.sh)"
+    )
     p.add_argument("--checkpoint", required=True, help="diffusers-format FLUX.2-klein 4B checkpoint")
-    p.add_argument("--bundle", action="append", required=True, metavar="NAME=DIR", help="klein bundle of that checkpoint; repeatable")
-    p.add_argument("--size", type=int, action="append", help="square image side in pixels; repeatable (default 256 and 512)")
+    p.add_argument(
+        "--bundle",
+        action="append",
+        required=True,
+        metavar="NAME=DIR",
+        help="klein bundle of that checkpoint; repeatable",
+    )
+    p.add_argument(
+        "--size", type=int, action="append", help="square image side in pixels; repeatable (default 256 and 512)"
+    )
     p.add_argument("--prompt", default="a red fox in the snow, golden hour, photograph")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--klein", default=str(DEFAULT_KLEIN))
-    p.add_argument("--klein-arg", action="append", default=[], help="an extra argument for every klein run (e.g. --cpu-cache DIR as two)")
+    p.add_argument(
+        "--klein-arg",
+        action="append",
+        default=[],
+        help="an extra argument for every klein run (e.g. --cpu-cache DIR as two)",
+    )
     p.add_argument("--work", help="directory for images and logs (default: a new temporary one)")
-    p.add_argument("--quiet-wait", type=float, default=0, metavar="SECONDS", help="before each run, wait up to this long for the machine to fall under 0.2 CPUs")
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="before each run, wait up to this long for the machine to fall under 0.2 CPUs",
+    )
     args = p.parse_args(argv)
 
     flux = Path(args.flux2c) / "flux"
@@ -153,19 +176,28 @@ def main(argv=None) -> int:
                 else:
                     cmd = [args.klein, "generate", args.prompt, "--model", str(bundle), "--seed", str(args.seed),
                            "--width", str(size), "--height", str(size), "--steps", str(args.steps),
-                           "--threads", str(args.threads), "--timings", "-o", f"{stem}.png", *args.klein_arg]  # fmt: skip
+                           "--threads", str(args.threads), "--timings",
+                           "-o", f"{stem}.png", *args.klein_arg]  # fmt: skip
                 quiet = wait_for_quiet(args.quiet_wait) if args.quiet_wait else math.nan
                 c = run_child(cmd, Path(f"{stem}.log"), env=env)
                 got = image_size(Path(f"{stem}.png"))
                 if c["rc"] != 0 or got != (size, size):
-                    print(f"{key} {size} rep {rep}: exit {c['rc']}, image {got}; log {stem}.log:\n{c['log'][-1500:]}", file=sys.stderr)
+                    print(
+                        f"{key} {size} rep {rep}: exit {c['rc']}, image {got}; log {stem}.log:\n{c['log'][-1500:]}",
+                        file=sys.stderr,
+                    )
                     failed = True
                     continue
                 if bundle is None:
                     c["stages"] = flux2c_stages(c["lines"])
                 else:
                     t = parse_klein_timings(c["log"], args.steps)
-                    c["stages"] = {"load": t["load"], "text encoder": t["text encoder"], "denoise": t["denoise"], "decode": t["decode"]}
+                    c["stages"] = {
+                        "load": t["load"],
+                        "text encoder": t["text encoder"],
+                        "denoise": t["denoise"],
+                        "decode": t["decode"],
+                    }
                 c["quiet"] = quiet
                 results[(key, size)].append(c)
                 report_run(f"{key} {size}x{size}", rep, c)
@@ -174,7 +206,13 @@ def main(argv=None) -> int:
         print(f"\n{size}x{size}, {args.steps} steps, {args.threads} threads, median of {args.reps}:")
         header = ["", *(key for key, _ in configs)]
         stage_names = sorted({s for key, _ in configs for r in results[(key, size)] for s in r["stages"]})
-        rows = [[f"{s} (s)", *(fmt_s(median([r["stages"].get(s, math.nan) for r in results[(key, size)]])) for key, _ in configs)] for s in stage_names]
+        rows = [
+            [
+                f"{s} (s)",
+                *(fmt_s(median([r["stages"].get(s, math.nan) for r in results[(key, size)]])) for key, _ in configs),
+            ]
+            for s in stage_names
+        ]
         walls = {key: median([r["wall"] for r in results[(key, size)]]) for key, _ in configs}
         rss = {key: median([r["rss"] / 2**30 for r in results[(key, size)]]) for key, _ in configs}
         rows.append(["end to end, process (s)", *(fmt_s(walls[key]) for key, _ in configs)])

@@ -34,7 +34,9 @@ def scheme(bundle: Path) -> str:
     parts = []
     for name, spec in graphs.items():
         q = spec.get("quantization")
-        label = spec["precision"] + (f"+int{q['bits']}" + (f" acc{q['accuracy_level']}" if q.get("accuracy_level") else "") if q else "")
+        label = spec["precision"] + (
+            f"+int{q['bits']}" + (f" acc{q['accuracy_level']}" if q.get("accuracy_level") else "") if q else ""
+        )
         parts.append(f"{name} {label}")
     return ", ".join(parts)
 
@@ -42,7 +44,9 @@ def scheme(bundle: Path) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reference", required=True, metavar="NAME=DIR", help="the fp32 bundle")
-    p.add_argument("--bundle", action="append", default=[], metavar="NAME=DIR", help="a bundle of the same checkpoint; repeatable")
+    p.add_argument(
+        "--bundle", action="append", default=[], metavar="NAME=DIR", help="a bundle of the same checkpoint; repeatable"
+    )
     p.add_argument("--size", type=int, default=512)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--seed", type=int, default=42)
@@ -57,7 +61,10 @@ def main(argv=None) -> int:
     reference = next(iter(bundles))
     work = Path(args.work or tempfile.mkdtemp(prefix="klein-precision-"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"work directory: {work}\nprompt: {PROMPT!r}, seed {args.seed}, {args.size}x{args.size}, {args.steps} steps, {args.threads} threads, {args.reps} reps")
+    print(
+        f"work directory: {work}\nprompt: {PROMPT!r}, seed {args.seed}, {args.size}x{args.size}, "
+        f"{args.steps} steps, {args.threads} threads, {args.reps} reps"
+    )
     for name, bundle in bundles.items():
         print(f"{name}: {bundle} ({scheme(bundle)})")
 
@@ -65,14 +72,36 @@ def main(argv=None) -> int:
     for rep in range(1, args.reps + 1):
         for name, bundle in bundles.items():
             out = work / f"{name}-rep{rep}.png"
-            cmd = [args.klein, "generate", PROMPT, "-m", str(bundle), "--seed", str(args.seed), "--width", str(args.size),
-                   "--height", str(args.size), "--steps", str(args.steps), "--threads", str(args.threads), "-o", str(out), "-q"]
+            cmd = [
+                args.klein,
+                "generate",
+                PROMPT,
+                "-m",
+                str(bundle),
+                "--seed",
+                str(args.seed),
+                "--width",
+                str(args.size),
+                "--height",
+                str(args.size),
+                "--steps",
+                str(args.steps),
+                "--threads",
+                str(args.threads),
+                "-o",
+                str(out),
+                "-q",
+            ]
             r = run_child(cmd, work / f"{name}-rep{rep}.log")
             if r["rc"] != 0:
                 print(f"{name} rep {rep}: klein failed (exit {r['rc']}):\n{r['log']}")
                 return 1
             runs[name].append(r)
-            print(f"{name} rep {rep}: {r['wall']:.1f} s, peak RSS {r['rss'] / 2**30:.2f} GiB, other processes {r['others']:.2f} CPUs", flush=True)
+            print(
+                f"{name} rep {rep}: {r['wall']:.1f} s, peak RSS {r['rss'] / 2**30:.2f} GiB, "
+                f"other processes {r['others']:.2f} CPUs",
+                flush=True,
+            )
 
     components = {}
     if not args.no_components:
@@ -80,24 +109,46 @@ def main(argv=None) -> int:
 
         for name, bundle in bundles.items():
             if name != reference:
-                components[name] = {d.component: d for d in component_differences(bundle, bundles[reference], args.size, args.size)}
+                components[name] = {
+                    d.component: d for d in component_differences(bundle, bundles[reference], args.size, args.size)
+                }
                 for d in components[name].values():
                     print(f"{name}: {d.line()}", flush=True)
 
     want = load_rgb(work / f"{reference}-rep1.png")
-    header = ["bundle", "size MB", "peak RSS MiB", "time s", "PSNR dB", "pixels differ %", "text encoder rms/max rel", "transformer rms/max rel", "VAE decoder rms/max rel"]
+    header = [
+        "bundle",
+        "size MB",
+        "peak RSS MiB",
+        "time s",
+        "PSNR dB",
+        "pixels differ %",
+        "text encoder rms/max rel",
+        "transformer rms/max rel",
+        "VAE decoder rms/max rel",
+    ]
     rows = []
     for name, bundle in bundles.items():
         err = image_error(load_rgb(work / f"{name}-rep1.png"), want)
-        cells = [name, f"{bundle_bytes(bundle) / 1e6:.1f}", f"{median([r['rss'] for r in runs[name]]) / 2**20:.0f}", f"{median([r['wall'] for r in runs[name]]):.1f}"]
-        cells += ["ref" if name == reference else f"{err['psnr']:.1f}", "ref" if name == reference else f"{err['differ']:.2f}"]
+        cells = [
+            name,
+            f"{bundle_bytes(bundle) / 1e6:.1f}",
+            f"{median([r['rss'] for r in runs[name]]) / 2**20:.0f}",
+            f"{median([r['wall'] for r in runs[name]]):.1f}",
+        ]
+        cells += [
+            "ref" if name == reference else f"{err['psnr']:.1f}",
+            "ref" if name == reference else f"{err['differ']:.2f}",
+        ]
         for component in ("text_encoder", "transformer", "vae_decoder"):
             d = components.get(name, {}).get(component)
             cells.append("ref" if name == reference else "-" if d is None else f"{d.rms_rel:.1e} / {d.max_rel:.1e}")
         rows.append(cells)
     print()
     print_table(header, rows)
-    print("PSNR and pixels: klein's PNG against the reference bundle's (rep 1); time and RSS: medians of fresh processes")
+    print(
+        "PSNR and pixels: klein's PNG against the reference bundle's (rep 1); time and RSS: medians of fresh processes"
+    )
     return 0
 
 

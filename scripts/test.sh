@@ -19,8 +19,8 @@ cargo test --release
 cargo check --release --features cuda,coreml
 ruff check export
 ruff format --check export
-ruff check --config export/pyproject.toml python tests/python deploy
-ruff format --config export/pyproject.toml --check python tests/python deploy
+ruff check --config export/pyproject.toml python tests/python deploy benches
+ruff format --config export/pyproject.toml --check python tests/python deploy benches
 # Two processes, a test file each at a time (its module fixtures built once): most of these tests'
 # time is exporting tiny checkpoints, single-threaded Python (on a 2-core host: 19:16 in one process
 # before onnx_export.without_slices_split, 9:44 with it in two).
