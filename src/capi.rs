@@ -709,14 +709,11 @@ unsafe fn to_request(
         .as_ref()
         .map(|i| (i.image.width, i.image.height));
     // From their headers, before any is decoded.
-    pipeline.check_reference_files(
+    result.references = pipeline.load_reference_files(
         &files,
         result.width.or(source_size.map(|s| s.0)),
         result.height.or(source_size.map(|s| s.1)),
     )?;
-    for path in files {
-        result.references.push(pipeline.load_reference(path)?);
-    }
     Ok(result)
 }
 

@@ -5,7 +5,9 @@
 //! and the directory synced (so the rename survives a power loss, on Unix). A set is staged whole
 //! before the first rename; files it replaces are kept aside until every rename has succeeded and
 //! put back if one fails. A crash (not an error) between two renames can still leave part of a
-//! set new: no file system renames several files as one.
+//! set new: no file system renames several files as one. A symbolic link is followed (the file it
+//! names is replaced, the link kept), and a path that names a device, FIFO or socket
+//! (`/dev/null`, `/dev/stdout`) is written in place: a rename would replace it with a file.
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -83,7 +85,8 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// Writes every file or none: all are staged (written and synced) first, then renamed into
 /// place; if a write or a rename fails, the files already renamed are taken back (the ones they
-/// replaced are restored) and the error is returned.
+/// replaced are restored) and the error is returned. Devices and FIFOs are written in place after
+/// the staging and before the renames (what they were sent cannot be taken back).
 pub fn write_all_atomic(files: &[(&Path, &[u8])]) -> Result<()> {
     if let Some(&(dir, _)) = files.iter().find(|(path, _)| path.is_dir()) {
         return Err(KleinError::Io {
@@ -93,16 +96,32 @@ pub fn write_all_atomic(files: &[(&Path, &[u8])]) -> Result<()> {
         });
     }
     let mut staged = Vec::with_capacity(files.len());
+    let mut in_place = Vec::new();
     for &(path, bytes) in files {
-        let temp = Temp::next_to(path);
+        let target = match destination(path) {
+            Destination::InPlace(device) => {
+                in_place.push((device, bytes));
+                continue;
+            }
+            Destination::File(target) => target,
+        };
+        let temp = Temp::next_to(&target);
         let mut file = std::fs::File::create(&temp.path).map_err(io_error(path, "create"))?;
         file.write_all(bytes).map_err(io_error(path, "write"))?;
         file.sync_all().map_err(io_error(path, "sync"))?;
-        staged.push((path, temp));
+        staged.push((target, temp));
+    }
+    for (device, bytes) in in_place {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(device)
+            .and_then(|mut file| file.write_all(bytes))
+            .map_err(io_error(device, "write"))?;
     }
     // (target, the file it replaced, kept aside) for every rename done.
     let mut done: Vec<(&Path, Option<Temp>)> = Vec::with_capacity(staged.len());
-    for (path, temp) in staged {
+    for (path, temp) in &staged {
+        let path = path.as_path();
         let result = (|| {
             let aside = if path.exists() {
                 let aside = Temp::next_to(path);
@@ -123,10 +142,7 @@ pub fn write_all_atomic(files: &[(&Path, &[u8])]) -> Result<()> {
             }
         })();
         match result {
-            Ok(aside) => {
-                temp.forget();
-                done.push((path, aside));
-            }
+            Ok(aside) => done.push((path, aside)),
             Err(error) => {
                 for (path, aside) in done.into_iter().rev() {
                     match aside {
@@ -144,10 +160,44 @@ pub fn write_all_atomic(files: &[(&Path, &[u8])]) -> Result<()> {
         }
     }
     drop(done); // removes the replaced files kept aside
-    for &(path, _) in files {
-        sync_parent(path);
+    for (path, temp) in staged {
+        temp.forget(); // renamed into place
+        sync_parent(&path);
     }
     Ok(())
+}
+
+/// Where the bytes meant for a path go.
+enum Destination<'a> {
+    /// A file replaced by a rename: the path, or the file its symbolic links lead to.
+    File(PathBuf),
+    /// A device, FIFO or socket, written in place.
+    InPlace(&'a Path),
+}
+
+fn destination(path: &Path) -> Destination<'_> {
+    match std::fs::metadata(path) {
+        Ok(meta) if !meta.is_file() && !meta.is_dir() => Destination::InPlace(path),
+        _ => Destination::File(followed(path, MAX_LINKS)),
+    }
+}
+
+/// Symbolic links followed before giving up (Linux's own limit).
+const MAX_LINKS: u32 = 40;
+
+/// `path` with its symbolic links followed, also to a file that does not exist yet: `path` itself
+/// when it is no link, or the last link when there are more than `hops`.
+fn followed(path: &Path, hops: u32) -> PathBuf {
+    match std::fs::read_link(path) {
+        Ok(target) if hops > 0 => {
+            let target = match path.parent() {
+                Some(dir) => dir.join(target), // an absolute target replaces `dir`
+                None => target,
+            };
+            followed(&target, hops - 1)
+        }
+        _ => path.to_path_buf(),
+    }
 }
 
 /// Syncs the directory of `path`, so that a rename in it is durable (Unix; elsewhere a no-op).
@@ -227,6 +277,54 @@ mod tests {
         assert_eq!(std::fs::read(&a).unwrap(), b"new a");
         assert_eq!(std::fs::read(&b).unwrap(), b"new b");
         assert_eq!(names(&dir), ["a.png", "b.png"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A symbolic link is kept and the file it names replaced, also when that file does not exist
+    /// yet (a relative link, resolved from the link's directory).
+    #[cfg(unix)]
+    #[test]
+    fn a_link_is_followed_not_replaced() {
+        let dir = std::env::temp_dir().join(format!("klein-link-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("real")).unwrap();
+        let link = dir.join("link.png");
+        std::os::unix::fs::symlink("real/out.png", &link).unwrap();
+        write_atomic(&link, b"first").unwrap(); // the link dangled
+        write_atomic(&link, b"second").unwrap();
+        assert!(std::fs::symlink_metadata(&link).unwrap().is_symlink());
+        assert_eq!(std::fs::read(dir.join("real/out.png")).unwrap(), b"second");
+        assert_eq!(names(&dir.join("real")), ["out.png"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A FIFO (as a device such as /dev/null) is written in place and stays what it was.
+    #[cfg(unix)]
+    #[test]
+    fn a_fifo_is_written_in_place() {
+        use std::io::Read;
+        use std::os::unix::fs::FileTypeExt;
+        let dir = std::env::temp_dir().join(format!("klein-fifo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("out.png");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        // Opened for reading and writing (Linux), the FIFO lets the writer open it at once and
+        // holds what it is sent.
+        let mut pipe = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&fifo)
+            .unwrap();
+        write_atomic(&fifo, b"through the pipe").unwrap();
+        let kind = std::fs::symlink_metadata(&fifo).unwrap().file_type();
+        assert!(kind.is_fifo(), "{kind:?}");
+        let mut sent = [0u8; 16];
+        pipe.read_exact(&mut sent).unwrap();
+        assert_eq!(&sent, b"through the pipe");
+        assert_eq!(names(&dir), ["out.png"]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

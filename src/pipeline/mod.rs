@@ -67,8 +67,8 @@ use crate::stages::latents::{pack_latents, prepare_image_ids, unpack_latents};
 use crate::stages::noise::randn;
 use crate::stages::output::{to_rgb_images, RgbImage};
 use crate::stages::reference::{
-    decode_reference_bytes, load_reference, preprocess_reference, processed_size, read_header,
-    ReferenceImage,
+    decode_reference_bytes, load_reference, preprocess_reference, processed_size, read_file,
+    read_header, read_header_bytes, ImageHeader, ReferenceImage,
 };
 use crate::stages::schedule::{compute_empirical_mu, schedule, Schedule};
 use crate::stages::tokenize::ParsedTokenizer;
@@ -430,10 +430,48 @@ impl Pipeline {
         height: Option<u32>,
     ) -> Result<()> {
         request::check_reference_count(paths.len())?;
+        let headers = paths
+            .iter()
+            .map(|&path| Ok((read_header(path)?, path)))
+            .collect::<Result<Vec<_>>>()?;
+        self.check_reference_sizes(&headers, width, height)
+    }
+
+    /// Reads each reference file once, checks them all as [`Self::check_reference_files`] does
+    /// before any is decoded, then decodes and preprocesses them in order. Files that can be read
+    /// only once (a pipe, a shell's `<(...)`) work here.
+    pub fn load_reference_files(
+        &self,
+        paths: &[&Path],
+        width: Option<u32>,
+        height: Option<u32>,
+    ) -> Result<Vec<ReferenceImage>> {
+        request::check_reference_count(paths.len())?;
+        let files = paths
+            .iter()
+            .map(|&path| Ok((read_file(path)?, path)))
+            .collect::<Result<Vec<_>>>()?;
+        let headers = files
+            .iter()
+            .map(|(bytes, path)| Ok((read_header_bytes(bytes, path)?, *path)))
+            .collect::<Result<Vec<_>>>()?;
+        self.check_reference_sizes(&headers, width, height)?;
+        files
+            .iter()
+            .map(|(bytes, path)| self.decode_reference(bytes, path))
+            .collect()
+    }
+
+    /// The size checks of [`Self::check_reference_files`], on headers already read.
+    fn check_reference_sizes(
+        &self,
+        headers: &[(ImageHeader, &Path)],
+        width: Option<u32>,
+        height: Option<u32>,
+    ) -> Result<()> {
         let m = self.manifest.latents.pixel_multiple;
-        let mut sizes = Vec::with_capacity(paths.len());
-        for path in paths {
-            let header = read_header(path)?;
+        let mut sizes = Vec::with_capacity(headers.len());
+        for &(ref header, path) in headers {
             sizes.push(processed_size(
                 header.width,
                 header.height,

@@ -305,7 +305,7 @@ fn a_bundle_error_stops_the_batch() {
 }
 
 /// --prompts goes with --out-dir, and neither with a prompt, -o, --seed, --ref or --num-images;
-/// an unreadable or empty prompts file is refused. Exit code 2 every time, and no output.
+/// an unreadable, empty or endless prompts file is refused. Exit code 2 every time, and no output.
 #[test]
 fn batch_flags_are_checked() {
     let dir = temp_dir("batch-flags");
@@ -348,6 +348,13 @@ fn batch_flags_are_checked() {
     let empty = dir.join("empty.jsonl");
     std::fs::write(&empty, "\n\n").unwrap();
     batch(&empty, &out, &FAST).assert_user_error(&[path_str(&empty), "has no lines"]);
+    // No size to check first: refused once the limit has been read.
+    #[cfg(unix)]
+    batch(Path::new("/dev/zero"), &out, &FAST).assert_user_error(&[
+        "/dev/zero",
+        "more than 67108864 bytes",
+        "split it",
+    ]);
 }
 
 /// Inpainting lines (`image`, `mask`, `strength`, `mask_crop`) equal the single runs of

@@ -513,6 +513,44 @@ fn reference_sets_the_size_and_is_recorded() {
     );
 }
 
+/// A reference that can be read only once (a pipe: here stdin, as a shell's `<(...)` gives
+/// `/dev/fd/N`) makes the image the same file makes.
+#[cfg(unix)]
+#[test]
+fn a_reference_from_a_pipe_is_read_once() {
+    use std::io::Write;
+    use std::process::Stdio;
+    let dir = temp_dir("cli-reference-pipe");
+    let reference = solid_png(&dir.join("ref.png"), 96, 64);
+    let (from_file, from_pipe) = (dir.join("file.png"), dir.join("pipe.png"));
+    let args = ["--steps", "2", "--seed", "3"];
+    generate(
+        "make it blue",
+        &from_file,
+        &[&args[..], &["--ref", path_str(&reference)]].concat(),
+    )
+    .assert_success(&[&from_file]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_klein"))
+        .args(["generate", "make it blue", "--ref", "/dev/stdin", "-o"])
+        .arg(&from_pipe)
+        .args(args)
+        .env("ORT_DYLIB_PATH", ort_library())
+        .env("KLEIN_CACHE_DIR", test_cache_dir())
+        .env_remove("KLEIN_MODEL")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let bytes = std::fs::read(&reference).unwrap();
+    child.stdin.take().unwrap().write_all(&bytes).unwrap(); // dropped: the pipe closes
+    let done = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&done.stderr);
+    assert_eq!(done.status.code(), Some(0), "{stderr}");
+    let pixels = |path: &Path| image::open(path).unwrap().to_rgb8().into_raw();
+    assert_eq!(pixels(&from_pipe), pixels(&from_file));
+}
+
 #[test]
 fn info_prints_the_bundle_summary_and_verifies_hashes() {
     // The default model: the bundled tiny model, written to the cache directory.
@@ -748,6 +786,21 @@ fn empty_image_file_is_refused() {
     assert_refused(
         &[&FAST[..], &["--ref", path_str(&file)]].concat(),
         &[path_str(&file), "empty"],
+    );
+}
+
+/// A reference with no size to check first (a device) is refused once the limit has been read,
+/// not read until memory runs out.
+#[cfg(unix)]
+#[test]
+fn an_endless_reference_is_refused_at_the_limit() {
+    assert_refused(
+        &[&FAST[..], &["--ref", "/dev/zero"]].concat(),
+        &[
+            "/dev/zero",
+            "larger than this runtime decodes",
+            "at most 512 MiB",
+        ],
     );
 }
 

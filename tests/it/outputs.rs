@@ -1,6 +1,6 @@
 //! The CLI's output files: paths checked before generating (a directory, a path ending in a
-//! separator, an unknown extension), the format the extension names, and an interrupted run that
-//! leaves nothing behind.
+//! separator, an unknown extension, a preview over another file), the format the extension names,
+//! and an interrupted run that leaves nothing behind.
 
 use std::path::Path;
 
@@ -53,6 +53,45 @@ fn the_extension_names_the_format() {
     run.assert_user_error(&["not .gif", ".png, .jpg, .jpeg or .webp"]);
     assert!(!run.stderr.contains("seed:"), "{}", run.describe());
     assert_eq!(files_in(&dir), ["out.JPG", "out.webp"]);
+}
+
+/// A `--preview` that names the output or an input image is refused before generating, and the
+/// files are left as they were.
+#[test]
+fn a_preview_over_an_output_or_an_input_is_refused() {
+    let dir = temp_dir("outputs-preview");
+    let out = dir.join("out.png");
+    let run = generate(
+        "a cat",
+        &out,
+        &[&FAST[..], &["--preview", path_str(&out)]].concat(),
+    );
+    run.assert_user_error(&["--preview", "is also an output (-o)"]);
+    assert!(!run.stderr.contains("seed:"), "{}", run.describe());
+    assert!(files_in(&dir).is_empty(), "{:?}", files_in(&dir));
+
+    let source = dir.join("source.png");
+    image::RgbImage::from_pixel(64, 64, image::Rgb([200, 30, 30]))
+        .save(&source)
+        .unwrap();
+    let before = std::fs::read(&source).unwrap();
+    // The same file by another spelling.
+    let spelled = dir.join(".").join("source.png");
+    let extra = [
+        "--image",
+        path_str(&source),
+        "--strength",
+        "0.5",
+        "--preview",
+    ];
+    let run = generate(
+        "a cat",
+        &out,
+        &[&FAST[..], &extra, &[path_str(&spelled)]].concat(),
+    );
+    run.assert_user_error(&["--preview", "is also the source image (--image)"]);
+    assert_eq!(std::fs::read(&source).unwrap(), before);
+    assert_eq!(files_in(&dir), ["source.png"]);
 }
 
 /// SIGINT while generating: exit 130, no output and no temporary file.

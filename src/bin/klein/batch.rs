@@ -1,5 +1,6 @@
 //! `klein generate --prompts FILE --out-dir DIR`: one generation per JSON line, one pipeline for all,
 //! outputs that exist skipped, and a `summary.json` written after every line.
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
@@ -146,6 +147,38 @@ impl BatchRun<'_> {
     }
 }
 
+/// The text of the prompts file, refused past [`MAX_BATCH_FILE_BYTES`]: unread where its size is
+/// known, else (a pipe, a device) once that much has been read.
+fn read_prompts(prompts: &Path) -> anyhow::Result<String> {
+    let too_large = |size: String| {
+        UsageError(format!(
+            "--prompts {} is {size} bytes: at most {MAX_BATCH_FILE_BYTES} are read; split it",
+            prompts.display()
+        ))
+    };
+    let size = std::fs::metadata(prompts).map_or(0, |m| m.len());
+    if size > MAX_BATCH_FILE_BYTES {
+        return Err(too_large(size.to_string()).into());
+    }
+    let unreadable = |e: std::io::Error| {
+        UsageError(format!(
+            "--prompts {}: cannot read it ({e}); give a JSON Lines file, one {{\"prompt\": ...}} per line",
+            prompts.display()
+        ))
+    };
+    let mut text = String::new();
+    std::fs::File::open(prompts)
+        .and_then(|file| {
+            file.take(MAX_BATCH_FILE_BYTES + 1)
+                .read_to_string(&mut text)
+        })
+        .map_err(unreadable)?;
+    if text.len() as u64 > MAX_BATCH_FILE_BYTES {
+        return Err(too_large(format!("more than {MAX_BATCH_FILE_BYTES}")).into());
+    }
+    Ok(text)
+}
+
 /// `klein generate --prompts FILE --out-dir DIR`: one image per line, on one loaded pipeline.
 /// Exit code 2 if a line failed for a user error, else 1 if one failed in the runtime, else 0.
 pub(crate) fn generate_batch(
@@ -157,20 +190,7 @@ pub(crate) fn generate_batch(
     // The command line's numbers (the lines' defaults) before anything is read; a line's own are
     // checked when it runs, and a bad one is reported in the summary.
     crate::command_line_request(args, "").check_bounds()?;
-    let size = std::fs::metadata(prompts).map_or(0, |m| m.len());
-    if size > MAX_BATCH_FILE_BYTES {
-        return Err(UsageError(format!(
-            "--prompts {} is {size} bytes: at most {MAX_BATCH_FILE_BYTES} are read; split it",
-            prompts.display()
-        ))
-        .into());
-    }
-    let text = std::fs::read_to_string(prompts).map_err(|e| {
-        UsageError(format!(
-            "--prompts {}: cannot read it ({e}); give a JSON Lines file, one {{\"prompt\": ...}} per line",
-            prompts.display()
-        ))
-    })?;
+    let text = read_prompts(prompts)?;
     if out_dir.exists() && !out_dir.is_dir() {
         return Err(UsageError(format!(
             "--out-dir {} exists and is not a directory",
@@ -196,7 +216,7 @@ pub(crate) fn generate_batch(
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    let reporter = Reporter::new(args.quiet).with_previews(crate::preview_files(args, 1)?);
+    let reporter = Reporter::new(args.quiet).with_previews(crate::preview_files(args, 1, &[])?);
     let mut run = BatchRun {
         prompts,
         out_dir,
@@ -508,14 +528,11 @@ impl BatchJob<'_> {
             .as_ref()
             .map(|i| (i.image.width, i.image.height));
         let refs: Vec<&Path> = line.refs.iter().map(PathBuf::as_path).collect();
-        pipeline.check_reference_files(
+        request.references = pipeline.load_reference_files(
             &refs,
             request.width.or(source_size.map(|s| s.0)),
             request.height.or(source_size.map(|s| s.1)),
         )?;
-        for path in refs {
-            request.references.push(pipeline.load_reference(path)?);
-        }
         let size = pipeline.output_size(&request)?;
         Ok((request, size))
     }

@@ -142,7 +142,12 @@ pub(crate) fn load_inpaint(
 }
 
 /// The `--preview` files for `n` images (as `-o` names outputs), PNG only; none without it.
-pub(crate) fn preview_files(args: &GenerateArgs, n: usize) -> anyhow::Result<Vec<PathBuf>> {
+/// Refused where one would overwrite an output (`outputs`) or an input image.
+pub(crate) fn preview_files(
+    args: &GenerateArgs,
+    n: usize,
+    outputs: &[PathBuf],
+) -> anyhow::Result<Vec<PathBuf>> {
     let Some(path) = &args.preview else {
         return Ok(Vec::new());
     };
@@ -154,7 +159,29 @@ pub(crate) fn preview_files(args: &GenerateArgs, n: usize) -> anyhow::Result<Vec
         ))
         .into());
     }
+    let others = (outputs.iter().map(|p| ("an output (-o)", p)))
+        .chain(args.image.iter().map(|p| ("the source image (--image)", p)))
+        .chain(args.mask.iter().map(|p| ("the mask (--mask)", p)))
+        .chain(args.refs.iter().map(|p| ("a reference (--ref)", p)));
+    for (what, other) in others {
+        if let Some(preview) = paths.iter().find(|p| same_file(p, other)) {
+            return Err(UsageError(format!(
+                "--preview {} is also {what}: the previews would overwrite it; give them another file name",
+                preview.display()
+            ))
+            .into());
+        }
+    }
     Ok(paths)
+}
+
+/// Whether `a` and `b` name one file: the same file where both exist (links followed), else the
+/// same absolute path.
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => matches!((std::path::absolute(a), std::path::absolute(b)), (Ok(a), Ok(b)) if a == b),
+    }
 }
 
 /// The files an inpainting request read, for the image's text.
@@ -186,7 +213,7 @@ fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
     let model = default_model(args.load.model.clone())?;
     let (paths, format) = output_files(&args.output, usize::from(args.num_images), args.quality)?;
     let seed = args.seed.unwrap_or_else(random_seed);
-    let previews = preview_files(args, usize::from(args.num_images))?;
+    let previews = preview_files(args, usize::from(args.num_images), &paths)?;
     let reporter = Reporter::new(args.quiet).with_previews(previews);
 
     let mut request = command_line_request(args, prompt)
@@ -216,14 +243,11 @@ fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
         .inpaint
         .as_ref()
         .map(|i| (i.image.width, i.image.height));
-    pipeline.check_reference_files(
+    request.references = pipeline.load_reference_files(
         &refs,
         args.width.or(source_size.map(|s| s.0)),
         args.height.or(source_size.map(|s| s.1)),
     )?;
-    for path in &args.refs {
-        request.references.push(pipeline.load_reference(path)?);
-    }
     let (width, height) = pipeline.output_size(&request)?;
     warn_ignored_guidance(&pipeline, args.guidance);
     reporter.say(format!("seed: {seed}"));

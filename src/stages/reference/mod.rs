@@ -82,7 +82,8 @@ pub(crate) fn image_error(label: &Path) -> impl Fn(String) -> KleinError + '_ {
     }
 }
 
-/// Reads a whole reference file, refusing one larger than [`MAX_DECODE_FILE_BYTES`] unread.
+/// Reads a whole reference file, refusing one larger than [`MAX_DECODE_FILE_BYTES`]: unread where
+/// its size is known, else (a pipe, a device) once that much has been read.
 pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>> {
     let io_error = |action: &'static str| {
         move |source: std::io::Error| KleinError::Io {
@@ -91,21 +92,28 @@ pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>> {
             source,
         }
     };
-    let mut file = std::fs::File::open(path).map_err(io_error("open reference image"))?;
+    let file = std::fs::File::open(path).map_err(io_error("open reference image"))?;
     let size = file
         .metadata()
         .map_err(io_error("read reference image metadata"))?
         .len();
-    if size > MAX_DECODE_FILE_BYTES {
-        return Err(image_error(path)(format!(
+    let too_large = |size: String| {
+        image_error(path)(format!(
             "the file ({size} bytes) is larger than this runtime decodes (at most {} MiB); \
              downscale it first",
             MAX_DECODE_FILE_BYTES / (1024 * 1024)
-        )));
+        ))
+    };
+    if size > MAX_DECODE_FILE_BYTES {
+        return Err(too_large(size.to_string()));
     }
     let mut bytes = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
-    file.read_to_end(&mut bytes)
+    file.take(MAX_DECODE_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)
         .map_err(io_error("read reference image"))?;
+    if bytes.len() as u64 > MAX_DECODE_FILE_BYTES {
+        return Err(too_large(format!("more than {MAX_DECODE_FILE_BYTES}")));
+    }
     Ok(bytes)
 }
 
