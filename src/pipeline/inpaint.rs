@@ -104,7 +104,8 @@ impl Pipeline {
         let (width, height) = source.dimensions();
         if mask.dimensions() != (width, height) {
             return Err(mask_error(format!(
-                "the mask is {}x{} and the source image {width}x{height}: cropping to the mask                  needs a mask of the source's size (the result is pasted back through it)",
+                "the mask is {}x{} and the source image {width}x{height}: cropping to the mask \
+                 needs a mask of the source's size (the result is pasted back through it)",
                 mask.width(),
                 mask.height()
             )));
@@ -118,7 +119,7 @@ impl Pipeline {
         )?;
         let region = crop_region(&mask, out_w, out_h, padding).ok_or_else(|| {
             mask_error(
-                "the mask is black everywhere: there is nothing to repaint, so no region to                  crop to"
+                "the mask is black everywhere: there is nothing to repaint, so no region to crop to"
                     .into(),
             )
         })?;

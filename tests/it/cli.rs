@@ -789,6 +789,49 @@ fn empty_image_file_is_refused() {
     );
 }
 
+/// `--mask-crop` with a mask of another size, or a black one, is refused with the reason.
+#[test]
+fn mask_crop_needs_a_mask_of_the_source_size_with_a_region() {
+    let dir = temp_dir("cli-mask-crop");
+    let source = solid_png(&dir.join("source.png"), 96, 64);
+    let small = solid_png(&dir.join("small.png"), 48, 32);
+    let black = dir.join("black.png");
+    image::GrayImage::new(96, 64).save(&black).unwrap();
+    let args = |mask: &Path| {
+        let mut args = FAST.map(String::from).to_vec();
+        for arg in [
+            "--image",
+            path_str(&source),
+            "--mask",
+            path_str(mask),
+            "--mask-crop",
+            "8",
+        ] {
+            args.push(arg.to_string());
+        }
+        args
+    };
+    let run = |mask: &Path| {
+        let args = args(mask);
+        assert_refused(
+            &args.iter().map(String::as_str).collect::<Vec<_>>(),
+            &[path_str(mask)],
+        )
+    };
+    assert_mentions(
+        &run(&small).stderr,
+        &[
+            "48x32",
+            "96x64",
+            "cropping to the mask needs a mask of the source's size",
+        ],
+    );
+    assert_mentions(
+        &run(&black).stderr,
+        &["black everywhere", "so no region to crop to"],
+    );
+}
+
 /// A reference with no size to check first (a device) is refused once the limit has been read,
 /// not read until memory runs out.
 #[cfg(unix)]

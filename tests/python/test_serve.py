@@ -427,6 +427,8 @@ BAD_JSON = [
     # (body, field the error must name, status)
     (b'{"prompt": "x", "size": ', None, 400),  # not JSON
     (b'["a list"]', None, 400),
+    # Every field in order, as serde would read a struct from an array: still not an object.
+    (b'["fox", null, null, "64x64", null, null, null, null, null, 7, 1, null, null, null]', None, 400),
     ({"size": "64x64"}, "prompt", 400),
     ({"prompt": "x", "stepz": 3}, "stepz", 400),
     ({"prompt": "x", "steps": "four"}, "steps", 400),
@@ -472,10 +474,10 @@ def png_header(width: int, height: int) -> bytes:
 
 BAD_NATIVE = [
     # A decompression bomb: refused from its header, before any pixel is allocated.
-    ({"prompt": "x", "refs": [{"data": base64.b64encode(png_header(40000, 40000)).decode()}]}, "image"),
+    ({"prompt": "x", "refs": [{"data": base64.b64encode(png_header(40000, 40000)).decode()}]}, "refs[0]"),
     ({"prompt": "x", "refs": [{"data": "not base64!"}]}, "refs[0].data"),
-    ({"prompt": "x", "refs": [{"data": base64.b64encode(b"GIF89a not an image").decode()}]}, "image"),
-    ({"prompt": "x", "refs": [{"data": base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 40).decode()}]}, "image"),
+    ({"prompt": "x", "refs": [{"data": base64.b64encode(b"GIF89a not an image").decode()}]}, "refs[0]"),
+    ({"prompt": "x", "refs": [{"data": base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 40).decode()}]}, "refs[0]"),
     ({"prompt": "x", "refs": [{"data": ""}] * 11}, "refs"),
     ({"prompt": "x", "strength": 0.5}, "image"),
     ({"prompt": "x", "preview_every": 0}, "preview_every"),
@@ -487,6 +489,8 @@ BAD_NATIVE = [
     ({"prompt": "x", "height": 5000}, "height"),
     ({"prompt": "x", "num_images": 99}, "num_images"),
     ({"prompt": "x", "format": "bmp"}, "format"),
+    ({"prompt": "x", "quality": 50}, "quality"),  # a JPEG quality for a PNG
+    ({"prompt": "x", "format": "webp", "quality": 50}, "quality"),
 ]
 
 
@@ -494,6 +498,19 @@ BAD_NATIVE = [
 def test_bad_native_requests(server: Server, body, param):
     err = error_of(httpx.post(f"{server.url}/v1/klein/generate", json=body, timeout=60), 400)
     assert err["param"] == param, err
+
+
+def test_errors_are_short_json_in_the_api_shape(server: Server):
+    """A wrong method gets a JSON error too (405), and an error about a value does not echo it
+    whole (a base64 image where an object belongs) nor name the server's types."""
+    err = error_of(httpx.get(f"{server.url}/v1/images/generations", timeout=60), 405)
+    assert (err["type"], err["param"]) == ("method_not_allowed", None), err
+    assert "GET" in err["message"] and "/v1/images/generations" in err["message"], err
+    body = {"prompt": "x", "image": base64.b64encode(bytes(300_000)).decode()}
+    err = error_of(httpx.post(f"{server.url}/v1/klein/generate", json=body, timeout=60), 400)
+    assert err["param"] == "image", err
+    assert len(err["message"]) < 200 and "expected a JSON object" in err["message"], err
+    assert "struct" not in err["message"], err
 
 
 def test_bad_edit_requests(server: Server, repo: Path):

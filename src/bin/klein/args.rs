@@ -136,9 +136,9 @@ pub(crate) struct GenerateArgs {
     /// Output file: .png (with the settings as text), .jpg/.jpeg (settings in a comment) or .webp (lossless); with --num-images N, files NAME-1.png ... NAME-N.png, written all or none
     #[arg(short, long, default_value = "klein.png")]
     pub(crate) output: PathBuf,
-    /// JPEG quality of a .jpg/.jpeg output, 1 to 100
-    #[arg(long, default_value_t = 90, value_parser = clap::value_parser!(u8).range(1..=100))]
-    pub(crate) quality: u8,
+    /// JPEG quality of a .jpg/.jpeg output, 1 to 100 [default: 90]; refused with a lossless output (.png, .webp)
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=100))]
+    pub(crate) quality: Option<u8>,
     /// Write a preview of the image being denoised to this PNG file after every --preview-every steps (1/8 of the output's side, the model's current estimate mapped linearly from the latents; with --num-images N, FILE-1.png ... FILE-N.png; replaced atomically)
     #[arg(long, value_name = "FILE")]
     pub(crate) preview: Option<PathBuf>,

@@ -151,7 +151,7 @@ pub(crate) fn preview_files(
     let Some(path) = &args.preview else {
         return Ok(Vec::new());
     };
-    let (paths, format) = output_files(path, n, args.quality)?;
+    let (paths, format) = output_files(path, n, None)?;
     if format != ImageFormat::Png {
         return Err(UsageError(format!(
             "--preview {}: previews are PNG files; give a .png name",

@@ -8,13 +8,17 @@ use klein::stages::output::ImageFormat;
 
 use crate::UsageError;
 
+/// The JPEG quality without `--quality`.
+const DEFAULT_JPEG_QUALITY: u8 = 90;
+
 /// The files `--output` names for `n` images (`out.png`, or `out-1.png` ... `out-N.png`) and
 /// their format, refused before any work when they could not be written once the images are made:
-/// a directory (or a path ending in a separator), a missing directory, an unknown extension.
+/// a directory (or a path ending in a separator), a missing directory, an unknown extension; and
+/// a JPEG quality given for a lossless format.
 pub(crate) fn output_files(
     output: &Path,
     n: usize,
-    jpeg_quality: u8,
+    jpeg_quality: Option<u8>,
 ) -> anyhow::Result<(Vec<PathBuf>, ImageFormat)> {
     let text = output.as_os_str().to_string_lossy();
     if output.is_dir() || text.ends_with(std::path::is_separator) || output.file_name().is_none() {
@@ -30,7 +34,15 @@ pub(crate) fn output_files(
         ))
         .into());
     }
-    let format = ImageFormat::from_path(output, jpeg_quality)?;
+    let format = ImageFormat::from_path(output, jpeg_quality.unwrap_or(DEFAULT_JPEG_QUALITY))?;
+    if let (Some(quality), false) = (jpeg_quality, matches!(format, ImageFormat::Jpeg { .. })) {
+        return Err(UsageError(format!(
+            "--quality {quality} is for JPEG outputs, and {} is a lossless format; \
+             drop --quality or name a .jpg file",
+            output.display()
+        ))
+        .into());
+    }
     let paths = output_paths(output, n);
     for path in &paths {
         if path.is_dir() {

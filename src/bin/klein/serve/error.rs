@@ -14,6 +14,8 @@ pub(crate) enum ErrorKind {
     Authentication,
     /// No such route or job (404).
     NotFound,
+    /// A route asked with another method than its own (405).
+    MethodNotAllowed,
     /// A body over `--max-body-mib` (413).
     TooLarge,
     /// The queue is full (429, with Retry-After).
@@ -34,6 +36,7 @@ impl ErrorKind {
             ErrorKind::InvalidRequest => "invalid_request_error",
             ErrorKind::Authentication => "authentication_error",
             ErrorKind::NotFound => "not_found_error",
+            ErrorKind::MethodNotAllowed => "method_not_allowed",
             ErrorKind::TooLarge => "payload_too_large",
             ErrorKind::QueueFull => "queue_full",
             ErrorKind::Cancelled => "cancelled",
@@ -48,6 +51,7 @@ impl ErrorKind {
             ErrorKind::InvalidRequest => StatusCode::BAD_REQUEST,
             ErrorKind::Authentication => StatusCode::UNAUTHORIZED,
             ErrorKind::NotFound => StatusCode::NOT_FOUND,
+            ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorKind::QueueFull => StatusCode::TOO_MANY_REQUESTS,
             ErrorKind::Cancelled => StatusCode::CONFLICT,

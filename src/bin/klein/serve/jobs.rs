@@ -22,6 +22,8 @@ use super::metrics::Metrics;
 pub(crate) struct Upload {
     pub(crate) label: String,
     pub(crate) bytes: Vec<u8>,
+    /// The request's field it came in (`refs[0]`, `image`, `mask`): errors about it name it.
+    pub(crate) field: String,
 }
 
 /// How a mask upload marks what to repaint.

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
@@ -177,6 +177,12 @@ fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .route("/readyz", get(readyz))
         .merge(protected)
         .fallback(|| async { ApiError::new(ErrorKind::NotFound, "no such route; see GET /v1/models, POST /v1/images/generations, POST /v1/klein/generate") })
+        .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
+            ApiError::new(
+                ErrorKind::MethodNotAllowed,
+                format!("{method} is not a method of {}: see the README's table of routes", uri.path()),
+            )
+        })
         .layer(DefaultBodyLimit::max(max_body))
         .layer(middleware::from_fn_with_state(state.clone(), count))
         .with_state(state)
@@ -366,6 +372,13 @@ fn parse_json<T: DeserializeOwned>(
         };
         ApiError::new(kind, format!("request body: {}", rejection.body_text()))
     })?;
+    // serde would also read a struct from an array of its fields in order.
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ApiError::new(
+            ErrorKind::InvalidRequest,
+            "the body must be a JSON object ({\"prompt\": ...})",
+        ));
+    }
     let mut deserializer = serde_json::Deserializer::from_slice(&bytes);
     serde_path_to_error::deserialize(&mut deserializer).map_err(field_error)
 }
@@ -384,7 +397,7 @@ fn field_error(error: serde_path_to_error::Error<serde_json::Error>) -> ApiError
             format!("the body is not valid JSON: {inner}"),
         );
     }
-    let message = inner.to_string();
+    let message = client_message(&inner.to_string());
     // Missing and unknown fields are errors of the object; the message names the field.
     let param = if path == "." || path == "?" {
         message.split('`').nth(1).map(str::to_string)
@@ -399,6 +412,38 @@ fn field_error(error: serde_path_to_error::Error<serde_json::Error>) -> ApiError
     ApiError {
         param,
         ..ApiError::new(ErrorKind::InvalidRequest, text)
+    }
+}
+
+/// A deserialisation message as a client should read it: the server's type names (`struct
+/// RefBody`) as what they are in JSON, and a quoted string shortened ([`shorten_quoted`]).
+fn client_message(message: &str) -> String {
+    let shortened = shorten_quoted(message);
+    let mut out = String::with_capacity(shortened.len());
+    let mut rest = shortened.as_str();
+    while let Some(at) = rest.find("struct ") {
+        out.push_str(&rest[..at]);
+        out.push_str("a JSON object");
+        rest = rest[at + "struct ".len()..]
+            .trim_start_matches(|c: char| c.is_alphanumeric() || c == '_');
+    }
+    out.push_str(rest);
+    out
+}
+
+/// `message` with the string that serde quotes in `invalid type: string "...", expected ...` (a
+/// base64 image given where an object belongs, megabytes long) cut to its first characters.
+fn shorten_quoted(message: &str) -> String {
+    const QUOTED_CHARS: usize = 40;
+    const OPEN: &str = "string \"";
+    let (Some(open), Some(close)) = (message.find(OPEN), message.rfind("\", expected")) else {
+        return message.to_string();
+    };
+    let start = open + OPEN.len();
+    let quoted = message.get(start..close).unwrap_or_default();
+    match quoted.char_indices().nth(QUOTED_CHARS) {
+        Some((cut, _)) => format!("{}...{}", &message[..start + cut], &message[close..]),
+        None => message.to_string(),
     }
 }
 

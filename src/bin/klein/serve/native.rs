@@ -53,7 +53,7 @@ struct NativeBody {
     loras: Vec<String>,
     /// `png` (default), `jpeg` or `webp`.
     format: Option<String>,
-    /// JPEG quality, 1 to 100 (default 90).
+    /// JPEG quality, 1 to 100 (default 90); refused with `png` and `webp` (lossless).
     quality: Option<u64>,
     negative_prompt: Option<String>,
 }
@@ -110,6 +110,12 @@ fn spec_from(state: &AppState, body: NativeBody) -> Result<(JobSpec, ImageFormat
         None => None,
     };
     let format = image_format(body.format.as_deref(), body.quality, NATIVE_FORMAT_FIELDS)?;
+    if body.quality.is_some() && !matches!(format, ImageFormat::Jpeg { .. }) {
+        return Err(ApiError::field(
+            "quality",
+            "quality is for jpeg, and this format is lossless: drop quality or ask for format jpeg",
+        ));
+    }
     let spec = JobSpec {
         prompt: body.prompt,
         width: body.width,
@@ -151,6 +157,7 @@ fn upload(body: RefBody, field: &str, default_label: String) -> Result<Upload, A
     Ok(Upload {
         label: body.name.unwrap_or(default_label),
         bytes,
+        field: field.to_string(),
     })
 }
 

@@ -185,7 +185,11 @@ pub(crate) async fn edits(
                     .map(str::to_string)
                     .unwrap_or_else(|| format!("image-{}", references.len()));
                 let bytes = field.bytes().await.map_err(multipart_error)?;
-                references.push(Upload { label, bytes: bytes.to_vec() });
+                references.push(Upload {
+                    label,
+                    bytes: bytes.to_vec(),
+                    field: "image".into(),
+                });
             }
             "mask" => {
                 if mask.is_some() {
@@ -193,7 +197,11 @@ pub(crate) async fn edits(
                 }
                 let label = field.file_name().unwrap_or("mask").to_string();
                 let bytes = field.bytes().await.map_err(multipart_error)?;
-                mask = Some(Upload { label, bytes: bytes.to_vec() });
+                mask = Some(Upload {
+                    label,
+                    bytes: bytes.to_vec(),
+                    field: "mask".into(),
+                });
             }
             "strength" => {
                 let value = field.text().await.map_err(multipart_error)?;

@@ -98,9 +98,9 @@ fn load_inpaint(pipeline: &Pipeline, upload: &InpaintUpload) -> Result<Inpaint, 
     if let (Some(padding), Some((mask, MaskKind::White))) = (upload.mask_crop, &upload.mask) {
         let (source_label, mask_label) = (Path::new(&upload.source.label), Path::new(&mask.label));
         let source = decode_image_bytes(&upload.source.bytes, source_label)
-            .map_err(|e| ApiError::from_klein(&e, Some("image")))?;
+            .map_err(|e| ApiError::from_klein(&e, Some(&upload.source.field)))?;
         let mask_rgb = decode_image_bytes(&mask.bytes, mask_label)
-            .map_err(|e| ApiError::from_klein(&e, Some("mask")))?;
+            .map_err(|e| ApiError::from_klein(&e, Some(&mask.field)))?;
         return pipeline
             .crop_to_mask(
                 source,
@@ -109,21 +109,21 @@ fn load_inpaint(pipeline: &Pipeline, upload: &InpaintUpload) -> Result<Inpaint, 
                 strength,
                 (source_label, mask_label),
             )
-            .map_err(|e| ApiError::from_klein(&e, Some("mask")));
+            .map_err(|e| ApiError::from_klein(&e, Some(&mask.field)));
     }
     let source = pipeline
         .decode_source(&upload.source.bytes, Path::new(&upload.source.label))
-        .map_err(|e| ApiError::from_klein(&e, Some("image")))?;
+        .map_err(|e| ApiError::from_klein(&e, Some(&upload.source.field)))?;
     let mask = match &upload.mask {
         None => None,
         Some((mask, MaskKind::White)) => Some(
             pipeline
                 .decode_mask(&mask.bytes, Path::new(&mask.label), &source)
-                .map_err(|e| ApiError::from_klein(&e, Some("mask")))?,
+                .map_err(|e| ApiError::from_klein(&e, Some(&mask.field)))?,
         ),
         Some((mask, MaskKind::Transparent)) => {
             let rgb = decode_transparent_mask(&mask.bytes, Path::new(&mask.label))
-                .map_err(|e| ApiError::from_klein(&e, Some("mask")))?;
+                .map_err(|e| ApiError::from_klein(&e, Some(&mask.field)))?;
             Some(pipeline.prepare_mask(&rgb, &source))
         }
     };
@@ -158,7 +158,7 @@ fn run_job(
     for upload in &spec.references {
         let reference = pipeline
             .decode_reference(&upload.bytes, Path::new(&upload.label))
-            .map_err(|e| ApiError::from_klein(&e, Some("image")))?;
+            .map_err(|e| ApiError::from_klein(&e, Some(&upload.field)))?;
         request.references.push(reference);
     }
     // The size is known once the references are: `auto` takes the first one's.
