@@ -35,7 +35,7 @@ pub(crate) enum Command {
 #[derive(Args)]
 pub(crate) struct ServeArgs {
     /// Address to listen on: 127.0.0.1 accepts this machine only; 0.0.0.0 (or ::) every network
-    #[arg(long, default_value = "127.0.0.1")]
+    #[arg(long, default_value = "127.0.0.1", value_parser = parse_host)]
     pub(crate) host: std::net::IpAddr,
     /// TCP port (0: any free port, printed)
     #[arg(long, default_value_t = 8080)]
@@ -250,6 +250,13 @@ pub(crate) struct InfoArgs {
 /// `FILE` or `FILE:SCALE`.
 fn parse_lora(text: &str) -> Result<LoraSpec, String> {
     Ok(LoraSpec::parse(text))
+}
+
+/// `--host`: an IP address (a name such as `localhost` is not looked up).
+fn parse_host(text: &str) -> Result<std::net::IpAddr, String> {
+    text.parse().map_err(|e| {
+        format!("{e}: give an IP address, such as 127.0.0.1 (this machine only) or 0.0.0.0 (every network)")
+    })
 }
 
 /// `--strength`: a number in (0, 1], checked before anything is read.

@@ -176,7 +176,11 @@ fn read_prompts(prompts: &Path) -> anyhow::Result<String> {
     if text.len() as u64 > MAX_BATCH_FILE_BYTES {
         return Err(too_large(format!("more than {MAX_BATCH_FILE_BYTES}")).into());
     }
-    Ok(text)
+    // A byte-order mark, as some Windows editors write one, is not part of the first line.
+    Ok(match text.strip_prefix('\u{feff}') {
+        Some(rest) => rest.to_string(),
+        None => text,
+    })
 }
 
 /// `klein generate --prompts FILE --out-dir DIR`: one image per line, on one loaded pipeline.

@@ -151,7 +151,7 @@ pub(crate) fn preview_files(
     let Some(path) = &args.preview else {
         return Ok(Vec::new());
     };
-    let (paths, format) = output_files(path, n, None)?;
+    let (paths, format) = output_files("--preview", path, n, None)?;
     if format != ImageFormat::Png {
         return Err(UsageError(format!(
             "--preview {}: previews are PNG files; give a .png name",
@@ -211,7 +211,12 @@ pub(crate) fn command_line_request(args: &GenerateArgs, prompt: &str) -> Request
 /// `klein generate PROMPT -o FILE`: one prompt, `--num-images` images.
 fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
     let model = default_model(args.load.model.clone())?;
-    let (paths, format) = output_files(&args.output, usize::from(args.num_images), args.quality)?;
+    let (paths, format) = output_files(
+        "output",
+        &args.output,
+        usize::from(args.num_images),
+        args.quality,
+    )?;
     let seed = args.seed.unwrap_or_else(random_seed);
     let previews = preview_files(args, usize::from(args.num_images), &paths)?;
     let reporter = Reporter::new(args.quiet).with_previews(previews);

@@ -15,7 +15,9 @@ const DEFAULT_JPEG_QUALITY: u8 = 90;
 /// their format, refused before any work when they could not be written once the images are made:
 /// a directory (or a path ending in a separator), a missing directory, an unknown extension; and
 /// a JPEG quality given for a lossless format.
+/// `flag` names the option in messages (`output`, `--preview`).
 pub(crate) fn output_files(
+    flag: &str,
     output: &Path,
     n: usize,
     jpeg_quality: Option<u8>,
@@ -28,7 +30,7 @@ pub(crate) fn output_files(
             "names a directory (it ends with a separator)"
         };
         return Err(UsageError(format!(
-            "output {} {what}; give a file name such as {}",
+            "{flag} {} {what}; give a file name such as {}",
             output.display(),
             output.join("klein.png").display()
         ))
@@ -47,7 +49,7 @@ pub(crate) fn output_files(
     for path in &paths {
         if path.is_dir() {
             return Err(UsageError(format!(
-                "output {} is a directory; give another file name",
+                "{flag} {} is a directory; give another file name",
                 path.display()
             ))
             .into());
@@ -58,7 +60,7 @@ pub(crate) fn output_files(
             .unwrap_or(Path::new("."));
         if !parent.is_dir() {
             return Err(UsageError(format!(
-                "output {}: the directory {} does not exist; create it first",
+                "{flag} {}: the directory {} does not exist; create it first",
                 path.display(),
                 parent.display()
             ))
