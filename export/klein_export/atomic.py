@@ -28,6 +28,36 @@ def _readable_files(directory: Path):
             path.chmod(0o666 & ~umask)
 
 
+def check_output(out, force, inputs=(), replaceable=lambda d: (d / "manifest.json").is_file(), error=None):
+    """Refuses `--out` before any work where writing it would fail or lose data: under a file, a
+    file itself, the same as or a folder holding one of `inputs` (each `(path, what)`), or existing
+    without `force`; and with `force`, a directory that is not what this command writes
+    (`replaceable(directory)`: by default a klein bundle) and not empty, since it is deleted."""
+    from .errors import OutputExistsError
+
+    error = error or OutputExistsError
+    out = Path(out)
+    resolved = out.resolve()
+    for path, what in inputs:
+        path = Path(path).resolve()
+        if resolved == path or resolved in path.parents:
+            raise error(f"{out}: the output would replace {what} {path}; give another --out")
+    above = next((p for p in [out, *out.parents] if p.exists()), None)
+    if above is not None and above != out and not above.is_dir():
+        raise error(f"{out}: {above} is a file, not a directory; give an --out in a directory")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise error(f"{out}: is a file, not a directory; give another --out")
+    if not force:
+        raise error(f"{out}: already exists; pass --force to replace it")
+    if any(out.iterdir()) and not replaceable(out):
+        raise error(
+            f"{out}: --force replaces only what this command writes, and this directory holds something "
+            "else; give a new or empty --out"
+        )
+
+
 @contextmanager
 def atomic_directory(out):
     """Yields an empty temporary directory beside `out`; when the block completes it replaces `out`,

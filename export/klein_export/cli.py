@@ -194,7 +194,9 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="diffusers checkpoint -> bundle")
     c.add_argument("--checkpoint", required=True, help="diffusers-format FLUX.2-klein checkpoint directory")
     c.add_argument("--out", required=True, help="bundle directory to write")
-    c.add_argument("--force", action="store_true", help="overwrite an existing bundle")
+    c.add_argument(
+        "--force", action="store_true", help="replace an existing bundle (a bundle or an empty directory only)"
+    )
     c.add_argument("--name", help="model name recorded in the manifest (default: the bundle directory name)")
     c.add_argument(
         "--variant",
@@ -252,7 +254,9 @@ def parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="bundle -> a copy with weight-only quantized graphs (no re-export)")
     q.add_argument("--bundle", required=True, help="bundle to quantize (left unchanged)")
     q.add_argument("--out", required=True, help="bundle directory to write")
-    q.add_argument("--force", action="store_true", help="overwrite an existing bundle")
+    q.add_argument(
+        "--force", action="store_true", help="replace an existing bundle (a bundle or an empty directory only)"
+    )
     _add_quantization_args(q)
     q.set_defaults(func=_quantize)
 

@@ -15,7 +15,7 @@ import torch
 from torch.export import Dim
 
 from . import contract
-from .atomic import atomic_directory
+from .atomic import atomic_directory, check_output
 from .cache_key import stamp_bundle
 from .checkpoint import Checkpoint
 from .contract import GraphEntry
@@ -239,11 +239,8 @@ def convert(
     check_variant(ckpt, variant)
     check_loras(ckpt.transformer_config, loras)
     out = Path(out)
-    if out.resolve() == ckpt.root.resolve() or out.resolve() in ckpt.root.resolve().parents:
-        # --force replaces the output: it must not hold the checkpoint.
-        raise CheckpointError(f"{out}: the output would replace the checkpoint {checkpoint}; give another --out")
-    if out.exists() and not force:
-        raise BundleExistsError(f"{out}: already exists; pass --force to overwrite it")
+    inputs = [(ckpt.root, "the checkpoint")] + [(lora.path, "the LoRA") for lora in loras]
+    check_output(out, force, inputs, error=BundleExistsError)
     buckets = None
     if static_shapes is not None:
         if quantization is not None:

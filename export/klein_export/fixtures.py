@@ -16,9 +16,8 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-from .atomic import atomic_directory
+from .atomic import atomic_directory, check_output
 from .checkpoint import DEFAULT_OUT_LAYERS, Checkpoint
-from .errors import OutputExistsError
 
 CASES = (
     {
@@ -198,14 +197,18 @@ def run_case(pipe, case: dict, out_dir: Path, out_layers=DEFAULT_OUT_LAYERS) -> 
     return meta
 
 
+def _holds_fixtures(directory: Path) -> bool:
+    """Whether `directory` holds only fixture cases (what `--force` may replace)."""
+    return all(child.is_dir() and (child / "case.json").is_file() for child in directory.iterdir())
+
+
 def write_fixtures(checkpoint, out_dir, cases=CASES, force=False, log=print):
     """Writes every case under `out_dir`, whole or not at all: an existing `out_dir` is refused unless
     `force`, and then replaced only once every case has been written."""
     from .diffusers_reference import load_pipeline
 
     out_dir = Path(out_dir)
-    if out_dir.exists() and not force:
-        raise OutputExistsError(f"{out_dir}: already exists; pass --force to replace it")
+    check_output(out_dir, force, [(checkpoint, "the checkpoint")], replaceable=_holds_fixtures)
     pipe = load_pipeline(checkpoint)
     layers = Checkpoint(checkpoint).text_encoder_out_layers
     with atomic_directory(out_dir) as tmp:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import onnx
 
-from .atomic import atomic_directory
+from .atomic import atomic_directory, check_output
 from .cache_key import stamp_bundle
 from .errors import BundleError, BundleExistsError, QuantizationError
 from .external_data import DataWriter, is_external, load_graph, load_structure, nbytes, read_tensor
@@ -558,10 +558,7 @@ def quantize_copy(bundle, out, config: QuantizationConfig, force=False, log=prin
         if graphs[component].get("quantization") is not None:
             bits = graphs[component]["quantization"]["bits"]
             raise QuantizationError(f"{bundle / graphs[component]['file']}: already quantized ({bits} bits)")
-    if out.exists() and not force:
-        raise BundleExistsError(f"{out}: already exists; pass --force to overwrite it")
-    if out.resolve() == bundle.resolve():
-        raise QuantizationError(f"{out}: the output must differ from the input bundle")
+    check_output(out, force, [(bundle, "the input bundle")], error=BundleExistsError)
     with atomic_directory(out) as tmp:
         shutil.copytree(bundle, tmp, dirs_exist_ok=True)
         quantize_bundle(tmp, config, log=log)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .atomic import atomic_directory
+from .atomic import atomic_directory, check_output
 from .checkpoint import DEFAULT_OUT_LAYERS, OUT_LAYERS_KEY
 from .errors import OutputExistsError
 
@@ -190,6 +190,7 @@ def build_tiny(
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise OutputExistsError(f"{out_dir}: already exists (choose a new directory)")
+    check_output(out_dir, force=False)  # under a file
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

@@ -86,6 +86,29 @@ def test_an_output_that_holds_the_checkpoint_is_refused(tiny_checkpoint, tmp_pat
     assert (ckpt / "model_index.json").is_file()
 
 
+def test_force_replaces_only_what_the_command_writes(tiny_checkpoint, bundle_copy, tmp_path, capsys):
+    """--force deletes the old --out: never a folder holding the input, a user's folder, or a file;
+    each refused before any work, with everything left in place."""
+    quantize = ["quantize", "--bundle", bundle_copy, "--quantize", "int8", "--force", "--out"]
+    err = _run(quantize + [bundle_copy.parent], capsys)
+    assert "would replace the input bundle" in err
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    err = _run(quantize + [mine], capsys)
+    assert "--force replaces only what this command writes" in err
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    err = _run(quantize + [afile], capsys)
+    assert f"{afile}: is a file, not a directory" in err
+    err = _run(quantize + [afile / "sub"], capsys)
+    assert f"{afile} is a file, not a directory" in err
+    err = _run(["fixtures", "--checkpoint", tiny_checkpoint, "--out", tiny_checkpoint.parent, "--force"], capsys)
+    assert "would replace the checkpoint" in err
+    assert (mine / "notes.txt").read_text() == "keep me" and (bundle_copy / "manifest.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "bundle", "mine"]
+
+
 def test_a_lora_that_is_no_safetensors_or_has_a_bad_scale_is_named(tiny_checkpoint, tmp_path, capsys):
     lora = tmp_path / "style.safetensors"
     lora.write_text("plain text")
@@ -115,7 +138,7 @@ def test_numbers_out_of_range_are_refused_by_the_parser(args, capsys):
 def test_an_output_under_a_file_is_an_error_not_a_traceback(tmp_path, capsys):
     (tmp_path / "afile").write_text("")
     err = _run(["tiny", "--out", tmp_path / "afile" / "sub"], capsys)
-    assert "afile" in err
+    assert f"{tmp_path / 'afile'} is a file, not a directory" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 

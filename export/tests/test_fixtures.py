@@ -22,15 +22,17 @@ def test_refuses_an_existing_directory(tiny_checkpoint, tmp_path):
     (out / "mine.txt").write_text("keep")
     with pytest.raises(OutputExistsError, match="--force"):
         write_fixtures(tiny_checkpoint, out, cases=SMALL, log=lambda _: None)
+    with pytest.raises(OutputExistsError, match="holds something else"):  # not a fixtures directory
+        write_fixtures(tiny_checkpoint, out, cases=SMALL, force=True, log=lambda _: None)
     assert (out / "mine.txt").read_text() == "keep"
 
 
 def test_a_failing_case_leaves_the_old_directory(tiny_checkpoint, tmp_path):
     out = tmp_path / "fixtures"
-    out.mkdir()
-    (out / "old.txt").write_text("old")
+    (out / "old").mkdir(parents=True)
+    (out / "old" / "case.json").write_text("{}")  # a case of an earlier run: --force may replace it
     broken = {**SMALL[0], "name": "broken", "refs": [(32, 32, "RGB", {"format": "TIFF"})]}  # no such fixture format
     with pytest.raises(KeyError, match="TIFF"):
         write_fixtures(tiny_checkpoint, out, cases=(*SMALL, broken), force=True, log=lambda _: None)
-    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    assert [p.name for p in out.iterdir()] == ["old"]
     assert [p.name for p in tmp_path.iterdir()] == ["fixtures"]
