@@ -9,6 +9,7 @@ from .precision import PRECISIONS
 from .quantize import BITS, DEFAULT_BLOCK_SIZE, METHODS, QuantizationConfig, default_components, parse_components
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # as the klein CLI, and shells, report SIGINT
 
 
 def _quantization(args, required=False):
@@ -158,7 +159,7 @@ def _add_quantization_args(p):
     p.add_argument(
         "--block-size",
         type=int,
-        help=f"weights per quantization block along K, a power of two >= 16 (default {DEFAULT_BLOCK_SIZE})",
+        help=f"weights per quantization block along K: 16, 32, 64, 128 or 256 (default {DEFAULT_BLOCK_SIZE})",
     )
     p.add_argument(
         "--components",
@@ -368,6 +369,9 @@ def main(argv=None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(f"klein-export: error: {where}{e.strerror or e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:  # Ctrl-C: the partial output is already removed (atomic_directory)
+        print("klein-export: interrupted; nothing was written", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ from pathlib import Path
 
 from .errors import LoraError
 
+# LoRAs merged into one bundle at most: the runtime's bound (`MAX_LORAS`, src/limits.rs).
+MAX_LORAS = 16
+
 
 @dataclass(frozen=True)
 class LoraSpec:
@@ -51,6 +54,8 @@ def check_loras(transformer_config: dict, loras):
     so that a LoRA for another model or size is refused in seconds, not after the text encoder."""
     if not loras:
         return
+    if len(loras) > MAX_LORAS:
+        raise LoraError(f"{len(loras)} LoRAs: at most {MAX_LORAS} are merged at once (as the runtime applies)")
     import torch
     from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
 
@@ -61,6 +66,7 @@ def check_loras(transformer_config: dict, loras):
             state_dict = Flux2KleinPipeline.lora_state_dict(str(lora.path))
         except (ValueError, KeyError, RuntimeError, OSError) as e:  # OSError: not a safetensors file
             raise LoraError(f"{lora.path}: diffusers cannot read it as a FLUX.2 LoRA: {e}") from e
+        _check_complete(state_dict, lora.path)
         _check_modules(transformer, state_dict, lora.path)
         _check_shapes(transformer, state_dict, lora.path)
 
@@ -76,6 +82,7 @@ def merge_loras(transformer, loras):
         name = f"lora{i}"
         try:
             state_dict, metadata = Flux2KleinPipeline.lora_state_dict(str(lora.path), return_lora_metadata=True)
+            _check_complete(state_dict, lora.path)
             _check_modules(transformer, state_dict, lora.path)
             _check_shapes(transformer, state_dict, lora.path)
             transformer.load_lora_adapter(state_dict, adapter_name=name, metadata=metadata, prefix="transformer")
@@ -88,6 +95,20 @@ def merge_loras(transformer, loras):
     transformer.fuse_lora(lora_scale=1.0, adapter_names=names)
     transformer.unload_lora()
     return transformer
+
+
+def _check_complete(state_dict, path):
+    """A file with no weights (it would load and change nothing) or with half of a pair (diffusers
+    fails deep inside PEFT) is refused, as the runtime refuses it."""
+    if not state_dict:
+        raise LoraError(f"{path}: the file holds no LoRA weights")
+    factors = {}
+    for key in state_dict:
+        module, factor = _split(key)
+        factors.setdefault(module, set()).add(factor.removesuffix(".weight"))
+    for module, names in sorted(factors.items()):
+        if ("lora_A" in names) != ("lora_B" in names):
+            raise LoraError(f"{path}: {module} has only one of lora_A and lora_B; the file is incomplete")
 
 
 def _split(key):

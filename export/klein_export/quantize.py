@@ -50,6 +50,7 @@ from .onnx_export import EXTERNAL_DATA_THRESHOLD
 from .product_splits import cut_float_products, plan_products, product_nodes
 
 METHOD = "MatMulNBits"
+BLOCK_SIZES = (16, 32, 64, 128, 256)
 DYNAMIC = "DynamicQuantizeMatMul"
 STATIC = "QDQ"
 METHODS = {"nbits": METHOD, "dynamic": DYNAMIC, "static": STATIC}  # --method -> the operator written
@@ -105,9 +106,10 @@ class QuantizationConfig:
             )
         if self.bits not in BITS.values():
             raise QuantizationError(f"{self.bits} bits: expected one of {sorted(BITS.values())}")
-        # MatMulNBits: block_size is a power of two, at least 16.
-        if self.block_size < 16 or self.block_size & (self.block_size - 1):
-            raise QuantizationError(f"--block-size {self.block_size}: MatMulNBits needs a power of two >= 16")
+        # MatMulNBits: ONNX Runtime's quantizer (MlasQuantizeBlockwise) takes these block sizes.
+        if self.block_size not in BLOCK_SIZES:
+            sizes = ", ".join(map(str, BLOCK_SIZES))
+            raise QuantizationError(f"--block-size {self.block_size}: MatMulNBits takes {sizes}")
         if self.accuracy_level not in range(5):
             raise QuantizationError(f"--accuracy-level {self.accuracy_level}: expected 0 (unset) to 4 (int8 compute)")
         parse_components(",".join(self.components), self.method)

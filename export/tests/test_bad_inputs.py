@@ -109,6 +109,30 @@ def test_force_replaces_only_what_the_command_writes(tiny_checkpoint, bundle_cop
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "bundle", "mine"]
 
 
+@pytest.mark.parametrize("size", ["8", "24", "512"])
+def test_a_block_size_onnx_runtime_cannot_quantize_is_refused(bundle_copy, tmp_path, capsys, size):
+    quantize = ["quantize", "--bundle", bundle_copy, "--out", tmp_path / "q", "--quantize", "int4"]
+    err = _run(quantize + ["--block-size", size], capsys)
+    assert f"--block-size {size}: MatMulNBits takes 16, 32, 64, 128, 256" in err
+    assert not (tmp_path / "q").exists()
+
+
+def test_an_empty_or_half_lora_and_too_many_loras_are_refused(tiny_checkpoint, tmp_path, capsys):
+    import torch
+    from safetensors.torch import save_file
+
+    empty, half = tmp_path / "empty.safetensors", tmp_path / "half.safetensors"
+    save_file({}, empty)
+    save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 64)}, half)
+    convert = ["convert", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "out", "--lora"]
+    assert f"{empty}: the file holds no LoRA weights" in _run(convert + [empty], capsys)
+    err = _run(convert + [half], capsys)
+    assert f"{half}: transformer_blocks.0.attn.to_q has only one of lora_A and lora_B" in err
+    many = [a for _ in range(17) for a in ("--lora", empty)]
+    assert "17 LoRAs: at most 16" in _run(convert[:-1] + many, capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.safetensors", "half.safetensors"]
+
+
 def test_a_lora_that_is_no_safetensors_or_has_a_bad_scale_is_named(tiny_checkpoint, tmp_path, capsys):
     lora = tmp_path / "style.safetensors"
     lora.write_text("plain text")
