@@ -177,10 +177,10 @@ fn read_prompts(prompts: &Path) -> anyhow::Result<String> {
         return Err(too_large(format!("more than {MAX_BATCH_FILE_BYTES}")).into());
     }
     // A byte-order mark, as some Windows editors write one, is not part of the first line.
-    Ok(match text.strip_prefix('\u{feff}') {
-        Some(rest) => rest.to_string(),
-        None => text,
-    })
+    if text.starts_with('\u{feff}') {
+        text.drain(..'\u{feff}'.len_utf8());
+    }
+    Ok(text)
 }
 
 /// `klein generate --prompts FILE --out-dir DIR`: one image per line, on one loaded pipeline.
