@@ -151,16 +151,38 @@ def find_ort_library(ort_lib: str | os.PathLike[str] | None = None) -> Path:
     )
 
 
-def _count(name: str, value: Any, *, optional: bool = True, limit: int = _U32) -> int | None:
+def _count(
+    name: str, value: Any, *, optional: bool = True, limit: int = _U32, bounds: tuple[int, int] | None = None
+) -> int | None:
     """An integer argument, refused with its name unless 0 <= value < limit (klein checks the
-    real bounds and says what they are)."""
+    real bounds and says what they are), or, where this side checks them, within ``bounds``."""
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise InvalidInputError(f"invalid request: {name} must be an integer, not {type(value).__name__}")
+    if bounds is not None and not bounds[0] <= int(value) <= bounds[1]:
+        raise InvalidInputError(
+            f"invalid request: {name} is {int(value)}: it must be between {bounds[0]} and {bounds[1]}"
+        )
     if not 0 <= int(value) < limit:
         raise InvalidInputError(f"invalid request: {name} is {int(value)}: it is out of range")
     return int(value)
+
+
+def _text(name: str, value: Any, *, optional: bool = False) -> str | None:
+    """A prompt: a string of Unicode text (not a lone surrogate, which UTF-8 cannot hold)."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise InvalidInputError(f"invalid request: {name} must be a string, not {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidInputError(
+            f"invalid request: {name} is not valid text: character {error.start} is a lone surrogate "
+            f"({value[error.start]!r})"
+        ) from None
+    return value
 
 
 def _number(name: str, value: Any) -> float | None:
@@ -191,12 +213,17 @@ def _seed(generator: Any) -> int:
     return seed
 
 
-def _png_bytes(image: Image.Image) -> bytes:
+def _png_bytes(image: Image.Image, label: str) -> bytes:
     """``image`` as a PNG file, losslessly and in its own mode where PNG has it; without EXIF
-    (a PIL image is used as it is, not rotated by its EXIF orientation), ICC profile or text."""
+    (a PIL image is used as it is, not rotated by its EXIF orientation), ICC profile or text.
+    ``label`` names the image in errors."""
+    if image.width == 0 or image.height == 0:
+        raise InvalidInputError(f"invalid request: {label} is an empty image ({image.width}x{image.height})")
+    if image.mode == "La":
+        # Premultiplied: PIL converts it only to LA.
+        image = image.convert("LA")
     if image.mode not in _PNG_MODES:
-        has_alpha = "A" in image.getbands() or "transparency" in image.info
-        image = image.convert("RGBA" if has_alpha else "RGB")
+        image = image.convert("RGBA" if image.has_transparency_data else "RGB")
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", compress_level=1, icc_profile=None)
     return buffer.getvalue()
@@ -211,7 +238,7 @@ def _references(image: Any, name: str = "image") -> list[str | tuple[bytes, str]
     references: list[str | tuple[bytes, str]] = []
     for index, item in enumerate(items):
         if isinstance(item, Image.Image):
-            references.append((_png_bytes(item), f"{name}-{index}"))
+            references.append((_png_bytes(item, f"{name}[{index}]"), f"{name}-{index}"))
         elif isinstance(item, (str, os.PathLike)):
             references.append(os.fsdecode(item))
         elif isinstance(item, EncodedImage):
@@ -301,6 +328,11 @@ class Pipeline:
             model = os.environ.get("KLEIN_MODEL") or None
             if model is None:
                 raise InvalidInputError("no model: pass model= (a bundle directory) or set KLEIN_MODEL")
+        if not isinstance(model, (str, os.PathLike)):
+            raise InvalidInputError(
+                f"invalid request: model must be a bundle directory's path (str or os.PathLike), "
+                f"not {type(model).__name__}"
+            )
         if not isinstance(device, str):
             raise InvalidInputError(f"invalid request: device must be a string, not {type(device).__name__}")
         self._native = _klein.Pipeline(
@@ -448,15 +480,14 @@ class Pipeline:
         preview_every: int,
         return_dict: bool,
     ) -> KleinPipelineOutput | tuple[Any]:
-        if not isinstance(prompt, str):
-            raise InvalidInputError(f"invalid request: prompt must be a string, not {type(prompt).__name__}")
+        _text("prompt", prompt)
         if output_type not in _OUTPUT_TYPES:
             raise InvalidInputError(
                 f"invalid request: output_type {output_type!r}: use one of {', '.join(_OUTPUT_TYPES)}"
             )
         if callback is not None and not callable(callback):
             raise InvalidInputError("invalid request: callback must be callable(step, total)")
-        count = _count("num_images_per_prompt", num_images_per_prompt, optional=False)
+        count = _count("num_images_per_prompt", num_images_per_prompt, optional=False, bounds=(1, MAX_BATCH))
         arguments = {
             "references": references,
             **inpaint,
@@ -464,7 +495,7 @@ class Pipeline:
             "height": _count("height", height),
             "steps": _count("num_inference_steps", num_inference_steps),
             "guidance": _number("guidance_scale", guidance_scale),
-            "negative_prompt": negative_prompt,
+            "negative_prompt": _text("negative_prompt", negative_prompt, optional=True),
             "seed": _seed(generator),
             "num_images": count,
             "png": output_type == "png",

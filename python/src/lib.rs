@@ -17,7 +17,8 @@ use klein::error::chain;
 use klein::limits;
 use klein::pipeline::metadata::variant_name;
 use klein::pipeline::{
-    Generation, Inpaint, LoraSpec, Pipeline, PipelineOptions, Progress, Request, Timings, VaeTiling,
+    Generation, Inpaint, LoraSpec, Pipeline, PipelineOptions, Progress, ReferenceSource, Request,
+    Timings, VaeTiling,
 };
 use klein::runtime::{Device, RuntimeOptions};
 use klein::stages::inpaint::DEFAULT_STRENGTH;
@@ -364,7 +365,6 @@ impl PyPipeline {
         let mut request = request;
         let mut pipeline = lock(&self.pipeline);
         let pipeline = &mut *pipeline;
-        let mut labels = Vec::with_capacity(references.len());
         if let Some(inpaint) = &inpaint {
             request.inpaint = Some(inpaint.load(pipeline)?);
         }
@@ -372,35 +372,25 @@ impl PyPipeline {
             .inpaint
             .as_ref()
             .map(|i| (i.image.width, i.image.height));
-        // Paths only (as the CLI): every file checked from its header before any is decoded.
-        let paths: Vec<&Path> = references
+        // As the CLI: each file read once, every reference checked from its header before any
+        // is decoded.
+        let sources: Vec<ReferenceSource<'_>> = references
             .iter()
-            .filter_map(|r| match r {
-                Reference::Path(path) => Some(Path::new(path)),
-                Reference::Encoded(..) => None,
+            .map(|r| match r {
+                Reference::Path(path) => ReferenceSource::File(Path::new(path)),
+                Reference::Encoded(bytes, label) => {
+                    ReferenceSource::Encoded(bytes, Path::new(label))
+                }
             })
             .collect();
-        if paths.len() == references.len() {
-            pipeline
-                .check_reference_files(
-                    &paths,
-                    request.width.or(source_size.map(|s| s.0)),
-                    request.height.or(source_size.map(|s| s.1)),
-                )
-                .map_err(|e| Failure::Input(e, "references"))?;
-        }
-        for reference in &references {
-            let (image, label) = match reference {
-                Reference::Path(path) => (pipeline.load_reference(Path::new(path)), path),
-                Reference::Encoded(bytes, label) => {
-                    (pipeline.decode_reference(bytes, Path::new(label)), label)
-                }
-            };
-            request
-                .references
-                .push(image.map_err(|e| Failure::Input(e, "references"))?);
-            labels.push(label.clone());
-        }
+        request.references = pipeline
+            .load_references(
+                &sources,
+                request.width.or(source_size.map(|s| s.0)),
+                request.height.or(source_size.map(|s| s.1)),
+            )
+            .map_err(|e| Failure::Input(e, "references"))?;
+        let labels: Vec<String> = references.iter().map(|r| r.label().to_string()).collect();
         drop(references);
 
         let mut python_error: Option<PyErr> = None;

@@ -167,6 +167,28 @@ pub fn write_all_atomic(files: &[(&Path, &[u8])]) -> Result<()> {
     Ok(())
 }
 
+/// Checks, before the work that makes its bytes, that [`write_atomic`] can write `path`: a
+/// temporary file is created beside the file it would replace and removed (a device, FIFO or
+/// socket is not touched: writing it cannot be tried without effect).
+pub fn check_writable(path: &Path) -> Result<()> {
+    match destination(path) {
+        Destination::InPlace(_) => Ok(()),
+        Destination::File(target) => {
+            let temp = Temp::next_to(&target);
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&temp.path)
+                .map(drop)
+                .map_err(|source| KleinError::Io {
+                    path: target.parent().unwrap_or(Path::new(".")).to_path_buf(),
+                    action: "create a file in the directory",
+                    source,
+                })
+        }
+    }
+}
+
 /// Where the bytes meant for a path go.
 enum Destination<'a> {
     /// A file replaced by a rename: the path, or the file its symbolic links lead to.
@@ -294,6 +316,23 @@ mod tests {
         assert!(std::fs::symlink_metadata(&link).unwrap().is_symlink());
         assert_eq!(std::fs::read(dir.join("real/out.png")).unwrap(), b"second");
         assert_eq!(names(&dir.join("real")), ["out.png"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A directory that cannot be written (sysfs refuses new files, also to root) is found
+    /// before any work; a writable one is left as it was.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn writability_checked_without_a_trace() {
+        let err = check_writable(Path::new("/sys/klein-probe.png")).unwrap_err();
+        assert!(
+            err.to_string().contains("/sys"),
+            "the directory is named: {err}"
+        );
+        let dir = std::env::temp_dir().join(format!("klein-probe-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        check_writable(&dir.join("x.png")).unwrap();
+        assert!(names(&dir).is_empty(), "nothing left: {:?}", names(&dir));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

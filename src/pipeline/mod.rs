@@ -12,6 +12,7 @@
 //! Thread safety: a `Pipeline` is `Send` but its stages take `&mut self` (ONNX Runtime sessions are
 //! run through `&mut`): use one pipeline per thread, or a mutex around a shared one.
 //! Pipelines in separate threads give exactly the images of one running the same requests in turn.
+use std::borrow::Cow;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
@@ -49,7 +50,7 @@ pub use denoise::{DenoiseContext, ReferenceTokens};
 pub use options::{PipelineOptions, VaeTiling};
 pub use progress::{Progress, ProgressFn, Stage, StepPreview, Timings};
 pub use prompts::{CacheLookup, PromptCache, PromptEmbeds, PromptMemo};
-pub use request::{Inpaint, MaskCrop, Request};
+pub use request::{Inpaint, MaskCrop, ReferenceSource, Request};
 
 pub use graphs::Placement;
 use graphs::{GraphSource, LoadedGraphs};
@@ -68,7 +69,7 @@ use crate::stages::noise::randn;
 use crate::stages::output::{to_rgb_images, RgbImage};
 use crate::stages::reference::{
     decode_reference_bytes, load_reference, preprocess_reference, processed_size, read_file,
-    read_header, read_header_bytes, ImageHeader, ReferenceImage,
+    read_header_bytes, ImageHeader, ReferenceImage,
 };
 use crate::stages::schedule::{compute_empirical_mu, schedule, Schedule};
 use crate::stages::tokenize::ParsedTokenizer;
@@ -419,37 +420,37 @@ impl Pipeline {
         )
     }
 
-    /// Checks reference files from their headers alone, before any is decoded: each readable and
-    /// of a size the pipeline takes, at most [`crate::limits::MAX_REFERENCES`] of them, and the
-    /// output (`width` x `height`, else the first reference's size, else the bundle's default)
-    /// plus all of them within the token budget.
-    pub fn check_reference_files(
-        &self,
-        paths: &[&Path],
-        width: Option<u32>,
-        height: Option<u32>,
-    ) -> Result<()> {
-        request::check_reference_count(paths.len())?;
-        let headers = paths
-            .iter()
-            .map(|&path| Ok((read_header(path)?, path)))
-            .collect::<Result<Vec<_>>>()?;
-        self.check_reference_sizes(&headers, width, height)
-    }
-
-    /// Reads each reference file once, checks them all as [`Self::check_reference_files`] does
-    /// before any is decoded, then decodes and preprocesses them in order. Files that can be read
-    /// only once (a pipe, a shell's `<(...)`) work here.
+    /// Reads each reference file once, checks them all as [`Self::load_references`] does before
+    /// any is decoded, then decodes and preprocesses them in order. Files that can be read only
+    /// once (a pipe, a shell's `<(...)`) work here.
     pub fn load_reference_files(
         &self,
         paths: &[&Path],
         width: Option<u32>,
         height: Option<u32>,
     ) -> Result<Vec<ReferenceImage>> {
-        request::check_reference_count(paths.len())?;
-        let files = paths
+        let sources: Vec<_> = paths.iter().map(|&p| ReferenceSource::File(p)).collect();
+        self.load_references(&sources, width, height)
+    }
+
+    /// Reference images from files (each read once) or from files' bytes, checked from their
+    /// headers before any is decoded: each readable and of a size the pipeline takes, at most
+    /// [`crate::limits::MAX_REFERENCES`] of them, and the output (`width` x `height`, else the
+    /// first reference's size, else the bundle's default) plus all of them within the token
+    /// budget; then decoded and preprocessed in order.
+    pub fn load_references(
+        &self,
+        sources: &[ReferenceSource<'_>],
+        width: Option<u32>,
+        height: Option<u32>,
+    ) -> Result<Vec<ReferenceImage>> {
+        request::check_reference_count(sources.len())?;
+        let files = sources
             .iter()
-            .map(|&path| Ok((read_file(path)?, path)))
+            .map(|source| match *source {
+                ReferenceSource::File(path) => Ok((Cow::Owned(read_file(path)?), path)),
+                ReferenceSource::Encoded(bytes, label) => Ok((Cow::Borrowed(bytes), label)),
+            })
             .collect::<Result<Vec<_>>>()?;
         let headers = files
             .iter()
@@ -462,7 +463,7 @@ impl Pipeline {
             .collect()
     }
 
-    /// The size checks of [`Self::check_reference_files`], on headers already read.
+    /// The size checks of [`Self::load_references`], on headers already read.
     fn check_reference_sizes(
         &self,
         headers: &[(ImageHeader, &Path)],

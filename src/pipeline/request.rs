@@ -1,5 +1,7 @@
 //! What to generate ([`Request`]) and its validation, in one place, before anything is loaded:
 //! [`Plan::new`] checks every number of a request against the bundle and [`crate::limits`].
+use std::path::Path;
+
 use ndarray::Array4;
 
 use super::prompts::PromptEmbeds;
@@ -92,6 +94,14 @@ impl MaskCrop {
     pub fn size(&self) -> (u32, u32) {
         self.source.dimensions()
     }
+}
+
+/// A reference image as [`super::Pipeline::load_references`] takes it: a file, or a file's bytes
+/// with the label that names it in errors.
+#[derive(Debug, Clone, Copy)]
+pub enum ReferenceSource<'a> {
+    File(&'a Path),
+    Encoded(&'a [u8], &'a Path),
 }
 
 /// What to generate.

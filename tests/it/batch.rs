@@ -306,7 +306,8 @@ fn a_bundle_error_stops_the_batch() {
 }
 
 /// --prompts goes with --out-dir, and neither with a prompt, -o, --seed, --ref or --num-images;
-/// an unreadable, empty or endless prompts file is refused. Exit code 2 every time, and no output.
+/// an unreadable, empty or endless prompts file and an unwritable --out-dir are refused. Exit code
+/// 2 every time, and no output.
 #[test]
 fn batch_flags_are_checked() {
     let dir = temp_dir("batch-flags");
@@ -355,6 +356,13 @@ fn batch_flags_are_checked() {
         "/dev/zero",
         "more than 67108864 bytes",
         "split it",
+    ]);
+    // A directory no file can be created in (sysfs, also for root): refused before any line runs.
+    #[cfg(target_os = "linux")]
+    batch(&prompts, Path::new("/sys"), &FAST).assert_user_error(&[
+        "--out-dir /sys",
+        "create a file",
+        "a directory you can write to",
     ]);
 }
 

@@ -349,7 +349,8 @@ fn mismatched_loras_are_refused() {
     }
 }
 
-/// Bounds on the scale and the count are checked before any file is read.
+/// Bounds on the scale and the count are checked before any file is read; a scale that is no
+/// number is named as such.
 #[test]
 fn scale_and_count_bounds() {
     let dir = temp_dir("lora-bounds");
@@ -361,6 +362,14 @@ fn scale_and_count_bounds() {
         .collect();
     let many: Vec<&str> = many.iter().map(String::as_str).collect();
     generate("a fox", &out, &many).assert_user_error(&["17 LoRAs", "at most 16"]);
+    // A scale that is no number (O for 0) reads as part of the file name; where the file before
+    // the colon exists, the message says so.
+    let file = dir.join("style.safetensors");
+    std::fs::write(&file, b"").unwrap();
+    let arg = format!("{}:O.8", file.display());
+    generate("a fox", &out, &["--lora", &arg])
+        .assert_user_error(&["\"O.8\" is not a scale", &format!("{}:0.8", file.display())]);
+    assert!(!out.exists());
 }
 
 /// A bundle without a LoRA map (exported before), or quantized, is refused with the way that works.

@@ -1,6 +1,6 @@
 //! The CLI's output files: paths checked before generating (a directory, a path ending in a
-//! separator, an unknown extension, a preview over another file), the format the extension names,
-//! and an interrupted run that leaves nothing behind.
+//! separator, an unwritable directory, an unknown extension, a preview over another file), the
+//! format the extension names, and an interrupted run that leaves nothing behind.
 
 use std::path::Path;
 
@@ -24,6 +24,20 @@ fn a_directory_as_output_is_refused_before_generating() {
     run.assert_user_error(&["newdir/", "names a directory"]);
     assert!(!run.stderr.contains("seed:"), "{}", run.describe());
     assert_eq!(files_in(&parent), ["pictures"], "{}", run.describe());
+}
+
+/// An output in a directory that cannot be written (sysfs: no new files, also for root) is
+/// refused before generating, naming the directory.
+#[cfg(target_os = "linux")]
+#[test]
+fn an_unwritable_directory_is_refused_before_generating() {
+    let run = generate("a cat", Path::new("/sys/klein.png"), &FAST);
+    run.assert_user_error(&[
+        "/sys/klein.png",
+        "/sys: create a file",
+        "a directory you can write to",
+    ]);
+    assert!(!run.stderr.contains("seed:"), "{}", run.describe());
 }
 
 /// The extension names the format: JPEG and WebP are written as such, an unknown one is refused

@@ -3,6 +3,7 @@ errors, and the type stubs. scripts/test.sh builds the CLI and installs the whee
 
 import ast
 import io
+import os
 import re
 import subprocess
 import sys
@@ -62,6 +63,28 @@ def test_reference_path_is_the_cli_file(pipe, klein_bin, tiny_bundle, repo, tmp_
     # The file's bytes, named as the path: decoded as the file is (EXIF rotation included).
     encoded = klein.EncodedImage(Path(reference).read_bytes(), reference)
     assert pipe("make it snow", image=encoded, generator=5, output_type="png").images == out.images
+
+
+def test_a_reference_read_once_from_a_pipe(pipe, repo, tmp_path):
+    # A FIFO can be read once: the header check and the decode share one read.
+    reference = repo / "tests" / "fixtures" / "reference" / "orient6.jpg"
+    fifo = tmp_path / "ref.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(reference.read_bytes()))
+    writer.start()
+    out = pipe("make it snow", image=str(fifo), generator=5, output_type="png")
+    writer.join(timeout=60)
+    expected = pipe("make it snow", image=str(reference), generator=5, output_type="png")
+    assert np.array_equal(pixels(out.images[0]), pixels(expected.images[0]))
+
+
+def test_a_premultiplied_image_is_its_straight_alpha_image(pipe):
+    # PIL converts "La" only to "LA"; klein takes it as that image.
+    straight = Image.fromarray(np.random.default_rng(4).integers(0, 256, (72, 96, 2), dtype=np.uint8), "LA")
+    premultiplied = straight.convert("La")
+    got = pipe("a fox", image=premultiplied, width=64, height=64, generator=2, output_type="png")
+    want = pipe("a fox", image=premultiplied.convert("LA"), width=64, height=64, generator=2, output_type="png")
+    assert np.array_equal(pixels(got.images[0]), pixels(want.images[0]))
 
 
 def synthetic() -> Image.Image:
@@ -214,8 +237,21 @@ def test_invalid_input(pipe, tiny_bundle, tmp_path):
     nowhere = tmp_path / "no-bundle-here"
     with pytest.raises(klein.InvalidInputError, match=re.escape(str(nowhere))):
         klein.Pipeline(nowhere)
-    with pytest.raises(klein.InvalidInputError, match="num_images"):
-        pipe("a fox", width=64, height=64, num_images_per_prompt=0)
+    for count in (0, -1, 17):
+        with pytest.raises(
+            klein.InvalidInputError, match=f"num_images_per_prompt is {count}: it must be between 1 and 16"
+        ):
+            pipe("a fox", width=64, height=64, num_images_per_prompt=count)
+    with pytest.raises(klein.InvalidInputError, match="model must be a bundle directory's path"):
+        klein.Pipeline(123)
+    for field, arguments in (("prompt", ("a \ud800 fox",)), ("negative_prompt", ("a fox",))):
+        kwargs = {"negative_prompt": "\udfff"} if field == "negative_prompt" else {}
+        with pytest.raises(
+            klein.InvalidInputError, match=f"{field} is not valid text: character [0-9]+ is a lone surrogate"
+        ):
+            pipe(*arguments, width=64, height=64, **kwargs)
+    with pytest.raises(klein.InvalidInputError, match=re.escape("image[0] is an empty image (0x0)")):
+        pipe("a fox", image=Image.new("RGB", (0, 0)), width=64, height=64)
     with pytest.raises(klein.InvalidInputError, match="num_inference_steps"):
         pipe("a fox", width=64, height=64, num_inference_steps=-1)
     with pytest.raises(klein.InvalidInputError, match="output_type"):

@@ -208,6 +208,13 @@ pub(crate) fn generate_batch(
             out_dir.display()
         ))
     })?;
+    klein::fsutil::check_writable(&out_dir.join(SUMMARY_FILE)).map_err(|e| {
+        UsageError(format!(
+            "--out-dir {}: {}; give a directory you can write to",
+            out_dir.display(),
+            klein::error::chain(&e)
+        ))
+    })?;
     let lines = text.lines().filter(|l| !l.trim().is_empty()).count();
     if lines > MAX_BATCH_LINES {
         return Err(UsageError(format!(

@@ -13,7 +13,8 @@ const DEFAULT_JPEG_QUALITY: u8 = 90;
 
 /// The files `--output` names for `n` images (`out.png`, or `out-1.png` ... `out-N.png`) and
 /// their format, refused before any work when they could not be written once the images are made:
-/// a directory (or a path ending in a separator), a missing directory, an unknown extension; and
+/// a directory (or a path ending in a separator), a missing or unwritable directory, an unknown
+/// extension; and
 /// a JPEG quality given for a lossless format.
 /// `flag` names the option in messages (`output`, `--preview`).
 pub(crate) fn output_files(
@@ -66,6 +67,13 @@ pub(crate) fn output_files(
             ))
             .into());
         }
+        klein::fsutil::check_writable(path).map_err(|e| {
+            UsageError(format!(
+                "{flag} {}: {}; give a path in a directory you can write to",
+                path.display(),
+                klein::error::chain(&e)
+            ))
+        })?;
     }
     Ok((paths, format))
 }

@@ -142,6 +142,19 @@ impl Update {
     }
 }
 
+/// Where `path` is missing but is `FILE:TEXT` with an existing `FILE` (`--lora x.safetensors:O.8`,
+/// a scale that is no number), what to say instead of "no such file".
+fn mistyped_scale(path: &Path, error: &std::io::Error) -> Option<String> {
+    let (file, scale) = path.to_str()?.rsplit_once(':')?;
+    (error.kind() == std::io::ErrorKind::NotFound && !file.is_empty() && Path::new(file).is_file())
+        .then(|| {
+            format!(
+                "no such file, and {file} is one: \"{scale}\" is not a scale; give FILE:SCALE \
+                 with a number, such as {file}:0.8"
+            )
+        })
+}
+
 /// Reads and converts the LoRA file at `path`.
 pub fn read_lora(path: &Path) -> Result<LoraFile> {
     let fail = |reason: String| KleinError::Lora {
@@ -149,10 +162,13 @@ pub fn read_lora(path: &Path) -> Result<LoraFile> {
         reason,
     };
     let size = std::fs::metadata(path)
-        .map_err(|source| KleinError::Io {
-            path: path.to_path_buf(),
-            action: "reading the LoRA file",
-            source,
+        .map_err(|source| match mistyped_scale(path, &source) {
+            Some(reason) => fail(reason),
+            None => KleinError::Io {
+                path: path.to_path_buf(),
+                action: "reading the LoRA file",
+                source,
+            },
         })?
         .len();
     if size > MAX_LORA_FILE_BYTES {
