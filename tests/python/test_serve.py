@@ -447,8 +447,8 @@ BAD_JSON = [
     ({"prompt": "x", "negative_prompt": "blurry"}, "negative_prompt", 400),
     ({"prompt": "x", "loras": ["../../etc/passwd"]}, "loras", 400),
     ({"prompt": "x", "loras": ["/abs/style.safetensors:0.5"]}, "loras", 400),
-    ({"prompt": "x" * 70000}, None, 400),  # over the prompt bound: the library's message
-    ({"prompt": "x", "size": "2304x2304"}, None, 400),  # over the token budget: the library's message
+    ({"prompt": "x" * 70000}, "prompt", 400),  # over the prompt bound
+    ({"prompt": "x", "size": "2304x2304"}, "size", 400),  # over the token budget
 ]
 
 
@@ -487,6 +487,8 @@ BAD_NATIVE = [
     ({"prompt": "x", "image": {"data": base64.b64encode(b"GIF89a not an image").decode()}}, "image"),
     ({"prompt": "x", "width": 8}, "width"),
     ({"prompt": "x", "height": 5000}, "height"),
+    ({"prompt": "x", "width": 2304, "height": 2304}, "width"),  # over the token budget
+    ({"prompt": "x", "negative_prompt": "x" * 70000}, "negative_prompt"),
     ({"prompt": "x", "num_images": 99}, "num_images"),
     ({"prompt": "x", "format": "bmp"}, "format"),
     ({"prompt": "x", "quality": 50}, "quality"),  # a JPEG quality for a PNG
@@ -537,8 +539,86 @@ def test_bad_edit_requests(server: Server, repo: Path):
     two = [("prompt", (None, "x")), image, ("mask", ("m.png", rgba.getvalue())), ("mask", ("n.png", rgba.getvalue()))]
     err = error_of(httpx.post(url, files=two, timeout=60), 400)
     assert (err["param"], err["message"]) == ("mask", "give one mask"), err
-    # Not multipart at all.
-    assert error_of(httpx.post(url, json={"prompt": "x"}), 400)["type"] == "invalid_request_error"
+    # Not multipart at all: the message says what the route takes and where JSON goes.
+    err = error_of(httpx.post(url, json={"prompt": "x"}), 400)
+    assert err["type"] == "invalid_request_error"
+    assert "multipart/form-data" in err["message"] and "application/json" in err["message"], err
+    assert "/v1/klein/generate" in err["message"], err
+
+
+def test_messages_name_json_types_not_rust_ones(server: Server):
+    url = f"{server.url}/v1/images/generations"
+    err = error_of(httpx.post(url, json={"prompt": "x", "n": -1}, timeout=60), 400)
+    assert err["param"] == "n" and "whole number" in err["message"], err
+    assert "u64" not in err["message"] and "line 1 column" not in err["message"], err
+    err = error_of(httpx.post(url, json={"prompt": "x", "response_format": "bogus"}, timeout=60), 400)
+    assert "give b64_json" in err["message"] and "link" not in err["message"], err
+
+
+def test_warnings_models_retrieve_and_bearer_case(klein_bin: Path, tiny_bundle: Path):
+    s = Server(klein_bin, tiny_bundle, env={"KLEIN_API_KEY": "s3cret"})
+    try:
+        # The OpenAI client's models.retrieve, and a lower-case scheme (RFC 9110: case-insensitive).
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="s3cret")
+        assert client.models.retrieve("klein-tiny").id == "klein-tiny"
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("gpt-image-1")
+        headers = {"Authorization": "bearer s3cret"}
+        body = {"prompt": PROMPT, "size": "64x64", "guidance": 3.5}
+        answer = httpx.post(f"{s.url}/v1/images/generations", json=body, headers=headers, timeout=60)
+        assert answer.status_code == 200, answer.text
+        # The tiny model is distilled: guidance changes nothing, and the answer says so.
+        assert any("guidance is ignored" in w for w in answer.json()["warnings"]), answer.json()["warnings"]
+        body = {"prompt": PROMPT, "width": 64, "height": 64}
+        assert httpx.post(f"{s.url}/v1/klein/generate", json=body, headers=headers, timeout=60).json()["warnings"] == []
+    finally:
+        assert s.stop() == 0
+
+
+def write_lora(path: Path, bundle: Path) -> None:
+    """A diffusers-layout LoRA of rank 2 on every linear layer of `bundle`'s transformer."""
+    from safetensors.numpy import save_file
+
+    targets = json.loads((bundle / "manifest.json").read_text())["graphs"]["transformer"]["lora_targets"]
+    rng = np.random.default_rng(5)
+    tensors = {}
+    for module, target in targets.items():
+        out, inp = target["shape"]
+        tensors[f"transformer.{module}.lora_A.weight"] = rng.uniform(-0.3, 0.3, (2, inp)).astype(np.float32)
+        tensors[f"transformer.{module}.lora_B.weight"] = rng.uniform(-0.3, 0.3, (out, 2)).astype(np.float32)
+    save_file(tensors, str(path))
+
+
+def test_loras_by_name_never_by_path(klein_bin: Path, tiny_bundle: Path, tmp_path: Path):
+    loras = tmp_path / "loras"
+    loras.mkdir()
+    write_lora(loras / "style.safetensors", tiny_bundle)
+    s = Server(klein_bin, tiny_bundle, "--lora-dir", str(loras))
+    try:
+        assert "klein serve: LoRAs: style" in "".join(s.log)
+        body = {"prompt": PROMPT, "size": "64x64", "seed": 3, "loras": ["style:0.8"]}
+        answer = httpx.post(f"{s.url}/v1/images/generations", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        png = base64.b64decode(answer.json()["data"][0]["b64_json"])
+        args = ["--width", "64", "--height", "64", "--seed", "3", "--lora", f"{loras / 'style.safetensors'}:0.8"]
+        cli = cli_png(klein_bin, tiny_bundle, tmp_path, PROMPT, *args)[0]
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(png))), np.asarray(Image.open(io.BytesIO(cli))))
+        assert Image.open(io.BytesIO(png)).text["loras"] == '["style:0.8"]'
+        err = error_of(httpx.post(f"{s.url}/v1/images/generations", json={**body, "loras": ["style:1000"]}), 400)
+        assert err["param"] == "loras" and "style" in err["message"], err
+        assert str(loras) not in err["message"], err
+    finally:
+        assert s.stop() == 0
+    # A broken file is refused when the server starts, by name, not offered and failed later.
+    (loras / "bad.safetensors").write_bytes(b"garbage")
+    r = subprocess.run(
+        [str(klein_bin), "serve", "--model", str(tiny_bundle), "--port", "0", "--lora-dir", str(loras)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "LoRA `bad` cannot be offered" in r.stderr and "not a safetensors file" in r.stderr, r.stderr
 
 
 def test_body_limit_and_unknown_routes(klein_bin: Path, tiny_bundle: Path):
@@ -556,9 +636,11 @@ def test_body_limit_and_unknown_routes(klein_bin: Path, tiny_bundle: Path):
         err = error_of(httpx.post(f"{s.url}/v1/images/edits", files=files, timeout=60), 400)
         assert err["param"] == "size"
         big = {"prompt": "x", "refs": [{"data": "A" * (2 << 20)}]}
-        assert error_of(httpx.post(f"{s.url}/v1/klein/generate", json=big), 413)["type"] == "payload_too_large"
+        err = error_of(httpx.post(f"{s.url}/v1/klein/generate", json=big), 413)
+        assert err["type"] == "payload_too_large" and "--max-body-mib" in err["message"], err
         files = {"image": ("big.png", b"\0" * (2 << 20))}
-        assert httpx.post(f"{s.url}/v1/images/edits", data={"prompt": "x"}, files=files).status_code == 413
+        err = error_of(httpx.post(f"{s.url}/v1/images/edits", data={"prompt": "x"}, files=files), 413)
+        assert "--max-body-mib" in err["message"], err
         assert error_of(httpx.get(f"{s.url}/v1/nothing"), 404)["type"] == "not_found_error"
         assert httpx.get(f"{s.url}/v1/images/generations").status_code == 405
     finally:

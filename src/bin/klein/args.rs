@@ -34,7 +34,7 @@ pub(crate) enum Command {
 /// `klein serve`: one pipeline per device, a bounded queue in front of them.
 #[derive(Args)]
 pub(crate) struct ServeArgs {
-    /// Address to listen on: 127.0.0.1 accepts this machine only; 0.0.0.0 (or ::) every network
+    /// Address to listen on: 127.0.0.1 (or localhost) accepts this machine only; 0.0.0.0 (or ::) every network
     #[arg(long, default_value = "127.0.0.1", value_parser = parse_host)]
     pub(crate) host: std::net::IpAddr,
     /// TCP port (0: any free port, printed)
@@ -53,7 +53,7 @@ pub(crate) struct ServeArgs {
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub(crate) max_body_mib: u16,
     /// Most pixels one request may ask for, images x width x height (1 to 335544320) [default: 8388608, eight 1024x1024 images]; more gets 400
-    #[arg(long, default_value_t = 8 << 20, value_parser = clap::value_parser!(u64).range(1..=335_544_320))]
+    #[arg(long, default_value_t = 8 << 20, hide_default_value = true, value_parser = clap::value_parser!(u64).range(1..=335_544_320))]
     pub(crate) max_pixels: u64,
     /// Bearer token every request but /healthz and /readyz must carry [default: $KLEIN_API_KEY; none: no check]. Prefer the variable: a flag shows in the process list
     #[arg(long, value_name = "KEY")]
@@ -252,11 +252,22 @@ fn parse_lora(text: &str) -> Result<LoraSpec, String> {
     Ok(LoraSpec::parse(text))
 }
 
-/// `--host`: an IP address (a name such as `localhost` is not looked up).
+/// `--host`: an IP address, or a name (`localhost`) looked up to its first address.
 fn parse_host(text: &str) -> Result<std::net::IpAddr, String> {
-    text.parse().map_err(|e| {
-        format!("{e}: give an IP address, such as 127.0.0.1 (this machine only) or 0.0.0.0 (every network)")
-    })
+    use std::net::ToSocketAddrs;
+    if let Ok(address) = text.parse() {
+        return Ok(address);
+    }
+    let how = "give an IP address, such as 127.0.0.1 (this machine only) or 0.0.0.0 (every network), or a name of this machine";
+    match (text, 0).to_socket_addrs() {
+        Ok(mut addresses) => addresses
+            .next()
+            .map(|a| a.ip())
+            .ok_or_else(|| format!("`{text}` has no address; {how}")),
+        Err(e) => Err(format!(
+            "`{text}` is no IP address and cannot be looked up ({e}); {how}"
+        )),
+    }
 }
 
 /// `--strength`: a number in (0, 1], checked before anything is read.

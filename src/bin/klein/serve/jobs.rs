@@ -78,6 +78,8 @@ pub(crate) struct JobOutput {
     pub(crate) metadata: Vec<(String, String)>,
     /// Seconds per stage, in the order they ran.
     pub(crate) timings: Vec<(&'static str, f64)>,
+    /// What the request asked for that changed nothing, or a problem that did not stop it.
+    pub(crate) warnings: Vec<String>,
 }
 
 /// What a job reports, in order: `Started`, stages and steps, then `Done`.

@@ -80,6 +80,7 @@ pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
             Pipeline::load(&model, options)
         })
         .collect::<klein::Result<Vec<_>>>()?;
+    loras.check_against(&pipelines[0])?;
     let model_name = pipelines[0].manifest().model.name.clone();
     let distilled = pipelines[0].manifest().model.is_distilled;
 
@@ -141,6 +142,17 @@ pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 "none"
             }
         );
+        if args.lora_dir.is_some() {
+            let names: Vec<&str> = state.loras.names().collect();
+            eprintln!(
+                "klein serve: LoRAs: {}",
+                if names.is_empty() {
+                    "none (no .safetensors file in --lora-dir)".to_string()
+                } else {
+                    names.join(", ")
+                }
+            );
+        }
         let app = router(state.clone(), usize::from(args.max_body_mib) << 20);
         let shutdown_state = state.clone();
         axum::serve(listener, app)
@@ -170,6 +182,7 @@ fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .route("/v1/klein/jobs/{id}", delete(native::cancel))
         .route("/v1/klein/loras", get(list_loras))
         .route("/v1/models", get(list_models))
+        .route("/v1/models/{id}", get(retrieve_model))
         .route("/metrics", get(render_metrics))
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
     Router::new()
@@ -263,8 +276,10 @@ async fn authorize(State(state): State<Arc<AppState>>, request: Request, next: N
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim)
+        .and_then(|v| v.trim().split_once(' '))
+        // The scheme's name is case-insensitive (RFC 9110, 11.1).
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim())
         .unwrap_or_default();
     let differs = digest(given)
         .iter()
@@ -324,10 +339,29 @@ async fn render_metrics(State(state): State<Arc<AppState>>) -> Response {
 
 /// OpenAI's model list: the one model this server runs.
 async fn list_models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
-    Json(serde_json::json!({
-        "object": "list",
-        "data": [{ "id": state.model_name, "object": "model", "owned_by": "klein" }],
-    }))
+    Json(serde_json::json!({ "object": "list", "data": [model_object(&state)] }))
+}
+
+/// `GET /v1/models/{id}` (the OpenAI clients' `models.retrieve`): the one model, by its name.
+async fn retrieve_model(
+    State(state): State<Arc<AppState>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    if id != state.model_name {
+        return Err(ApiError::new(
+            ErrorKind::NotFound,
+            format!(
+                "no model `{}`; this server has `{}`",
+                id.chars().take(64).collect::<String>(),
+                state.model_name
+            ),
+        ));
+    }
+    Ok(Json(model_object(&state)))
+}
+
+fn model_object(state: &AppState) -> serde_json::Value {
+    serde_json::json!({ "id": state.model_name, "object": "model", "owned_by": "klein" })
 }
 
 async fn list_loras(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
@@ -350,14 +384,28 @@ async fn run_to_end(
     let mut handle = state.queue.submit(spec, id)?.handle;
     match tokio::time::timeout(state.timeout, handle.result()).await {
         Ok(result) => result.map(|output| (handle.id.clone(), output)),
-        Err(_) => Err(ApiError::new(
-            ErrorKind::Timeout,
-            format!(
-                "the request took longer than the server's timeout ({} s) and was cancelled",
-                state.timeout.as_secs()
-            ),
-        )),
+        Err(_) => Err(timed_out(state.timeout)),
     }
+}
+
+/// A request over `--timeout`, cancelled.
+fn timed_out(timeout: std::time::Duration) -> ApiError {
+    ApiError::new(
+        ErrorKind::Timeout,
+        format!(
+            "the request took longer than the server's timeout ({} s, klein serve --timeout) and was cancelled",
+            timeout.as_secs()
+        ),
+    )
+}
+
+/// A body over `--max-body-mib`.
+fn too_large() -> ApiError {
+    ApiError::new(
+        ErrorKind::TooLarge,
+        "the request body is larger than this server takes (klein serve --max-body-mib, 64 MiB by \
+         default); send smaller images",
+    )
 }
 
 /// A JSON body; errors name the field (`steps: invalid type...`).
@@ -370,6 +418,9 @@ fn parse_json<T: DeserializeOwned>(
         } else {
             ErrorKind::InvalidRequest
         };
+        if kind == ErrorKind::TooLarge {
+            return too_large();
+        }
         ApiError::new(kind, format!("request body: {}", rejection.body_text()))
     })?;
     // serde would also read a struct from an array of its fields in order.
@@ -416,9 +467,29 @@ fn field_error(error: serde_path_to_error::Error<serde_json::Error>) -> ApiError
 }
 
 /// A deserialisation message as a client should read it: the server's type names (`struct
-/// RefBody`) as what they are in JSON, and a quoted string shortened ([`shorten_quoted`]).
+/// RefBody`, `u64`) as what they are in JSON, a quoted string shortened ([`shorten_quoted`]), and
+/// without serde's position (`at line 1 column 35`: the field is named instead).
 fn client_message(message: &str) -> String {
-    let shortened = shorten_quoted(message);
+    let message = match message.rsplit_once(" at line ") {
+        Some((text, position))
+            if position
+                .split(" column ")
+                .all(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())) =>
+        {
+            text
+        }
+        _ => message,
+    };
+    let mut shortened = shorten_quoted(message);
+    for (rust, json) in [
+        ("expected u64", "expected a whole number of 0 or more"),
+        ("expected u32", "expected a whole number of 0 or more"),
+        ("expected u16", "expected a whole number of 0 or more"),
+        ("expected f64", "expected a number"),
+        ("expected f32", "expected a number"),
+    ] {
+        shortened = shortened.replace(rust, json);
+    }
     let mut out = String::with_capacity(shortened.len());
     let mut rest = shortened.as_str();
     while let Some(at) = rest.find("struct ") {

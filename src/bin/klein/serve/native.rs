@@ -20,10 +20,10 @@ use super::error::{ApiError, ErrorKind};
 use super::jobs::{InpaintUpload, JobEvent, JobHandle, JobOutput, JobSpec, MaskKind, Upload};
 use super::openai::check_negative_prompt;
 use super::params::{
-    check_count, check_guidance, check_side, check_steps, check_strength, format_name,
-    image_format, seed_or_random, NATIVE_FORMAT_FIELDS,
+    check_count, check_guidance, check_prompt, check_side, check_steps, check_strength,
+    check_tokens, format_name, image_format, seed_or_random, NATIVE_FORMAT_FIELDS,
 };
-use super::{parse_json, request_id, run_to_end, AppState};
+use super::{parse_json, request_id, run_to_end, timed_out, AppState};
 
 /// The body of the native routes: `klein generate`'s options.
 #[derive(Debug, Deserialize)]
@@ -74,6 +74,9 @@ fn spec_from(state: &AppState, body: NativeBody) -> Result<(JobSpec, ImageFormat
     if let Some(h) = body.height {
         check_side("height", h)?;
     }
+    if let (Some(w), Some(h)) = (body.width, body.height) {
+        check_tokens("width", w, h)?;
+    }
     klein::pipeline::request::check_reference_count(body.refs.len())
         .map_err(|e| ApiError::from_klein(&e, Some("refs")))?;
     let references = body
@@ -115,6 +118,10 @@ fn spec_from(state: &AppState, body: NativeBody) -> Result<(JobSpec, ImageFormat
             "quality",
             "quality is for jpeg, and this format is lossless: drop quality or ask for format jpeg",
         ));
+    }
+    check_prompt("prompt", &body.prompt)?;
+    if let Some(negative) = &body.negative_prompt {
+        check_prompt("negative_prompt", negative)?;
     }
     let spec = JobSpec {
         prompt: body.prompt,
@@ -182,6 +189,7 @@ fn answer(id: &str, output: &JobOutput, format: ImageFormat) -> serde_json::Valu
         "steps": output.steps,
         "guidance": output.guidance,
         "prompt_truncated": output.prompt_truncated,
+        "warnings": output.warnings,
         "format": format_name(format),
         "metadata": metadata,
         "timings": timings,
@@ -205,6 +213,8 @@ struct StreamState {
     handle: Option<JobHandle>,
     format: ImageFormat,
     deadline: tokio::time::Instant,
+    /// `--timeout`, for the message when the deadline passes.
+    timeout: std::time::Duration,
     /// The first event, `queued`, not yet sent.
     queued: Option<serde_json::Value>,
 }
@@ -222,6 +232,7 @@ pub(crate) async fn generate_stream(
         handle: Some(submitted.handle),
         format,
         deadline: tokio::time::Instant::now() + state.timeout,
+        timeout: state.timeout,
         queued: Some(queued),
     };
     // The handle lives in the stream: when the client disconnects, the stream is dropped, and
@@ -234,7 +245,7 @@ pub(crate) async fn generate_stream(
         let next = tokio::time::timeout_at(s.deadline, handle.next()).await;
         let event = match next {
             Err(_) => {
-                let e = ApiError::new(ErrorKind::Timeout, "the request took longer than --timeout");
+                let e = timed_out(s.timeout);
                 s.handle = None; // dropped: cancels the job
                 event("error", &e.body())
             }

@@ -15,10 +15,10 @@ use serde::Deserialize;
 use super::error::{ApiError, ErrorKind};
 use super::jobs::{InpaintUpload, JobOutput, JobSpec, MaskKind, Upload};
 use super::params::{
-    check_count, check_guidance, check_response_format, check_steps, check_strength, image_format,
-    parse_size, seed_or_random, OPENAI_FORMAT_FIELDS,
+    check_count, check_guidance, check_prompt, check_response_format, check_steps, check_strength,
+    image_format, parse_size, seed_or_random, OPENAI_FORMAT_FIELDS,
 };
-use super::{parse_json, request_id, run_to_end, AppState};
+use super::{parse_json, request_id, run_to_end, too_large, AppState};
 
 /// The body of `POST /v1/images/generations`. Unknown fields are refused (a misspelt option
 /// would otherwise be silently ignored).
@@ -67,6 +67,10 @@ fn spec_from(
     check_response_format(body.response_format.as_deref())?;
     check_quality(body.quality.as_deref())?;
     let (width, height) = parse_size(body.size.as_deref())?;
+    check_prompt("prompt", &body.prompt)?;
+    if let Some(negative) = &body.negative_prompt {
+        check_prompt("negative_prompt", negative)?;
+    }
     Ok(JobSpec {
         prompt: body.prompt,
         width,
@@ -136,6 +140,7 @@ fn answer(output: &JobOutput) -> serde_json::Value {
         "height": output.height,
         "steps": output.steps,
         "guidance": output.guidance,
+        "warnings": output.warnings,
     })
 }
 
@@ -163,12 +168,18 @@ pub(crate) async fn edits(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let id = request_id(&headers)?;
     let mut form = form.map_err(|rejection| {
+        let content_type = headers
+            .get(axum::http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("none");
+        let why = if content_type.starts_with("multipart/form-data") {
+            rejection.body_text()
+        } else {
+            format!("this body's Content-Type is {content_type}; JSON goes to POST /v1/klein/generate")
+        };
         ApiError::new(
             ErrorKind::InvalidRequest,
-            format!(
-                "send multipart/form-data (image[] files and text fields): {}",
-                rejection.body_text()
-            ),
+            format!("/v1/images/edits takes multipart/form-data, as OpenAI's (image[] files and text fields): {why}"),
         )
     })?;
     let mut body = serde_json::Map::new();
@@ -218,7 +229,7 @@ pub(crate) async fn edits(
             other => {
                 return Err(ApiError::field(
                     other,
-                    format!("unknown field `{other}`; the form takes image[] (files), mask (a PNG, transparent where to edit), prompt, n, size, response_format, output_format, output_compression, seed, steps, guidance, strength, loras"),
+                    format!("unknown field `{}`; the form takes image[] (files), mask (a PNG, transparent where to edit), strength, loras (one field per LoRA), and {}", other.chars().take(40).collect::<String>(), TEXT_FIELDS.join(", ")),
                 ))
             }
         }
@@ -268,10 +279,11 @@ fn form_value(name: &str, value: String) -> Result<serde_json::Value, ApiError> 
 }
 
 fn multipart_error(error: axum::extract::multipart::MultipartError) -> ApiError {
-    let kind = if error.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
-        ErrorKind::TooLarge
-    } else {
-        ErrorKind::InvalidRequest
-    };
-    ApiError::new(kind, format!("multipart body: {}", error.body_text()))
+    if error.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+        return too_large();
+    }
+    ApiError::new(
+        ErrorKind::InvalidRequest,
+        format!("multipart body: {}", error.body_text()),
+    )
 }

@@ -3,8 +3,11 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use klein::limits::{MAX_BATCH, MAX_GUIDANCE, MAX_SIDE, MAX_STEPS};
-use klein::pipeline::LoraSpec;
+use klein::limits::{
+    MAX_BATCH, MAX_GUIDANCE, MAX_IMAGE_TOKENS, MAX_PROMPT_BYTES, MAX_SIDE, MAX_STEPS,
+};
+use klein::pipeline::lora::inspect;
+use klein::pipeline::{LoraSpec, Pipeline};
 use klein::stages::output::ImageFormat;
 
 use super::error::ApiError;
@@ -22,7 +25,9 @@ pub(crate) fn parse_size(size: Option<&str>) -> Result<(Option<u32>, Option<u32>
         ApiError::field(
             "size",
             format!(
-                "size `{text}`: give WIDTHxHEIGHT (16 to {MAX_SIDE} each, e.g. 1024x1024) or auto"
+                "size `{text}`: give WIDTHxHEIGHT (16 to {MAX_SIDE} each and at most \
+                 {MAX_IMAGE_TOKENS} tokens of 16x16 pixels, such as 1024x1024; up to 2288x2288) \
+                 or auto"
             ),
         )
     };
@@ -30,7 +35,39 @@ pub(crate) fn parse_size(size: Option<&str>) -> Result<(Option<u32>, Option<u32>
     let (w, h): (u32, u32) = (w.parse().map_err(|_| bad())?, h.parse().map_err(|_| bad())?);
     check_side("size", w)?;
     check_side("size", h)?;
+    check_tokens("size", w, h)?;
     Ok((Some(w), Some(h)))
+}
+
+/// An output of `w` x `h` pixels within the token budget (before the references' tokens, which
+/// are counted once they are read); `param` names the field.
+pub(crate) fn check_tokens(param: &str, w: u32, h: u32) -> Result<(), ApiError> {
+    let tokens = (w / 16) as usize * (h / 16) as usize;
+    if tokens > MAX_IMAGE_TOKENS {
+        return Err(ApiError::field(
+            param,
+            format!(
+                "{w}x{h} is {tokens} tokens of 16x16 pixels; at most {MAX_IMAGE_TOKENS} fit, \
+                 references' included (2288x2288 alone)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A prompt (or negative prompt) of at most [`MAX_PROMPT_BYTES`].
+pub(crate) fn check_prompt(param: &str, prompt: &str) -> Result<(), ApiError> {
+    if prompt.len() > MAX_PROMPT_BYTES {
+        return Err(ApiError::field(
+            param,
+            format!(
+                "{param} is {} bytes: at most {MAX_PROMPT_BYTES} are accepted (the text encoder \
+                 reads its first tokens only: 512 in FLUX.2-klein bundles)",
+                prompt.len()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// A width or height of 16 to [`MAX_SIDE`] pixels.
@@ -95,9 +132,14 @@ pub(crate) fn check_response_format(format: Option<&str>) -> Result<(), ApiError
         None | Some("b64_json") => Ok(()),
         Some(other) => Err(ApiError::field(
             "response_format",
-            format!(
-                "response_format `{other}` is not supported: klein serve stores no images to link to; use b64_json"
-            ),
+            if other == "url" {
+                "response_format `url` is not supported: klein serve stores no images to link to; use b64_json".to_string()
+            } else {
+                format!(
+                    "response_format `{}`: give b64_json",
+                    other.chars().take(40).collect::<String>()
+                )
+            },
         )),
     }
 }
@@ -205,10 +247,27 @@ impl LoraCatalog {
                 },
             )
         })?;
-        let spec = LoraSpec::new(path, scale);
-        spec.check()
+        // Checked under its name: a message never shows the server's path.
+        LoraSpec::new(name, scale)
+            .check()
             .map_err(|e| ApiError::from_klein(&e, Some("loras")))?;
-        Ok(spec)
+        Ok(LoraSpec::new(path, scale))
+    }
+
+    /// Reads every LoRA and checks it against `pipeline`'s bundle, as a request would apply it:
+    /// a file that is broken or does not fit the model stops the server from starting, rather
+    /// than being offered and failing every request that names it.
+    pub(crate) fn check_against(&self, pipeline: &Pipeline) -> anyhow::Result<()> {
+        for (name, path) in &self.files {
+            let spec = LoraSpec::new(path, 1.0);
+            inspect(&[spec], pipeline.manifest(), pipeline.bundle_dir()).map_err(|e| {
+                crate::UsageError(format!(
+                    "--lora-dir: LoRA `{name}` cannot be offered: {}; remove it or fix it",
+                    klein::error::chain(&e)
+                ))
+            })?;
+        }
+        Ok(())
     }
 
     pub(crate) fn resolve_all(&self, names: &[String]) -> Result<Vec<LoraSpec>, ApiError> {

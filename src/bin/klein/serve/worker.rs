@@ -140,9 +140,18 @@ fn run_job(
     let spec = &job.spec;
     let _ = job.events.send(JobEvent::Started);
     // Unchanged LoRAs cost nothing: set_loras keeps the loaded transformer then.
-    pipeline
-        .set_loras(&spec.loras)
-        .map_err(|e| ApiError::from_klein(&e, Some("loras")))?;
+    // The LoRAs are the server's own files, checked when it started: one that fails now (changed
+    // since) is the server's fault, named as the client named it, never by its path.
+    pipeline.set_loras(&spec.loras).map_err(|e| {
+        let mut error = ApiError::from_klein(&e, Some("loras"));
+        error.kind = ErrorKind::Server;
+        for lora in &spec.loras {
+            error.message = error
+                .message
+                .replace(&lora.path().display().to_string(), &lora_name(lora.path()));
+        }
+        error
+    })?;
     let mut request = Request::new(spec.prompt.clone())
         .with_seed(spec.seed)
         .with_num_images(spec.num_images);
@@ -208,6 +217,22 @@ fn run_job(
         })?;
     let labels: Vec<String> = spec.references.iter().map(|u| u.label.clone()).collect();
     let mut metadata = pipeline.image_metadata(&generation, &spec.prompt, &labels, bundle_hash);
+    // The LoRAs by the names clients give, not the server's paths.
+    if let Some((_, value)) = metadata.iter_mut().find(|(key, _)| key == "loras") {
+        let names: Vec<String> = spec
+            .loras
+            .iter()
+            .map(|l| format!("{}:{}", lora_name(l.path()), l.scale()))
+            .collect();
+        *value = serde_json::Value::from(names).to_string();
+    }
+    let mut warnings = pipeline.take_warnings();
+    if pipeline.manifest().model.is_distilled && spec.guidance.is_some_and(|g| g > 1.0) {
+        warnings.push(format!(
+            "guidance is ignored: {} is a distilled model (it runs without guidance)",
+            pipeline.manifest().model.name
+        ));
+    }
     if let Some(inpaint) = &spec.inpaint {
         metadata.push(("image".into(), inpaint.source.label.clone()));
         if let Some((mask, _)) = &inpaint.mask {
@@ -234,5 +259,12 @@ fn run_job(
             .iter()
             .map(|(stage, d)| (stage.label(), d.as_secs_f64()))
             .collect(),
+        warnings,
     })
+}
+
+/// A LoRA of `--lora-dir` by its name (the file stem), as clients name it.
+pub(crate) fn lora_name(path: &Path) -> String {
+    path.file_stem()
+        .map_or_else(String::new, |s| s.to_string_lossy().into_owned())
 }
