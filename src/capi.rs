@@ -60,7 +60,8 @@ pub enum KleinStatus {
     /// A bug in klein (a Rust panic); the message is the panic's. Free the pipeline involved:
     /// its state is unknown.
     KLEIN_ERROR_PANIC = 5,
-    /// `rgba_len` is less than `width * height * 4`; `*out_width` and `*out_height` hold the size.
+    /// `rgba_len` is less than `num_images * width * height * 4`; `*out_width` and `*out_height`
+    /// hold the size of one image.
     KLEIN_ERROR_BUFFER_TOO_SMALL = 6,
 }
 
@@ -75,7 +76,8 @@ pub struct KleinOptions {
     /// Threads inside one operator; 0: ONNX Runtime's default.
     pub threads: u32,
     /// Path of the ONNX Runtime shared library; NULL: `ORT_DYLIB_PATH`, then the path baked in at
-    /// build time (`KLEIN_ORT_DYLIB`), then next to the executable.
+    /// build time (`KLEIN_ORT_DYLIB`), then next to the executable, then `.ort/` in the current
+    /// directory (where `scripts/setup-ort.sh` installs it).
     pub ort_library: *const c_char,
     /// CoreML: `"all"`, `"cpu-gpu"`, `"cpu-ane"` (Neural Engine) or `"cpu"`; NULL: `"all"`.
     pub coreml_units: *const c_char,
@@ -100,7 +102,7 @@ pub struct KleinOptions {
     pub release_transformer: bool,
 }
 
-/// What to generate: one image. Zero-initialise, then set what you need.
+/// What to generate: `num_images` images of one prompt. Zero-initialise, then set what you need.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct KleinRequest {
@@ -125,8 +127,9 @@ pub struct KleinRequest {
     /// What guidance steers away from (base models with guidance above 1); NULL: the empty
     /// prompt, as diffusers. Refused (`KLEIN_ERROR_USER`) on distilled models.
     pub negative_prompt: *const c_char,
-    /// Inpainting and img2img: the source image (PNG, JPEG, WebP); the output has its size, and
-    /// `width`/`height` must be 0 or that size. NULL: generate from noise.
+    /// Inpainting and img2img: the source image (PNG, JPEG, WebP); the output has its size
+    /// floored to multiples of 16 (80x72 gives 80x64), and `width`/`height` must be 0 or give
+    /// that size once floored. NULL: generate from noise.
     pub image_path: *const c_char,
     /// The inpainting mask for `image_path` (white repaints, black keeps; any size); NULL with an
     /// image: img2img, everything repainted.
@@ -140,7 +143,8 @@ pub struct KleinRequest {
     pub preview: KleinPreviewFn,
     pub preview_user_data: *mut c_void,
     /// Inpainting with `mask_path`: non-zero crops to the mask's region, as diffusers'
-    /// `padding_mask_crop` (`Pipeline::crop_to_mask`), with `mask_crop_padding` pixels of context;
+    /// `padding_mask_crop` (`Pipeline::crop_to_mask`), with `mask_crop_padding` (0 to 4096) pixels
+    /// of context;
     /// the output then has the source image's size (not floored to 16). 0: the whole source.
     pub mask_crop: u8,
     pub mask_crop_padding: u32,
@@ -571,7 +575,7 @@ unsafe fn pipeline_options(options: &KleinOptions) -> Result<PipelineOptions, Fa
     if let Some(tiling) = unsafe { optional_str(vae_tiling, "options.vae_tiling") }? {
         let tiling = tiling
             .parse::<VaeTiling>()
-            .map_err(|e| Failure::invalid(format!("options.vae_tiling {e}")))?;
+            .map_err(|e| KleinError::Request(format!("options.vae_tiling {e}")))?;
         result = result.with_vae_tiling(tiling);
     }
     if vae_tile_size != 0 {
@@ -667,9 +671,11 @@ unsafe fn to_request(
     }
     result.inpaint = if image_path.is_null() {
         if !mask_path.is_null() || strength != 0.0 || mask_crop != 0 {
-            return Err(Failure::invalid(
-                "request.mask_path, request.strength and request.mask_crop need request.image_path",
-            ));
+            return Err(KleinError::Request(
+                "request.mask_path, request.strength and request.mask_crop need request.image_path"
+                    .into(),
+            )
+            .into());
         }
         None
     } else {
@@ -693,9 +699,11 @@ unsafe fn to_request(
                 Some(pipeline.load_cropped(image, mask, mask_crop_padding, strength)?)
             }
             (None, true) => {
-                return Err(Failure::invalid(
-                    "request.mask_crop needs request.mask_path: it crops to the mask's region",
-                ))
+                return Err(KleinError::Request(
+                    "request.mask_crop needs request.mask_path: it crops to the mask's region"
+                        .into(),
+                )
+                .into())
             }
             (mask, false) => {
                 let source = pipeline.load_source(image)?;

@@ -101,6 +101,12 @@ impl Pipeline {
             path: labels.1.to_path_buf(),
             reason,
         };
+        if padding > crate::limits::MAX_SIDE {
+            return Err(KleinError::Request(format!(
+                "mask crop padding {padding}: give 0 to {} pixels",
+                crate::limits::MAX_SIDE
+            )));
+        }
         let (width, height) = source.dimensions();
         if mask.dimensions() != (width, height) {
             return Err(mask_error(format!(

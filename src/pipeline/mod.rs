@@ -169,6 +169,9 @@ impl Pipeline {
                 })?;
             }
         }
+        // After the checks that hold for every build (a bundle the device cannot run is named
+        // so on a Mac too), before the hashing and loading a device this build lacks would waste.
+        session.device.check_compiled()?;
         let cache_dir = cache_dir.or_else(default_cache_dir);
         let verification = if verify_hashes {
             Some(manifest.verify_hashes_cached(dir, cache_dir.as_deref())?)
@@ -235,7 +238,8 @@ impl Pipeline {
     }
 
     /// Problems met since the last call that did not stop the work (a prompt-cache entry that was
-    /// rejected, a cache that could not be written), oldest first. The library never prints: an
+    /// rejected, a cache that could not be written, guidance given to a distilled model), oldest
+    /// first. The library never prints: an
     /// app shows or logs them.
     pub fn take_warnings(&mut self) -> Vec<String> {
         let mut warnings = std::mem::take(&mut self.warnings);
@@ -670,6 +674,13 @@ impl Pipeline {
     ) -> Result<Generation> {
         // 1. Check inputs before anything is loaded.
         let plan = Plan::new(&self.manifest, request)?;
+        let model = &self.manifest.model;
+        if let Some(given) = request.guidance.filter(|&g| model.is_distilled && g > 1.0) {
+            self.warnings.push(format!(
+                "guidance {given} is ignored: {} is a distilled model (it runs without guidance)",
+                model.name
+            ));
+        }
         let Plan {
             batch,
             steps,

@@ -205,7 +205,8 @@ impl Request {
 
 impl Request {
     /// Checks the numbers given in this request against [`crate::limits`], without a bundle:
-    /// images per prompt, steps, guidance, prompt length, reference count and output sides. Cheap:
+    /// images per prompt, steps, guidance, preview interval, prompt length, reference count and
+    /// output sides. Cheap:
     /// call it before loading anything ([`super::Pipeline::generate`] calls it too).
     pub fn check_bounds(&self) -> Result<()> {
         if self.num_images == 0 || self.num_images > MAX_BATCH {
@@ -220,6 +221,11 @@ impl Request {
         if let Some(guidance) = self.guidance {
             check_guidance(guidance)?;
         }
+        if self.preview_every == Some(0) {
+            return Err(request_error(
+                "preview_every must be at least 1 step".into(),
+            ));
+        }
         check_prompt(&self.prompt)?;
         if let Some(negative) = &self.negative_prompt {
             check_prompt(negative)?;
@@ -229,7 +235,7 @@ impl Request {
             if let Some(value) = value.filter(|v| !(MIN_SIDE..=MAX_SIDE).contains(v)) {
                 return Err(request_error(format!(
                     "{what} {value} is out of range: it must be between {MIN_SIDE} and {MAX_SIDE} pixels \
-                     (and width/16 x height/16 at most {MAX_IMAGE_TOKENS} tokens with the references')"
+                     (and width/16 x height/16 plus the references' tokens at most {MAX_IMAGE_TOKENS})"
                 )));
             }
         }
@@ -293,14 +299,8 @@ impl Plan {
         let (width, height) = output_size(manifest, request)?;
         let m = manifest.latents.pixel_multiple;
         let (lat_h, lat_w) = ((height / m) as usize, (width / m) as usize);
-        match request.preview_every {
-            Some(0) => {
-                return Err(request_error(
-                    "preview_every must be at least 1 step".into(),
-                ))
-            }
-            Some(_) if manifest.preview.is_none() => return Err(no_preview_map(manifest)),
-            _ => {}
+        if request.preview_every.is_some() && manifest.preview.is_none() {
+            return Err(no_preview_map(manifest));
         }
         let first_step = match &request.inpaint {
             Some(_) if model.kv_cache => {

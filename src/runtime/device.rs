@@ -35,6 +35,24 @@ impl Device {
             Device::Auto => "auto",
         }
     }
+
+    /// Refuses a device this build cannot use (CUDA or CoreML without its cargo feature), so that
+    /// a load fails at once rather than at the first graph.
+    pub fn check_compiled(&self) -> Result<()> {
+        let missing = match self {
+            Device::Cuda(_) if !cfg!(feature = "cuda") => {
+                "CUDA support; rebuild with `--features cuda`"
+            }
+            Device::CoreMl if !cfg!(feature = "coreml") => {
+                "CoreML support; rebuild with `--features coreml`"
+            }
+            _ => return Ok(()),
+        };
+        Err(KleinError::Device {
+            device: self.to_string(),
+            message: format!("this klein was built without {missing}"),
+        })
+    }
 }
 
 impl Device {

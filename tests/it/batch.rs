@@ -305,7 +305,8 @@ fn a_bundle_error_stops_the_batch() {
     assert_eq!(files_in(&out_dir), ["summary.json"]);
 }
 
-/// --prompts goes with --out-dir, and neither with a prompt, -o, --seed, --ref or --num-images;
+/// --prompts goes with --out-dir, and neither with a prompt, -o, --seed, --ref, --num-images or
+/// --quality;
 /// an unreadable, empty or endless prompts file and an unwritable --out-dir are refused. Exit code
 /// 2 every time, and no output.
 #[test]
@@ -335,6 +336,11 @@ fn batch_flags_are_checked() {
         (
             vec!["--prompts", p, "--out-dir", o, "--num-images", "2"],
             vec!["--num-images"],
+        ),
+        // Batch outputs are PNG files: a JPEG quality would be ignored.
+        (
+            vec!["--prompts", p, "--out-dir", o, "--quality", "50"],
+            vec!["--quality"],
         ),
         (vec!["--prompts", p], vec!["--out-dir"]),
         (vec!["a cat", "--out-dir", o], vec!["--out-dir"]),

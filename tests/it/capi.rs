@@ -30,6 +30,12 @@ fn profile_dir() -> PathBuf {
 
 /// Compiles `examples/c/generate.c` into `dir` and returns the executable.
 fn compile_c_example(dir: &Path) -> PathBuf {
+    compile_c(&repo().join("examples/c/generate.c"), dir)
+}
+
+/// Compiles the C program `source` (warnings are errors) into `dir`, against the generated header
+/// and the cdylib; returns the executable.
+fn compile_c(source: &Path, dir: &Path) -> PathBuf {
     let lib_dir = profile_dir();
     let library = lib_dir.join(format!(
         "{}klein{}",
@@ -47,10 +53,10 @@ fn compile_c_example(dir: &Path) -> PathBuf {
             file.display()
         );
     }
-    let exe = dir.join("generate");
+    let exe = dir.join(source.file_stem().unwrap());
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
     let output = Command::new(&cc)
-        .arg(repo().join("examples/c/generate.c"))
+        .arg(source)
         .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-I"])
         .arg(&include)
         .arg("-L")
@@ -67,6 +73,41 @@ fn compile_c_example(dir: &Path) -> PathBuf {
         String::from_utf8_lossy(&output.stderr)
     );
     exe
+}
+
+/// The README's C snippet, as a user copies it: it compiles warning-free and, run from the
+/// repository (its bundle path is relative), generates its 64x64 image.
+#[test]
+#[cfg(unix)]
+fn readme_c_snippet_compiles_and_runs() {
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let section = &readme[readme.find("## Embedding: the C API").unwrap()..];
+    let start = section.find("```c\n").unwrap() + "```c\n".len();
+    let snippet = &section[start..start + section[start..].find("```").unwrap()];
+    let dir = temp_dir("capi-readme");
+    let source = dir.join("readme.c");
+    std::fs::write(&source, snippet).unwrap();
+    let exe = compile_c(&source, &dir);
+    let (stdout, stderr) = run_c(Command::new(&exe).current_dir(repo()));
+    assert_eq!(stdout, "64x64 RGBA\n");
+    assert!(stderr.contains("step 4/4"), "{stderr}");
+}
+
+/// Runs a compiled C program with the tests' ONNX Runtime library; it must exit 0. Its stdout
+/// and stderr.
+fn run_c(command: &mut Command) -> (String, String) {
+    let output = command
+        .env("ORT_DYLIB_PATH", ort_library())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(
+        output.status.success(),
+        "{command:?} exited with {}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        output.status
+    );
+    (stdout, stderr)
 }
 
 /// The same request as the C example, through the Rust API: RGB `[64, 64, 3]`.
@@ -95,19 +136,10 @@ fn c_example_generates_cancels_and_repeats() {
     let dir = temp_dir("capi-c");
     let exe = compile_c_example(&dir);
     let ppm = dir.join("out.ppm");
-    let output = Command::new(&exe)
-        .arg(repo().join("onnx/klein-tiny"))
-        .arg(&ppm)
-        .env("ORT_DYLIB_PATH", ort_library())
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "{} exited with {}\nstdout:\n{stdout}\nstderr:\n{stderr}",
-        exe.display(),
-        output.status
+    let (stdout, stderr) = run_c(
+        Command::new(&exe)
+            .arg(repo().join("onnx/klein-tiny"))
+            .arg(&ppm),
     );
     assert_mentions(
         &stdout,
@@ -218,8 +250,8 @@ pub(crate) unsafe fn generate_into(
 }
 
 /// Checks the entry points' own argument handling, status by status, with the message of each:
-/// NULL pointers and non-UTF-8 strings are KLEIN_ERROR_INVALID_ARGUMENT, an unknown device and a
-/// missing bundle are KLEIN_ERROR_USER, a NULL reference array with a count is refused, a short
+/// NULL pointers and non-UTF-8 strings are KLEIN_ERROR_INVALID_ARGUMENT, an unknown device or
+/// tiling, a device this build lacks and a missing bundle are KLEIN_ERROR_USER, a NULL reference array with a count is refused, a short
 /// buffer reports the size, and success clears the message. No generation runs.
 #[test]
 fn entry_points_check_their_arguments() {
@@ -244,35 +276,46 @@ fn entry_points_check_their_arguments() {
     assert_eq!(status, KLEIN_ERROR_INVALID_ARGUMENT, "{message}");
     assert_mentions(&message, &["bundle_dir is not UTF-8"]);
 
-    let bad_device = KleinOptions {
-        device: c"tpu".as_ptr(),
-        ..options
-    };
-    let (status, message) =
-        call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &bad_device, &mut pipeline, m) });
-    assert_eq!(status, KLEIN_ERROR_USER, "{message}");
-    assert_mentions(
-        &message,
-        &["unknown device `tpu`", "cpu, cuda, cuda:N, coreml or auto"],
-    );
-
-    let bad_tiling = KleinOptions {
-        vae_tiling: c"sometimes".as_ptr(),
-        ..options
-    };
-    let (status, message) =
-        call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &bad_tiling, &mut pipeline, m) });
-    assert_eq!(status, KLEIN_ERROR_INVALID_ARGUMENT, "{message}");
-    assert_mentions(&message, &["options.vae_tiling", "on, off or auto"]);
-
-    let bad_units = KleinOptions {
-        coreml_units: c"gpu".as_ptr(),
-        ..options
-    };
-    let (status, message) =
-        call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &bad_units, &mut pipeline, m) });
-    assert_eq!(status, KLEIN_ERROR_USER, "{message}");
-    assert_mentions(&message, &["unknown CoreML compute units `gpu`", "cpu-ane"]);
+    // Options that cannot be used; a device this build lacks is refused at load, not at the
+    // first generation.
+    let refused: Vec<(KleinOptions, &[&str])> = vec![
+        (
+            KleinOptions {
+                device: c"tpu".as_ptr(),
+                ..options
+            },
+            &["unknown device `tpu`", "cpu, cuda, cuda:N, coreml or auto"],
+        ),
+        (
+            KleinOptions {
+                vae_tiling: c"sometimes".as_ptr(),
+                ..options
+            },
+            &["options.vae_tiling", "on, off or auto"],
+        ),
+        #[cfg(not(feature = "cuda"))]
+        (
+            KleinOptions {
+                device: c"cuda:1".as_ptr(),
+                ..options
+            },
+            &["built without CUDA support", "--features cuda"],
+        ),
+        (
+            KleinOptions {
+                coreml_units: c"gpu".as_ptr(),
+                ..options
+            },
+            &["unknown CoreML compute units `gpu`", "cpu-ane"],
+        ),
+    ];
+    for (bad, needles) in refused {
+        let (status, message) =
+            call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &bad, &mut pipeline, m) });
+        assert_eq!(status, KLEIN_ERROR_USER, "{message}");
+        assert_mentions(&message, needles);
+        assert!(pipeline.is_null());
+    }
 
     // The CoreML and CPU cache directories are created at load, whatever the device.
     let cache = crate::util::temp_dir("capi-coreml-cache").join("compiled");
@@ -585,7 +628,7 @@ fn c_requests_inpaint_as_the_rust_api() {
         ..request
     };
     let (status, message) = call(|m| unsafe { generate_into(pipeline, &no_image, &mut rgba, m) });
-    assert_eq!(status, KLEIN_ERROR_INVALID_ARGUMENT, "{message}");
+    assert_eq!(status, KLEIN_ERROR_USER, "{message}");
     assert_mentions(&message, &["request.image_path"]);
     let too_strong = KleinRequest {
         strength: 1.5,
@@ -640,8 +683,16 @@ fn c_requests_inpaint_as_the_rust_api() {
         ..cropped
     };
     let (status, message) = call(|m| unsafe { generate_into(pipeline, &no_mask, &mut rgba, m) });
-    assert_eq!(status, KLEIN_ERROR_INVALID_ARGUMENT, "{message}");
+    assert_eq!(status, KLEIN_ERROR_USER, "{message}");
     assert_mentions(&message, &["request.mask_crop needs request.mask_path"]);
+    // The padding has the CLI's bound (--mask-crop 0 to 4096).
+    let wide = KleinRequest {
+        mask_crop_padding: 4097,
+        ..cropped
+    };
+    let (status, message) = call(|m| unsafe { generate_into(pipeline, &wide, &mut rgba, m) });
+    assert_eq!(status, KLEIN_ERROR_USER, "{message}");
+    assert_mentions(&message, &["mask crop padding 4097", "0 to 4096"]);
     unsafe { klein_pipeline_free(pipeline) };
 }
 

@@ -852,7 +852,7 @@ fn missing_reference_is_refused() {
     let file = temp_dir("cli-ref-missing").join("missing.png");
     assert_refused(
         &[&FAST[..], &["--ref", path_str(&file)]].concat(),
-        &[path_str(&file), "open reference image"],
+        &[path_str(&file), "open image file"],
     );
 }
 

@@ -99,7 +99,7 @@ fn flags_of_another_device_are_refused() {
 fn bad_device_settings_are_refused() {
     assert_refused(
         &[&FAST[..], &["--device", "cuda", "--cuda-mem-limit", "0"]].concat(),
-        &["--cuda-mem-limit", "positive number of GiB"],
+        &["--cuda-mem-limit", "above 0 and below 1000000"],
     );
     assert_refused(
         &[&FAST[..], &["--device", "coreml", "--coreml-units", "gpu"]].concat(),

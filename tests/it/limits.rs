@@ -44,7 +44,12 @@ fn numbers_past_their_bounds_are_refused_before_the_bundle_is_read() {
             vec!["--guidance".into(), "1e9".into()],
             vec![guidance.clone()],
         ),
-        (vec!["--guidance".into(), "NaN".into()], vec![guidance]),
+        (
+            vec!["--guidance".into(), "NaN".into()],
+            vec![guidance.clone()],
+        ),
+        // A negative number is a value, not a flag: its bound is named.
+        (vec!["--guidance".into(), "-0.1".into()], vec![guidance]),
         (vec!["--width".into(), "5000".into()], vec![side.clone()]),
         (vec!["--height".into(), "0".into()], vec![side]),
     ];

@@ -307,6 +307,9 @@ def test_negative_prompt_needs_a_base_model(pipe):
     # The tiny model is distilled: no guidance, so a negative prompt would change nothing.
     with pytest.raises(klein.InvalidInputError, match="distilled"):
         pipe("a fox", width=64, height=64, generator=1, negative_prompt="blurry")
+    # Guidance changes nothing there: run, with a warning (as the CLI and the server say).
+    with pytest.warns(klein.KleinWarning, match="guidance 3.5 is ignored: klein-tiny is a distilled model"):
+        pipe("a fox", width=64, height=64, generator=1, guidance_scale=3.5, num_inference_steps=1)
 
 
 def test_vae_tiling_is_the_cli_file(tiny_bundle, klein_bin, tmp_path):

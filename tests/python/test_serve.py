@@ -568,7 +568,7 @@ def test_warnings_models_retrieve_and_bearer_case(klein_bin: Path, tiny_bundle: 
         answer = httpx.post(f"{s.url}/v1/images/generations", json=body, headers=headers, timeout=60)
         assert answer.status_code == 200, answer.text
         # The tiny model is distilled: guidance changes nothing, and the answer says so.
-        assert any("guidance is ignored" in w for w in answer.json()["warnings"]), answer.json()["warnings"]
+        assert any("guidance 3.5 is ignored" in w for w in answer.json()["warnings"]), answer.json()["warnings"]
         body = {"prompt": PROMPT, "width": 64, "height": 64}
         assert httpx.post(f"{s.url}/v1/klein/generate", json=body, headers=headers, timeout=60).json()["warnings"] == []
     finally:

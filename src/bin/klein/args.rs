@@ -79,7 +79,7 @@ pub(crate) struct GenerateArgs {
         long,
         value_name = "FILE",
         requires = "out_dir",
-        conflicts_with_all = ["output", "seed", "refs", "num_images"]
+        conflicts_with_all = ["output", "seed", "refs", "num_images", "quality"]
     )]
     pub(crate) prompts: Option<PathBuf>,
     /// Output directory of --prompts: NAME.png per line (default name: the line number, 0001) and
@@ -101,7 +101,7 @@ pub(crate) struct GenerateArgs {
     #[arg(long)]
     pub(crate) steps: Option<usize>,
     /// Classifier-free guidance scale, 0 to 100, base (non-distilled) models only [default: the bundle's]
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub(crate) guidance: Option<f64>,
     /// What guidance steers away from, base models with guidance above 1 only [default: empty, as diffusers]
     #[arg(long, value_name = "TEXT")]
@@ -121,8 +121,8 @@ pub(crate) struct GenerateArgs {
     /// How much of --image is repainted, above 0 to 1: the share of the steps that run, from the source noised to that level [default: 1.0; diffusers' 0.8 runs the same 4 steps]
     #[arg(long, requires = "image", value_parser = parse_strength)]
     pub(crate) strength: Option<f64>,
-    /// Inpaint only the mask's region (diffusers' padding_mask_crop): the box around the mask's white, grown by PIXELS on each side and to the output's aspect ratio, is generated at the source's processing size, then pasted back into the whole source through the mask; the output has the source's size. The mask must have the source's size
-    #[arg(long, value_name = "PIXELS", requires = "mask", value_parser = clap::value_parser!(u32).range(0..=MAX_SIDE as i64))]
+    /// Inpaint only the mask's region (diffusers' padding_mask_crop): the box around the mask's white, grown by PIXELS on each side and to the output's aspect ratio, is generated at the source's processing size, then pasted back into the whole source through the mask; the output has the source's size. The mask must have the source's size. PIXELS: 0 to 4096
+    #[arg(long, value_name = "PIXELS", requires = "mask", allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(0..=MAX_SIDE as i64))]
     pub(crate) mask_crop: Option<u32>,
     /// LoRA to merge into the transformer, FILE or FILE:SCALE (repeatable, at most 16; scale -100 to 100, default 1; may be negative): diffusers/PEFT, BFL/ai-toolkit, kohya and LoKr (BFL, LyCORIS) .safetensors files
     #[arg(long = "lora", value_name = "FILE[:SCALE]", value_parser = parse_lora)]
@@ -142,7 +142,7 @@ pub(crate) struct GenerateArgs {
     /// Write a preview of the image being denoised to this PNG file after every --preview-every steps (1/8 of the output's side, the model's current estimate mapped linearly from the latents; with --num-images N, FILE-1.png ... FILE-N.png; replaced atomically)
     #[arg(long, value_name = "FILE")]
     pub(crate) preview: Option<PathBuf>,
-    /// Steps between previews (and one after the last step)
+    /// Steps between previews (and one after the last step), 1 to 65535
     #[arg(long, default_value_t = 1, requires = "preview", value_parser = clap::value_parser!(u16).range(1..))]
     pub(crate) preview_every: u16,
     /// Print nothing on stderr but errors and warnings
@@ -173,10 +173,10 @@ pub(crate) struct LoadArgs {
     /// the check while no file changes
     #[arg(long)]
     pub(crate) no_verify_hashes: bool,
-    /// Tiled VAE decoding and encoding, as diffusers' vae.enable_tiling(): on (every image larger than the VAE's 1024 px tile), off, or auto (images over 1024x1024 pixels) [default: auto; on with --vae-tile-size]
+    /// Tiled VAE decoding and encoding, as diffusers' vae.enable_tiling(): on (every image larger than the bundle's VAE tile, 1024 px for FLUX.2), off, or auto (images over 1024x1024 pixels) [default: auto; on with --vae-tile-size]
     #[arg(long, value_name = "on|off|auto")]
     pub(crate) vae_tiling: Option<VaeTiling>,
-    /// Side of the VAE's tiles in pixels, a multiple of 64 [default: the bundle's, 1024 for FLUX.2], as diffusers' vae.tile_sample_min_size: smaller tiles hold less memory at the cost of more overlap. Turns tiling on unless --vae-tiling is given
+    /// Side of the VAE's tiles in pixels, a multiple of 64 up to 4096 [default: the bundle's, 1024 for FLUX.2], as diffusers' vae.tile_sample_min_size: smaller tiles hold less memory at the cost of more overlap. Turns tiling on unless --vae-tiling is given (refused with --vae-tiling off)
     #[arg(long, value_name = "PIXELS", value_parser = parse_vae_tile_size)]
     pub(crate) vae_tile_size: Option<u32>,
     /// ONNX Runtime shared library [default: $ORT_DYLIB_PATH, else the one set up at build time]
@@ -209,8 +209,8 @@ impl LoadArgs {
 #[derive(Args)]
 #[command(next_help_heading = "CUDA (--device cuda or auto)")]
 pub(crate) struct CudaArgs {
-    /// CUDA: largest size of ONNX Runtime's GPU memory arena, in GiB [default: no limit]
-    #[arg(long, value_name = "GIB")]
+    /// CUDA: largest size of ONNX Runtime's GPU memory arena, in GiB, above 0 and below 1000000 [default: no limit]
+    #[arg(long, value_name = "GIB", allow_negative_numbers = true)]
     pub(crate) cuda_mem_limit: Option<f64>,
     /// CUDA: grow the memory arena by what each allocation needs, not by powers of two
     #[arg(long)]
@@ -389,7 +389,7 @@ pub(crate) fn check_device_flags(args: &LoadArgs, device: Device) -> Result<(), 
     if let Some(gib) = args.cuda.cuda_mem_limit {
         if !(gib.is_finite() && gib > 0.0 && gib < 1e6) {
             return Err(format!(
-                "--cuda-mem-limit {gib}: give a positive number of GiB"
+                "--cuda-mem-limit {gib}: give a number of GiB above 0 and below 1000000"
             ));
         }
     }

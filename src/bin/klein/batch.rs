@@ -19,7 +19,7 @@ type InpaintFiles<'a> = (Option<&'a Path>, Option<&'a Path>, Option<f64>, Option
 use crate::args::{default_model, pipeline_options, GenerateArgs};
 use crate::jsonl::{parse_batch, BatchLine};
 use crate::outputs::random_seed;
-use crate::report::{warn_ignored_guidance, Reporter};
+use crate::report::Reporter;
 use crate::{is_user_error, UsageError};
 
 const SUMMARY_FILE: &str = "summary.json";
@@ -195,6 +195,14 @@ pub(crate) fn generate_batch(
     // checked when it runs, and a bad one is reported in the summary.
     crate::command_line_request(args, "").check_bounds()?;
     let text = read_prompts(prompts)?;
+    let lines = text.lines().filter(|l| !l.trim().is_empty()).count();
+    if lines > MAX_BATCH_LINES {
+        return Err(UsageError(format!(
+            "--prompts {} has {lines} lines: at most {MAX_BATCH_LINES} run in one batch; split it",
+            prompts.display()
+        ))
+        .into());
+    }
     if out_dir.exists() && !out_dir.is_dir() {
         return Err(UsageError(format!(
             "--out-dir {} exists and is not a directory",
@@ -215,14 +223,6 @@ pub(crate) fn generate_batch(
             klein::error::chain(&e)
         ))
     })?;
-    let lines = text.lines().filter(|l| !l.trim().is_empty()).count();
-    if lines > MAX_BATCH_LINES {
-        return Err(UsageError(format!(
-            "--prompts {} has {lines} lines: at most {MAX_BATCH_LINES} run in one batch; split it",
-            prompts.display()
-        ))
-        .into());
-    }
     let base = prompts
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -339,7 +339,6 @@ impl BatchRun<'_> {
         ));
         let mut memo = PromptMemo::new(to_run.iter().map(|(_, line, _)| line.prompt.as_str()));
         let mut fatal: Option<String> = None;
-        let mut warned_guidance = false;
         let total = to_run.len();
         for (n, (index, line, output)) in to_run.into_iter().enumerate() {
             if let Some(reason) = &fatal {
@@ -351,10 +350,6 @@ impl BatchRun<'_> {
             }
             let line_started = Instant::now();
             let seed = line.seed.unwrap_or_else(random_seed);
-            let guidance = line.guidance.or(args.guidance);
-            if !warned_guidance {
-                warned_guidance = warn_ignored_guidance(&pipeline, guidance);
-            }
             let job = BatchJob {
                 line: &line,
                 seed,

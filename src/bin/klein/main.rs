@@ -27,7 +27,7 @@ use args::{
 };
 use klein::pipeline::metadata::variant_name;
 use outputs::{output_files, random_seed};
-use report::{warn_ignored_guidance, Reporter};
+use report::Reporter;
 
 /// Exit code after SIGINT, SIGTERM or SIGHUP (128 + SIGINT, as shells report Ctrl-C).
 const INTERRUPTED: i32 = 130;
@@ -254,7 +254,6 @@ fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
         args.height.or(source_size.map(|s| s.1)),
     )?;
     let (width, height) = pipeline.output_size(&request)?;
-    warn_ignored_guidance(&pipeline, args.guidance);
     reporter.say(format!("seed: {seed}"));
     reporter.say(format!(
         "model: {} ({}), {width}x{height}",

@@ -1,5 +1,6 @@
 //! What the command line tells the user on stderr: progress, warnings, timings.
 use std::cell::{Cell, RefCell};
+use std::collections::HashSet;
 use std::io::IsTerminal;
 use std::ops::ControlFlow;
 use std::path::PathBuf;
@@ -23,6 +24,8 @@ pub(crate) struct Reporter {
     /// last step (or the denoising) began.
     steps: RefCell<Vec<Duration>>,
     step_began: Cell<Option<Instant>>,
+    /// The pipeline warnings printed so far.
+    warned: RefCell<HashSet<String>>,
 }
 
 impl Reporter {
@@ -42,6 +45,7 @@ impl Reporter {
             preview_failed: Cell::new(false),
             steps: RefCell::new(Vec::new()),
             step_began: Cell::new(None),
+            warned: RefCell::new(HashSet::new()),
         }
     }
 
@@ -127,7 +131,10 @@ impl Reporter {
         label: &str,
     ) {
         for warning in pipeline.take_warnings() {
-            eprintln!("klein: warning: {label}{warning}");
+            // Once per process: a batch's lines often share one (guidance on a distilled model).
+            if self.warned.borrow_mut().insert(warning.clone()) {
+                eprintln!("klein: warning: {label}{warning}");
+            }
         }
         for placement in pipeline.placements() {
             for (device, why) in &placement.skipped {
@@ -163,19 +170,6 @@ impl Reporter {
             eprintln!("{:>20}: {}", "heap", crate::heap::heap_setting());
         }
     }
-}
-
-/// Warns that guidance does nothing on a distilled model.
-pub(crate) fn warn_ignored_guidance(pipeline: &Pipeline, guidance: Option<f64>) -> bool {
-    let model = &pipeline.manifest().model;
-    let ignored = model.is_distilled && guidance.is_some_and(|g| g > 1.0);
-    if ignored {
-        eprintln!(
-            "klein: warning: --guidance is ignored: {} is a distilled model",
-            model.name
-        );
-    }
-    ignored
 }
 
 /// `klein info --lora`: a LoRA's format, scale and every layer it changes (stdout).

@@ -92,10 +92,10 @@ pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>> {
             source,
         }
     };
-    let file = std::fs::File::open(path).map_err(io_error("open reference image"))?;
+    let file = std::fs::File::open(path).map_err(io_error("open image file"))?;
     let size = file
         .metadata()
-        .map_err(io_error("read reference image metadata"))?
+        .map_err(io_error("read image file metadata"))?
         .len();
     let too_large = |size: String| {
         image_error(path)(format!(

@@ -226,13 +226,7 @@ fn run_job(
             .collect();
         *value = serde_json::Value::from(names).to_string();
     }
-    let mut warnings = pipeline.take_warnings();
-    if pipeline.manifest().model.is_distilled && spec.guidance.is_some_and(|g| g > 1.0) {
-        warnings.push(format!(
-            "guidance is ignored: {} is a distilled model (it runs without guidance)",
-            pipeline.manifest().model.name
-        ));
-    }
+    let warnings = pipeline.take_warnings();
     if let Some(inpaint) = &spec.inpaint {
         metadata.push(("image".into(), inpaint.source.label.clone()));
         if let Some((mask, _)) = &inpaint.mask {
