@@ -136,7 +136,7 @@ fn c_example_generates_cancels_and_repeats() {
     let dir = temp_dir("capi-c");
     let exe = compile_c_example(&dir);
     let ppm = dir.join("out.ppm");
-    let (stdout, stderr) = run_c(
+    let (stdout, _) = run_c(
         Command::new(&exe)
             .arg(repo().join("onnx/klein-tiny"))
             .arg(&ppm),
