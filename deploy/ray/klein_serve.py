@@ -417,35 +417,47 @@ def app_builder(args: dict[str, Any]) -> Application:
 
     def setting(name: str) -> str | None:
         value = args.get(name, os.environ.get(SETTINGS[name]))
+        if isinstance(value, (list, tuple)):  # a YAML list in a Serve config (loras)
+            value = ",".join(str(item) for item in value)
         return None if value is None or str(value) == "" else str(value)
+
+    def number(name: str, kind: type, default: float, minimum: float) -> Any:
+        text = setting(name)
+        what = f"{'a whole number' if kind is int else 'a number'} of at least {minimum:g}"
+        try:
+            value = kind(text) if text is not None else kind(default)
+        except ValueError:
+            raise ValueError(f"{name}={text!r}: give {what}") from None
+        if value < minimum:
+            raise ValueError(f"{name}={value}: give {what}")
+        return value
 
     model = setting("model")
     if model is None:
         raise ValueError("no model: pass model=BUNDLE_DIR or set KLEIN_MODEL")
-    num_gpus = float(setting("num_gpus") or 0)
-    ray_actor_options = {"num_cpus": float(setting("num_cpus") or 1), "num_gpus": num_gpus}
+    num_gpus = number("num_gpus", float, 0, 0)
+    ray_actor_options = {"num_cpus": number("num_cpus", float, 1, 0), "num_gpus": num_gpus}
     options: dict[str, Any] = {
         "ray_actor_options": ray_actor_options,
-        "max_ongoing_requests": int(setting("max_ongoing_requests") or 2),
+        "max_ongoing_requests": number("max_ongoing_requests", int, 2, 1),
     }
     if setting("graceful_shutdown_timeout_s") is not None:
-        options["graceful_shutdown_timeout_s"] = float(setting("graceful_shutdown_timeout_s") or 0)
+        options["graceful_shutdown_timeout_s"] = number("graceful_shutdown_timeout_s", float, 0, 0)
     if setting("min_replicas") is not None or setting("max_replicas") is not None:
-        minimum = int(setting("min_replicas") or 1)
+        minimum = number("min_replicas", int, 1, 0)
         options["autoscaling_config"] = {
             "min_replicas": minimum,
-            "max_replicas": int(setting("max_replicas") or max(minimum, 1)),
-            "target_ongoing_requests": float(setting("target_ongoing_requests") or 1),
+            "max_replicas": number("max_replicas", int, max(minimum, 1), max(minimum, 1)),
+            "target_ongoing_requests": number("target_ongoing_requests", float, 1, 0),
         }
     else:
-        options["num_replicas"] = int(setting("replicas") or 1)
-    threads = setting("threads")
+        options["num_replicas"] = number("replicas", int, 1, 1)
     loras = setting("loras")
     return KleinDeployment.options(**options).bind(
         # Replicas may run in another directory: the bundle by its absolute path.
         model=str(Path(model).resolve()),
         device=setting("device") or ("cuda" if num_gpus > 0 else "cpu"),
-        threads=None if threads is None else int(threads),
+        threads=number("threads", int, 0, 1) if setting("threads") is not None else None,
         loras=[spec.strip() for spec in loras.split(",") if spec.strip()] if loras else [],
         low_memory=_flag(setting("low_memory") or "false"),
         ort_lib=setting("ort_lib"),

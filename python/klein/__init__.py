@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import math
 import os
 import secrets
 import sys
@@ -45,6 +46,7 @@ from ._klein import (
     MAX_REFERENCES,
     MAX_SIDE,
     MAX_STEPS,
+    MAX_THREADS,
     CancelledError,
     InvalidInputError,
     KleinError,
@@ -57,6 +59,7 @@ __all__ = [
     "MAX_REFERENCES",
     "MAX_SIDE",
     "MAX_STEPS",
+    "MAX_THREADS",
     "CancelledError",
     "EncodedImage",
     "InvalidInputError",
@@ -78,6 +81,12 @@ class EncodedImage:
     data: bytes
     name: str = "image"
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.data, (bytes, bytearray, memoryview)):
+            raise _invalid(f"EncodedImage.data must be the image file's bytes, not {type(self.data).__name__}", "image")
+        if not isinstance(self.name, str):
+            raise _invalid(f"EncodedImage.name must be a string, not {type(self.name).__name__}", "image")
+
 
 #: A reference image: a PIL image, the path of a PNG, JPEG or WebP file, or such a file's bytes.
 ImageInput = Union[Image.Image, str, "os.PathLike[str]", EncodedImage, bytes]
@@ -92,7 +101,23 @@ _U64 = 2**64
 
 
 class KleinWarning(UserWarning):
-    """Something klein did not stop for: a truncated prompt, a prompt cache it could not use."""
+    """Something klein did not stop for: a truncated prompt, guidance given to a distilled model."""
+
+
+def _invalid(message: str, param: str | None = None) -> InvalidInputError:
+    """``InvalidInputError("invalid request: <message>")`` naming the argument ``param``."""
+    error = InvalidInputError(f"invalid request: {message}")
+    error.param = param
+    return error
+
+
+def _path(name: str, value: Any) -> str | None:
+    """An optional path argument as a string."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, bytes, os.PathLike)):
+        raise _invalid(f"{name} must be a path (str or os.PathLike), not {type(value).__name__}", name)
+    return os.fsdecode(value)
 
 
 @dataclass
@@ -159,13 +184,11 @@ def _count(
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise InvalidInputError(f"invalid request: {name} must be an integer, not {type(value).__name__}")
+        raise _invalid(f"{name} must be an integer, not {type(value).__name__}", name)
     if bounds is not None and not bounds[0] <= int(value) <= bounds[1]:
-        raise InvalidInputError(
-            f"invalid request: {name} is {int(value)}: it must be between {bounds[0]} and {bounds[1]}"
-        )
+        raise _invalid(f"{name} is {int(value)}: it must be between {bounds[0]} and {bounds[1]}", name)
     if not 0 <= int(value) < limit:
-        raise InvalidInputError(f"invalid request: {name} is {int(value)}: it is out of range")
+        raise _invalid(f"{name} is {int(value)}: it is out of range", name)
     return int(value)
 
 
@@ -174,23 +197,27 @@ def _text(name: str, value: Any, *, optional: bool = False) -> str | None:
     if value is None and optional:
         return None
     if not isinstance(value, str):
-        raise InvalidInputError(f"invalid request: {name} must be a string, not {type(value).__name__}")
+        hint = " (klein takes one prompt per call)" if isinstance(value, (list, tuple)) else ""
+        raise _invalid(f"{name} must be a string, not {type(value).__name__}{hint}", name)
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise InvalidInputError(
-            f"invalid request: {name} is not valid text: character {error.start} is a lone surrogate "
-            f"({value[error.start]!r})"
+        raise _invalid(
+            f"{name} is not valid text: character {error.start} is a lone surrogate ({value[error.start]!r})", name
         ) from None
     return value
 
 
-def _number(name: str, value: Any) -> float | None:
+def _number(name: str, value: Any, bounds: tuple[float, float] | None = None) -> float | None:
+    """A number argument; with ``bounds``, finite and within them."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise InvalidInputError(f"invalid request: {name} must be a number, not {type(value).__name__}")
-    return float(value)
+        raise _invalid(f"{name} must be a number, not {type(value).__name__}", name)
+    number = float(value)
+    if bounds is not None and not (math.isfinite(number) and bounds[0] <= number <= bounds[1]):
+        raise _invalid(f"{name} is {number}: it must be a number between {bounds[0]:g} and {bounds[1]:g}", name)
+    return number
 
 
 def _seed(generator: Any) -> int:
@@ -217,15 +244,19 @@ def _png_bytes(image: Image.Image, label: str) -> bytes:
     """``image`` as a PNG file, losslessly and in its own mode where PNG has it; without EXIF
     (a PIL image is used as it is, not rotated by its EXIF orientation), ICC profile or text.
     ``label`` names the image in errors."""
+    param = label.split("[")[0]
     if image.width == 0 or image.height == 0:
-        raise InvalidInputError(f"invalid request: {label} is an empty image ({image.width}x{image.height})")
-    if image.mode == "La":
-        # Premultiplied: PIL converts it only to LA.
-        image = image.convert("LA")
-    if image.mode not in _PNG_MODES:
-        image = image.convert("RGBA" if image.has_transparency_data else "RGB")
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG", compress_level=1, icc_profile=None)
+        raise _invalid(f"{label} is an empty image ({image.width}x{image.height})", param)
+    try:
+        if image.mode == "La":
+            # Premultiplied: PIL converts it only to LA.
+            image = image.convert("LA")
+        if image.mode not in _PNG_MODES:
+            image = image.convert("RGBA" if image.has_transparency_data else "RGB")
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG", compress_level=1, icc_profile=None)
+    except (ValueError, OSError) as error:  # a closed image, a mode PNG cannot take
+        raise _invalid(f"{label}: {error}", param) from None
     return buffer.getvalue()
 
 
@@ -246,11 +277,24 @@ def _references(image: Any, name: str = "image") -> list[str | tuple[bytes, str]
         elif isinstance(item, (bytes, bytearray, memoryview)):
             references.append((bytes(item), f"{name}-{index}"))
         else:
-            raise InvalidInputError(
-                f"invalid request: {name}[{index}] is a {type(item).__name__}; give a PIL.Image.Image, "
-                "the path of a PNG, JPEG or WebP file, or its bytes (bytes or klein.EncodedImage)"
+            raise _invalid(
+                f"{name}[{index}] is a {type(item).__name__}; give a PIL.Image.Image, "
+                "the path of a PNG, JPEG or WebP file, or its bytes (bytes or klein.EncodedImage)",
+                name,
             )
     return references
+
+
+def _vae_tiling(tiling: Any, tile_size: Any) -> str:
+    """``vae_tiling`` as the native side takes it: ``"auto"``, ``"on"`` or ``"off"`` (a bool:
+    on or off); without it, on with a tile size, else auto."""
+    if tiling is None:
+        return "on" if tile_size is not None else "auto"
+    if isinstance(tiling, bool):
+        return "on" if tiling else "off"
+    if not isinstance(tiling, str):
+        raise _invalid(f"vae_tiling must be 'auto', 'on' or 'off', not {type(tiling).__name__}", "vae_tiling")
+    return tiling
 
 
 def _preview_callback(preview: Any) -> Callable[[int, int, list[tuple[bytes, int, int]]], Any] | None:
@@ -271,6 +315,14 @@ def _loras(loras: Any) -> list[str | tuple[str, float]]:
         return []
     if isinstance(loras, (str, os.PathLike, tuple)):
         loras = [loras]
+    elif isinstance(loras, dict):
+        loras = list(loras.items())  # {path: scale}
+    elif not isinstance(loras, list):
+        raise _invalid(
+            f"loras must be a list of (path, scale), 'FILE' or 'FILE:SCALE', or a dict of path: scale; "
+            f"not {type(loras).__name__}",
+            "loras",
+        )
     specs: list[str | tuple[str, float]] = []
     for index, lora in enumerate(loras):
         if isinstance(lora, str):
@@ -282,9 +334,7 @@ def _loras(loras: Any) -> list[str | tuple[str, float]]:
             assert scale is not None
             specs.append((os.fsdecode(lora[0]), scale))
         else:
-            raise InvalidInputError(
-                f"invalid request: loras[{index}]: give (path, scale), 'FILE' or 'FILE:SCALE', not {lora!r}"
-            )
+            raise _invalid(f"loras[{index}]: give (path, scale), 'FILE' or 'FILE:SCALE', not {lora!r}", "loras")
     return specs
 
 
@@ -301,7 +351,8 @@ class Pipeline:
     the next call (the run's peak memory is then the larger of denoising and decoding, not their
     sum; for one image per process, or little memory; default: kept).
     ``vae_tiling``: ``"auto"`` (tile the VAE above 1024x1024 pixels), ``"on"`` (as diffusers'
-    ``vae.enable_tiling()``) or ``"off"``; default ``"auto"``, or ``"on"`` with ``vae_tile_size``.
+    ``vae.enable_tiling()``) or ``"off"`` (``True``/``False``: on/off); default ``"auto"``, or
+    ``"on"`` with ``vae_tile_size``.
     ``vae_tile_size``: the VAE's tile side in pixels, a multiple of 64 (default: the bundle's, 1024),
     as diffusers' ``vae.tile_sample_min_size``. ``cpu_cache``: a directory where the CPU keeps each graph
     as ONNX Runtime optimised it, with its prepacked weights (the first load writes it, about the
@@ -319,7 +370,7 @@ class Pipeline:
         verify_hashes: bool = True,
         keep_text_encoder: bool = False,
         release_transformer: bool = False,
-        vae_tiling: Literal["auto", "on", "off"] | None = None,
+        vae_tiling: Literal["auto", "on", "off"] | bool | None = None,
         vae_tile_size: int | None = None,
         cpu_cache: str | os.PathLike[str] | None = None,
         ort_lib: str | os.PathLike[str] | None = None,
@@ -338,15 +389,15 @@ class Pipeline:
         self._native = _klein.Pipeline(
             os.fsdecode(model),
             device=device,
-            threads=_count("threads", threads),
+            threads=_count("threads", threads, bounds=(1, MAX_THREADS)),
             loras=_loras(loras),
             verify_hashes=bool(verify_hashes),
             keep_text_encoder=bool(keep_text_encoder),
             release_transformer=bool(release_transformer),
-            vae_tiling=str(vae_tiling or ("on" if vae_tile_size is not None else "auto")),
+            vae_tiling=_vae_tiling(vae_tiling, vae_tile_size),
             vae_tile_size=_count("vae_tile_size", vae_tile_size),
-            cpu_cache=None if cpu_cache is None else os.fsdecode(cpu_cache),
-            ort_lib=os.fsdecode(find_ort_library(ort_lib)),
+            cpu_cache=_path("cpu_cache", cpu_cache),
+            ort_lib=os.fsdecode(find_ort_library(_path("ort_lib", ort_lib))),
         )
 
     def __call__(
@@ -444,7 +495,7 @@ class Pipeline:
                 "mask": masks[0] if masks else None,
                 "mask_transparent": bool(mask_transparent),
                 "strength": _number("strength", strength),
-                "mask_crop": _count("padding_mask_crop", padding_mask_crop),
+                "mask_crop": _count("padding_mask_crop", padding_mask_crop, bounds=(0, MAX_SIDE)),
             },
             height=height,
             width=width,
@@ -491,10 +542,10 @@ class Pipeline:
         arguments = {
             "references": references,
             **inpaint,
-            "width": _count("width", width),
-            "height": _count("height", height),
-            "steps": _count("num_inference_steps", num_inference_steps),
-            "guidance": _number("guidance_scale", guidance_scale),
+            "width": _count("width", width, bounds=(16, MAX_SIDE)),
+            "height": _count("height", height, bounds=(16, MAX_SIDE)),
+            "steps": _count("num_inference_steps", num_inference_steps, bounds=(1, MAX_STEPS)),
+            "guidance": _number("guidance_scale", guidance_scale, bounds=(0, MAX_GUIDANCE)),
             "negative_prompt": _text("negative_prompt", negative_prompt, optional=True),
             "seed": _seed(generator),
             "num_images": count,

@@ -13,6 +13,8 @@ MAX_STEPS: int
 MAX_GUIDANCE: float
 MAX_REFERENCES: int
 """Most reference images per call."""
+MAX_THREADS: int
+"""Most threads per operator."""
 MAX_PROMPT_BYTES: int
 
 class KleinError(Exception):

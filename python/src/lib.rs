@@ -11,6 +11,7 @@ use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::thread::ThreadId;
 use std::time::Duration;
 
 use klein::error::chain;
@@ -119,8 +120,25 @@ fn input_err(py: Python<'_>, error: &KleinError, param: &str) -> PyErr {
 }
 
 /// The pipeline, whatever a panic elsewhere left (klein does not panic on input).
-fn lock(pipeline: &Mutex<Pipeline>) -> MutexGuard<'_, Pipeline> {
-    pipeline.lock().unwrap_or_else(PoisonError::into_inner)
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Marks the thread running a generation of a pipeline until dropped (see
+/// [`PyPipeline::locked`]).
+struct Generating<'a>(&'a Mutex<Option<ThreadId>>);
+
+impl<'a> Generating<'a> {
+    fn start(slot: &'a Mutex<Option<ThreadId>>) -> Generating<'a> {
+        *lock(slot) = Some(std::thread::current().id());
+        Generating(slot)
+    }
+}
+
+impl Drop for Generating<'_> {
+    fn drop(&mut self) {
+        *lock(self.0) = None;
+    }
 }
 
 /// A LoRA as Python gives it: `(path, scale)`, `"FILE"` or `"FILE:SCALE"`, or an `os.PathLike`.
@@ -272,6 +290,8 @@ struct PyPipeline {
     requested_device: String,
     /// The applied LoRAs, readable while a generation holds the pipeline.
     loras: Mutex<Vec<(PathBuf, f32)>>,
+    /// The thread whose generation holds the pipeline, while one does.
+    generating_on: Mutex<Option<ThreadId>>,
 }
 
 /// What a generation made, before it becomes Python objects.
@@ -353,6 +373,20 @@ enum Failure {
 }
 
 impl PyPipeline {
+    /// The pipeline, locked (waiting for another thread's call to end); refused on the thread
+    /// whose generation holds it: a callback or preview calling its own pipeline would wait for
+    /// itself forever.
+    fn locked(&self) -> klein::Result<MutexGuard<'_, Pipeline>> {
+        if *lock(&self.generating_on) == Some(std::thread::current().id()) {
+            return Err(KleinError::Request(
+                "this pipeline is running the generation whose callback or preview made this call; \
+                 use another klein.Pipeline there, or call after the generation returns"
+                    .into(),
+            ));
+        }
+        Ok(lock(&self.pipeline))
+    }
+
     fn run_generation(
         &self,
         request: Request,
@@ -363,7 +397,8 @@ impl PyPipeline {
         preview: Option<Py<PyAny>>,
     ) -> Result<Made, Failure> {
         let mut request = request;
-        let mut pipeline = lock(&self.pipeline);
+        let mut pipeline = self.locked().map_err(Failure::Klein)?;
+        let _generating = Generating::start(&self.generating_on);
         let pipeline = &mut *pipeline;
         if let Some(inpaint) = &inpaint {
             request.inpaint = Some(inpaint.load(pipeline)?);
@@ -533,6 +568,7 @@ impl PyPipeline {
                     .map(|l| (l.path().to_path_buf(), l.scale()))
                     .collect(),
             ),
+            generating_on: Mutex::new(None),
         })
     }
 
@@ -636,7 +672,7 @@ impl PyPipeline {
     /// Applies `loras` in place of the current ones (empty: none); only the transformer reloads.
     fn set_loras(&self, py: Python<'_>, loras: Vec<LoraArg>) -> PyResult<()> {
         let specs: Vec<LoraSpec> = loras.into_iter().map(LoraArg::spec).collect();
-        py.detach(|| lock(&self.pipeline).set_loras(&specs))
+        py.detach(|| self.locked()?.set_loras(&specs))
             .map_err(|e| to_py_err(py, &e))?;
         *self.loras.lock().unwrap_or_else(PoisonError::into_inner) = specs
             .iter()
@@ -647,11 +683,17 @@ impl PyPipeline {
 
     /// The applied LoRAs, `(path, scale)`.
     #[getter]
-    fn loras(&self) -> Vec<(PathBuf, f32)> {
-        self.loras
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+    fn loras(&self) -> Vec<(PathBuf, f64)> {
+        // Each scale as the shortest decimal that is its f32 (0.8, not 0.800000011920929).
+        lock(&self.loras)
+            .iter()
+            .map(|(path, scale)| {
+                (
+                    path.clone(),
+                    scale.to_string().parse().unwrap_or(f64::from(*scale)),
+                )
+            })
+            .collect()
     }
 
     #[getter]
@@ -703,13 +745,14 @@ impl PyPipeline {
 
     /// Where the graphs loaded so far run (`cpu`, or per graph); `none` before the first.
     #[getter]
-    fn device_used(&self, py: Python<'_>) -> String {
-        py.detach(|| lock(&self.pipeline).device_name())
+    fn device_used(&self, py: Python<'_>) -> PyResult<String> {
+        py.detach(|| Ok(self.locked()?.device_name()))
+            .map_err(|e: KleinError| to_py_err(py, &e))
     }
 
     /// sha256 of the bundle's manifest.json (stored in every PNG).
     fn bundle_sha256(&self, py: Python<'_>) -> PyResult<String> {
-        py.detach(|| lock(&self.pipeline).bundle_sha256())
+        py.detach(|| self.locked()?.bundle_sha256())
             .map_err(|e| to_py_err(py, &e))
     }
 
@@ -747,5 +790,6 @@ fn _klein(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_GUIDANCE", limits::MAX_GUIDANCE)?;
     m.add("MAX_REFERENCES", limits::MAX_REFERENCES)?;
     m.add("MAX_PROMPT_BYTES", limits::MAX_PROMPT_BYTES)?;
+    m.add("MAX_THREADS", limits::MAX_THREADS)?;
     Ok(())
 }

@@ -84,7 +84,7 @@ pub struct Generation {
     pub steps: usize,
     pub guidance: f64,
     pub seed: u64,
-    /// The negative prompt guidance ran with, when the request gave one.
+    /// The negative prompt guidance ran with, when the request gave one (not empty).
     pub negative_prompt: Option<String>,
     /// Whether the VAE decoded in tiles ([`VaeTiling`]).
     pub vae_tiled: bool,
@@ -798,7 +798,7 @@ impl Pipeline {
             steps,
             guidance,
             seed: request.seed,
-            negative_prompt: request.negative_prompt.clone(),
+            negative_prompt: request.negative_prompt.clone().filter(|n| !n.is_empty()),
             strength: request.inpaint.as_ref().map(|i| i.strength),
             masked: request.inpaint.as_ref().is_some_and(|i| i.mask.is_some()),
             mask_crop: crop.map(|c| c.padding),

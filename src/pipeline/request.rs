@@ -355,7 +355,13 @@ impl Plan {
         }
         // As diffusers: guidance applies to base (non-distilled) models only, when above 1.
         let cfg = !model.is_distilled && guidance > 1.0;
-        if request.negative_prompt.is_some() && !cfg {
+        // An empty one is the default (diffusers' ""), whatever the model.
+        if request
+            .negative_prompt
+            .as_ref()
+            .is_some_and(|n| !n.is_empty())
+            && !cfg
+        {
             return Err(request_error(if model.is_distilled {
                 format!(
                     "a negative prompt needs classifier-free guidance, and {} is a distilled model \

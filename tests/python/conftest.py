@@ -1,9 +1,11 @@
 """Fixtures of the Python tests (bindings, Ray Serve): the repository, the `klein` CLI that
-scripts/test.sh builds, and the bundled tiny model."""
+scripts/test.sh builds, the bundled tiny model and a LoRA for it."""
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -48,3 +50,21 @@ def inpaint_inputs() -> InpaintInputs:
     transparent = Image.new("RGBA", (50, 36), (9, 9, 9, 255))
     transparent.paste((0, 0, 0, 0), (10, 5, 40, 30))
     return InpaintInputs(source, white, transparent)
+
+
+@pytest.fixture(scope="session")
+def tiny_lora(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`style.safetensors`: a diffusers-layout LoRA of rank 2 on every linear layer of the tiny
+    model's transformer (the layers and shapes of its manifest's LoRA map)."""
+    from safetensors.numpy import save_file
+
+    manifest = json.loads((tiny_bundle / "manifest.json").read_text())
+    rng = np.random.default_rng(5)
+    tensors = {}
+    for module, target in manifest["graphs"]["transformer"]["lora_targets"].items():
+        out, inp = target["shape"]
+        tensors[f"transformer.{module}.lora_A.weight"] = rng.uniform(-0.3, 0.3, (2, inp)).astype(np.float32)
+        tensors[f"transformer.{module}.lora_B.weight"] = rng.uniform(-0.3, 0.3, (out, 2)).astype(np.float32)
+    path = tmp_path_factory.mktemp("loras") / "style.safetensors"
+    save_file(tensors, str(path))
+    return path

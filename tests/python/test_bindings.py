@@ -192,6 +192,18 @@ def test_callback_steps_and_cancel(pipe):
     assert np.array_equal(done.images, again.images)
 
 
+def test_a_callback_calling_its_own_pipeline_is_refused(pipe):
+    # It would wait for its own generation forever; the error comes out of the outer call.
+    def again(step: int, total: int) -> None:
+        pipe("a hen", width=64, height=64, num_inference_steps=1)
+
+    with pytest.raises(klein.InvalidInputError, match="running the generation whose callback"):
+        pipe("a fox", width=64, height=64, num_inference_steps=2, callback=again)
+    with pytest.raises(klein.InvalidInputError, match="running the generation whose callback"):
+        pipe("a fox", width=64, height=64, num_inference_steps=2, callback=lambda s, t: pipe.set_loras([]))
+    assert pipe("a fox", width=64, height=64, num_inference_steps=1).images  # still usable
+
+
 def test_ctrl_c_cancels(tiny_bundle):
     """A SIGINT while Rust runs is seen at the next step: KeyboardInterrupt, long before the end.
 
@@ -224,7 +236,7 @@ def test_ctrl_c_cancels(tiny_bundle):
 
 
 def test_invalid_input(pipe, tiny_bundle, tmp_path):
-    with pytest.raises(klein.InvalidInputError, match="width 8000") as error:
+    with pytest.raises(klein.InvalidInputError, match="width is 8000: it must be between 16 and 4096") as error:
         pipe("a fox", width=8000, height=64)
     assert isinstance(error.value, ValueError) and isinstance(error.value, klein.KleinError)
     missing = tmp_path / "missing.png"
@@ -263,6 +275,55 @@ def test_invalid_input(pipe, tiny_bundle, tmp_path):
     with pytest.raises(klein.InvalidInputError, match="nothing.safetensors"):
         pipe.set_loras([("nothing.safetensors", 0.5)])
     assert pipe.loras == []
+    # Wrong types name their argument, as the native checks do.
+    for call, param in [
+        (lambda: pipe.set_loras(5), "loras"),
+        (lambda: pipe.set_loras({"a.safetensors"}), "loras"),
+        (lambda: klein.Pipeline(tiny_bundle, cpu_cache=5), "cpu_cache"),
+        (lambda: klein.Pipeline(tiny_bundle, ort_lib=5), "ort_lib"),
+        (lambda: klein.Pipeline(tiny_bundle, vae_tiling=2), "vae_tiling"),
+        (lambda: klein.Pipeline(tiny_bundle, threads=-1), "threads"),
+        (lambda: klein.EncodedImage("not bytes"), "image"),
+        (lambda: pipe("a fox", num_inference_steps=0), "num_inference_steps"),
+        (lambda: pipe("a fox", guidance_scale=float("nan")), "guidance_scale"),
+        (lambda: pipe("a fox", width=-64), "width"),
+        (lambda: pipe(["a fox"]), "prompt"),
+        (lambda: pipe("a fox", image=Image.new("RGB", (0, 0))), "image"),
+        (lambda: pipe.inpaint("a fox", image=synthetic(), padding_mask_crop=10**6), "padding_mask_crop"),
+    ]:
+        with pytest.raises(klein.InvalidInputError) as error:
+            call()
+        assert error.value.param == param, (param, error.value)
+        assert param.split("_")[0] in str(error.value), error.value
+    closed = synthetic()
+    closed.close()
+    with pytest.raises(klein.InvalidInputError, match=r"image\[0\]"):
+        pipe("a fox", image=closed, width=64, height=64)
+
+
+def test_loras_tiling_and_an_empty_negative_prompt_as_diffusers_users_give_them(pipe, tiny_bundle, tiny_lora):
+    # A dict of path: scale keeps its scales; scales read back as given.
+    pipe.set_loras({tiny_lora: 0.8})
+    try:
+        assert pipe.loras == [(tiny_lora, 0.8)]
+        by_dict = pipe("a fox", width=64, height=64, generator=1, num_inference_steps=1, output_type="np")
+        pipe.set_loras([(tiny_lora, 0.8)])
+        by_pair = pipe("a fox", width=64, height=64, generator=1, num_inference_steps=1, output_type="np")
+        assert np.array_equal(by_dict.images, by_pair.images)
+    finally:
+        pipe.set_loras(None)
+    # diffusers' default negative prompt, "", is no negative prompt: accepted on a distilled model.
+    plain = pipe("a fox", width=64, height=64, generator=1, num_inference_steps=1, output_type="np")
+    empty = pipe("a fox", width=64, height=64, generator=1, num_inference_steps=1, output_type="np", negative_prompt="")
+    assert np.array_equal(plain.images, empty.images)
+    # Booleans turn tiling on or off (False was read as "auto").
+    images = {}
+    for tiling in (True, "on", False, "off"):
+        tiled = klein.Pipeline(tiny_bundle, vae_tiling=tiling)
+        images[tiling] = tiled("a harbour", width=176, height=112, generator=2, num_inference_steps=1, output_type="np")
+    assert np.array_equal(images[True].images, images["on"].images)
+    assert np.array_equal(images[False].images, images["off"].images)
+    assert not np.array_equal(images["on"].images, images["off"].images)
 
 
 def test_bundle_properties(pipe, tiny_bundle):
@@ -345,7 +406,7 @@ def test_release_transformer_is_the_cli_file(tiny_bundle, klein_bin, tmp_path):
 
 def test_an_input_image_error_names_its_argument(pipe, tmp_path):
     """`error.param` names the argument whose image klein could not use (as an API's 400 names the
-    field); errors of no one input leave it None."""
+    field), or whose number is out of range; errors of no one input leave it None."""
     source, unreadable = tmp_path / "source.png", tmp_path / "notes.png"
     synthetic().resize((100, 72)).save(source)
     unreadable.write_bytes(b"these are not the pixels you are looking for")
@@ -360,7 +421,8 @@ def test_an_input_image_error_names_its_argument(pipe, tmp_path):
         # ... a source too small to generate from is the source's.
         ("image", lambda: pipe.inpaint("a fox", image=Image.new("RGB", (8, 8)),
                                        mask_image=Image.new("RGB", (8, 8), "white"), padding_mask_crop=8)),
-        (None, lambda: pipe("a fox", width=8000, height=64)),
+        ("width", lambda: pipe("a fox", width=8000, height=64)),
+        (None, lambda: pipe("a fox", image=[str(source)] * 11, width=64, height=64)),  # no one image's
     ]  # fmt: skip
     for param, call in cases:
         with pytest.raises(klein.InvalidInputError) as error:

@@ -11,6 +11,7 @@ import concurrent.futures
 import io
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -320,3 +321,23 @@ def test_two_replicas_answer_the_cli_files_and_survive_a_killed_replica(serve_ur
         f"in {wave2:.1f} s; replaced by {replacements[0]}, 2 replicas running at {recovered:.1f} s; "
         f"{len(failed)} retried, all right"
     )
+
+
+def test_app_builder_checks_its_settings(repo, tiny_bundle):
+    """A bad setting is named when the application is built, not when its replicas fail to start."""
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    from deploy.ray import klein_serve
+
+    model = str(tiny_bundle)
+    for args, message in [
+        ({"model": model, "threads": "0"}, "threads=0: give a whole number of at least 1"),
+        ({"model": model, "replicas": "abc"}, "replicas='abc': give a whole number of at least 1"),
+        ({"model": model, "num_gpus": "-1"}, "num_gpus=-1.0"),
+        ({"model": model, "max_replicas": "1", "min_replicas": "3"}, "max_replicas=1"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            klein_serve.app_builder(args)
+    # A Serve config's YAML list of LoRAs is taken as the list it is (it was one spec, "['a:0.5']").
+    app = klein_serve.app_builder({"model": model, "loras": ["a.safetensors:0.5", "b.safetensors"]})
+    assert app._bound_deployment.init_kwargs["loras"] == ["a.safetensors:0.5", "b.safetensors"]

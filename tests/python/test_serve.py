@@ -575,24 +575,10 @@ def test_warnings_models_retrieve_and_bearer_case(klein_bin: Path, tiny_bundle: 
         assert s.stop() == 0
 
 
-def write_lora(path: Path, bundle: Path) -> None:
-    """A diffusers-layout LoRA of rank 2 on every linear layer of `bundle`'s transformer."""
-    from safetensors.numpy import save_file
-
-    targets = json.loads((bundle / "manifest.json").read_text())["graphs"]["transformer"]["lora_targets"]
-    rng = np.random.default_rng(5)
-    tensors = {}
-    for module, target in targets.items():
-        out, inp = target["shape"]
-        tensors[f"transformer.{module}.lora_A.weight"] = rng.uniform(-0.3, 0.3, (2, inp)).astype(np.float32)
-        tensors[f"transformer.{module}.lora_B.weight"] = rng.uniform(-0.3, 0.3, (out, 2)).astype(np.float32)
-    save_file(tensors, str(path))
-
-
-def test_loras_by_name_never_by_path(klein_bin: Path, tiny_bundle: Path, tmp_path: Path):
+def test_loras_by_name_never_by_path(klein_bin: Path, tiny_bundle: Path, tiny_lora: Path, tmp_path: Path):
     loras = tmp_path / "loras"
     loras.mkdir()
-    write_lora(loras / "style.safetensors", tiny_bundle)
+    shutil.copy(tiny_lora, loras / "style.safetensors")
     s = Server(klein_bin, tiny_bundle, "--lora-dir", str(loras))
     try:
         assert "klein serve: LoRAs: style" in "".join(s.log)

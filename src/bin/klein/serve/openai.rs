@@ -110,7 +110,7 @@ pub(crate) fn check_negative_prompt(
     negative: Option<String>,
 ) -> Result<Option<String>, ApiError> {
     match negative {
-        Some(_) if state.distilled => Err(ApiError::field(
+        Some(n) if state.distilled && !n.is_empty() => Err(ApiError::field(
             "negative_prompt",
             format!(
                 "negative_prompt needs classifier-free guidance, and {} is a distilled model (it runs without guidance); serve a base model",
