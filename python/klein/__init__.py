@@ -488,7 +488,7 @@ class Pipeline:
             raise InvalidInputError("invalid request: inpaint takes one source image and at most one mask_image")
         return self._run(
             prompt,
-            references=_references(image_reference),
+            references=_references(image_reference, "image_reference"),
             params={"source": "image", "mask": "mask_image", "references": "image_reference"},
             inpaint={
                 "source": sources[0],

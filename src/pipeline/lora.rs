@@ -277,10 +277,13 @@ fn check_fit(file: &LoraFile, targets: &BTreeMap<String, LoraTarget>) -> Result<
         .collect();
     if !mismatched.is_empty() {
         let names: Vec<&str> = mismatched.iter().map(String::as_str).collect();
+        let layers = match mismatched.len() {
+            1 => "1 layer does".to_string(),
+            n => format!("{n} layers do"),
+        };
         return Err(fail(format!(
-            "{} layers do not have the shape this {} was trained for: {}: a LoRA for another size of the \
+            "{layers} not have the shape this {} was trained for: {}: a LoRA for another size of the \
              model (klein 4B has hidden size 3072, 9B 4096)",
-            mismatched.len(),
             file.format,
             first_names(&names)
         )));

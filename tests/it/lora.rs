@@ -293,7 +293,26 @@ fn mismatched_loras_are_refused() {
     let not_safetensors = dir.join("model.ckpt");
     std::fs::write(&not_safetensors, b"PK\x03\x04 a pickle").unwrap();
 
+    let one_wide = lora_file(
+        &dir,
+        "one_wide",
+        &[
+            (
+                "transformer.transformer_blocks.0.attn.add_k_proj.lora_A.weight",
+                &[2, 128],
+            ),
+            (
+                "transformer.transformer_blocks.0.attn.add_k_proj.lora_B.weight",
+                &[128, 2],
+            ),
+        ],
+        None,
+    );
     let cases: Vec<(PathBuf, Vec<&str>)> = vec![
+        (
+            one_wide,
+            vec!["1 layer does not have the shape", "add_k_proj"],
+        ),
         (
             wide,
             vec![
