@@ -568,3 +568,12 @@ def test_cpu_cache_is_the_cli_file(tiny_bundle, klein_bin, tmp_path):
         assert out.images == [(tmp_path / "c.png").read_bytes()]
     saved = sorted(p.name for p in cache.glob("*/*.onnx"))
     assert saved == ["text_encoder.onnx", "transformer.onnx", "vae_decoder.onnx"]
+
+
+def test_an_inpainting_reference_is_labelled_as_its_argument(pipe, inpaint_inputs):
+    out = pipe.inpaint("a hat", image=inpaint_inputs.source, image_reference=synthetic(), num_inference_steps=1)
+    assert out.references == ["image_reference-0"]
+    png = pipe.inpaint(
+        "a hat", image=inpaint_inputs.source, image_reference=synthetic(), num_inference_steps=1, output_type="png"
+    )
+    assert Image.open(io.BytesIO(png.images[0])).text["references"] == '["image_reference-0"]'
