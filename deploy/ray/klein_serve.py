@@ -64,9 +64,21 @@ FIELDS = (
 )
 #: The numbers of an edits form, parsed from their text.
 INTEGER_FIELDS = ("n", "seed", "steps")
-#: ``klein.InvalidInputError.param`` (the Python argument) as the edit form's field: the source
-#: and the references are both ``image`` fields there.
-PARAMS = {"image": "image", "image_reference": "image", "mask_image": "mask"}
+#: ``klein.InvalidInputError.param`` (the Python argument) as the request's field: the source
+#: and the references are both ``image`` fields of the edit form.
+PARAMS = {
+    "image": "image",
+    "image_reference": "image",
+    "mask_image": "mask",
+    "prompt": "prompt",
+    "negative_prompt": "negative_prompt",
+    "num_inference_steps": "steps",
+    "guidance_scale": "guidance",
+    "width": "size",
+    "height": "size",
+    "num_images_per_prompt": "n",
+    "strength": "strength",
+}
 
 
 class ApiError(Exception):

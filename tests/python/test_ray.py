@@ -210,6 +210,8 @@ def test_openai_api_errors(serve_url, expected):
         ({"prompt": "a fox", "colour": "red"}, "colour"),
         ({"prompt": "a fox", "n": 0}, "n"),
         ({"size": "64x64"}, "prompt"),
+        # Refused by the klein package, named as the request's field.
+        ({"prompt": "a \ud800 fox", "size": "64x64"}, "prompt"),
     ]
     for body, param in cases:
         response = requests.post(f"{url}/v1/images/generations", json=body, timeout=HTTP_TIMEOUT)
