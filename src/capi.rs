@@ -144,8 +144,8 @@ pub struct KleinRequest {
     pub preview_user_data: *mut c_void,
     /// Inpainting with `mask_path`: non-zero crops to the mask's region, as diffusers'
     /// `padding_mask_crop` (`Pipeline::crop_to_mask`), with `mask_crop_padding` (0 to 4096) pixels
-    /// of context;
-    /// the output then has the source image's size (not floored to 16). 0: the whole source.
+    /// of context; the output then has the source image's size (not floored to 16). 0: the whole
+    /// source.
     pub mask_crop: u8,
     pub mask_crop_padding: u32,
 }

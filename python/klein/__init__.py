@@ -380,9 +380,8 @@ class Pipeline:
             if model is None:
                 raise InvalidInputError("no model: pass model= (a bundle directory) or set KLEIN_MODEL")
         if not isinstance(model, (str, os.PathLike)):
-            raise InvalidInputError(
-                f"invalid request: model must be a bundle directory's path (str or os.PathLike), "
-                f"not {type(model).__name__}"
+            raise _invalid(
+                f"model must be a bundle directory's path (str or os.PathLike), not {type(model).__name__}", "model"
             )
         if not isinstance(device, str):
             raise InvalidInputError(f"invalid request: device must be a string, not {type(device).__name__}")

@@ -239,8 +239,7 @@ impl Pipeline {
 
     /// Problems met since the last call that did not stop the work (a prompt-cache entry that was
     /// rejected, a cache that could not be written, guidance given to a distilled model), oldest
-    /// first. The library never prints: an
-    /// app shows or logs them.
+    /// first. The library never prints: an app shows or logs them.
     pub fn take_warnings(&mut self) -> Vec<String> {
         let mut warnings = std::mem::take(&mut self.warnings);
         warnings.extend(self.graphs.take_warnings());

@@ -206,8 +206,8 @@ impl Request {
 impl Request {
     /// Checks the numbers given in this request against [`crate::limits`], without a bundle:
     /// images per prompt, steps, guidance, preview interval, prompt length, reference count and
-    /// output sides. Cheap:
-    /// call it before loading anything ([`super::Pipeline::generate`] calls it too).
+    /// output sides. Cheap: call it before loading anything ([`super::Pipeline::generate`] calls
+    /// it too).
     pub fn check_bounds(&self) -> Result<()> {
         if self.num_images == 0 || self.num_images > MAX_BATCH {
             return Err(request_error(format!(
@@ -493,7 +493,7 @@ pub(crate) fn output_size(manifest: &Manifest, request: &Request) -> Result<(u32
 }
 
 /// Output plus reference tokens must fit in one transformer call ([`MAX_IMAGE_TOKENS`]).
-pub(crate) fn check_token_budget(
+pub fn check_token_budget(
     output_tokens: usize,
     reference_tokens: usize,
     references: usize,

@@ -216,13 +216,10 @@ pub(crate) fn generate_batch(
             out_dir.display()
         ))
     })?;
-    klein::fsutil::check_writable(&out_dir.join(SUMMARY_FILE)).map_err(|e| {
-        UsageError(format!(
-            "--out-dir {}: {}; give a directory you can write to",
-            out_dir.display(),
-            klein::error::chain(&e)
-        ))
-    })?;
+    crate::outputs::check_writable(
+        &format!("--out-dir {}", out_dir.display()),
+        &out_dir.join(SUMMARY_FILE),
+    )?;
     let base = prompts
         .parent()
         .filter(|p| !p.as_os_str().is_empty())

@@ -14,8 +14,7 @@ const DEFAULT_JPEG_QUALITY: u8 = 90;
 /// The files `--output` names for `n` images (`out.png`, or `out-1.png` ... `out-N.png`) and
 /// their format, refused before any work when they could not be written once the images are made:
 /// a directory (or a path ending in a separator), a missing or unwritable directory, an unknown
-/// extension; and
-/// a JPEG quality given for a lossless format.
+/// extension; and a JPEG quality given for a lossless format.
 /// `flag` names the option in messages (`output`, `--preview`).
 pub(crate) fn output_files(
     flag: &str,
@@ -67,15 +66,21 @@ pub(crate) fn output_files(
             ))
             .into());
         }
-        klein::fsutil::check_writable(path).map_err(|e| {
-            UsageError(format!(
-                "{flag} {}: {}; give a path in a directory you can write to",
-                path.display(),
-                klein::error::chain(&e)
-            ))
-        })?;
+        check_writable(&format!("{flag} {}", path.display()), path)?;
     }
     Ok((paths, format))
+}
+
+/// Refuses, before any work, a `path` that [`klein::fsutil::write_atomic`] could not write (its
+/// directory takes no new file); `what` names it in the message (`--out-dir out`).
+pub(crate) fn check_writable(what: &str, path: &Path) -> anyhow::Result<()> {
+    klein::fsutil::check_writable(path).map_err(|e| {
+        UsageError(format!(
+            "{what}: {}; give a path in a directory you can write to",
+            klein::error::chain(&e)
+        ))
+        .into()
+    })
 }
 
 /// Output paths: `out.png`, or `out-1.png` ... `out-N.png` for a batch.

@@ -4,9 +4,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use klein::limits::{
-    MAX_BATCH, MAX_GUIDANCE, MAX_IMAGE_TOKENS, MAX_PROMPT_BYTES, MAX_SIDE, MAX_STEPS,
+    MAX_BATCH, MAX_GUIDANCE, MAX_IMAGE_TOKENS, MAX_PROMPT_BYTES, MAX_SIDE, MAX_STEPS, MIN_SIDE,
 };
 use klein::pipeline::lora::inspect;
+use klein::pipeline::request::check_token_budget;
 use klein::pipeline::{LoraSpec, Pipeline};
 use klein::stages::output::ImageFormat;
 
@@ -42,17 +43,8 @@ pub(crate) fn parse_size(size: Option<&str>) -> Result<(Option<u32>, Option<u32>
 /// An output of `w` x `h` pixels within the token budget (before the references' tokens, which
 /// are counted once they are read); `param` names the field.
 pub(crate) fn check_tokens(param: &str, w: u32, h: u32) -> Result<(), ApiError> {
-    let tokens = (w / 16) as usize * (h / 16) as usize;
-    if tokens > MAX_IMAGE_TOKENS {
-        return Err(ApiError::field(
-            param,
-            format!(
-                "{w}x{h} is {tokens} tokens of 16x16 pixels; at most {MAX_IMAGE_TOKENS} fit, \
-                 references' included (2288x2288 alone)"
-            ),
-        ));
-    }
-    Ok(())
+    let tokens = (w / MIN_SIDE) as usize * (h / MIN_SIDE) as usize;
+    check_token_budget(tokens, 0, 0).map_err(|e| ApiError::from_klein(&e, Some(param)))
 }
 
 /// A prompt (or negative prompt) of at most [`MAX_PROMPT_BYTES`].
