@@ -96,6 +96,12 @@ LoraInput = Union[tuple[Union[str, "os.PathLike[str]"], float], str, "os.PathLik
 # Modes Pillow writes to PNG as they are; other modes are converted to RGB (RGBA with alpha).
 _PNG_MODES = {"1", "L", "LA", "I;16", "I;16B", "P", "RGB", "RGBA"}
 _OUTPUT_TYPES = ("pil", "np", "png")
+#: The native arguments whose Python names differ, as ``InvalidInputError.param`` names them.
+_NATIVE_PARAMS = {
+    "steps": "num_inference_steps",
+    "guidance": "guidance_scale",
+    "num_images": "num_images_per_prompt",
+}
 _U32 = 2**32
 _U64 = 2**64
 
@@ -556,9 +562,9 @@ class Pipeline:
         try:
             generation = self._native.generate(prompt, **arguments)
         except KleinError as error:
-            # An input's error names the native argument (``source``, ``mask``, ``references``):
-            # as the caller's argument (``params``).
-            error.param = params.get(error.param, error.param)
+            # An input's error names the native argument (``source``, ``mask``, ``references``,
+            # ``steps``...): as the caller's argument (``params``, else ``_NATIVE_PARAMS``).
+            error.param = params.get(error.param, _NATIVE_PARAMS.get(error.param, error.param))
             raise
         for message in generation.warnings:
             warnings.warn(message, KleinWarning, stacklevel=3)

@@ -21,8 +21,11 @@ class KleinError(Exception):
     """An error of klein (the message names the file, field or stage)."""
 
     param: str | None
-    """The argument at fault where the error is one input image's (``image``, ``mask_image``,
-    ``image_reference``: its file could not be read or used), else None."""
+    """The argument at fault, as the call names it: an input image that could not be read or
+    used (``image``, ``mask_image``, ``image_reference``), a number, text or list out of bounds
+    (``width`` also for a size over the token budget, ``num_inference_steps``, ``prompt``,
+    ``image`` for too many references...); None where no one argument is at fault (a bundle,
+    the runtime)."""
 
 class InvalidInputError(KleinError, ValueError):
     """What the caller gave cannot be used: a file, a bundle, a size, a count, an option."""

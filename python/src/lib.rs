@@ -637,9 +637,11 @@ impl PyPipeline {
         request.negative_prompt = negative_prompt;
         request.preview_every = preview.as_ref().and(preview_every.or(Some(1)));
         // Every number given, before a file is read or a graph loaded.
-        request.check_bounds().map_err(|e| to_py_err(py, &e))?;
+        request
+            .check_fields()
+            .map_err(|(field, e)| input_err(py, &e, field))?;
         klein::pipeline::request::check_reference_count(references.len())
-            .map_err(|e| to_py_err(py, &e))?;
+            .map_err(|e| input_err(py, &e, "references"))?;
         let references: Vec<Reference> = references.into_iter().map(Reference::from).collect();
         let made = py
             .detach(|| self.run_generation(request, references, inpaint, png, callback, preview))

@@ -207,43 +207,52 @@ impl Request {
     /// Checks the numbers given in this request against [`crate::limits`], without a bundle:
     /// images per prompt, steps, guidance, preview interval, prompt length, reference count and
     /// output sides. Cheap: call it before loading anything ([`super::Pipeline::generate`] calls
-    /// it too).
+    /// it too). [`Request::check_fields`] also names the field at fault.
     pub fn check_bounds(&self) -> Result<()> {
+        self.check_fields().map_err(|(_, error)| error)
+    }
+
+    /// [`Request::check_bounds`], naming the field of the first number out of bounds:
+    /// `num_images`, `steps`, `guidance`, `preview_every`, `prompt`, `negative_prompt`,
+    /// `references` (their count), `width` or `height` (`width` also when the two sides together
+    /// exceed the token budget), so that an API can report it as its own argument.
+    pub fn check_fields(&self) -> std::result::Result<(), (&'static str, KleinError)> {
+        let at = |field: &'static str| move |error| (field, error);
         if self.num_images == 0 || self.num_images > MAX_BATCH {
-            return Err(request_error(format!(
+            return Err(at("num_images")(request_error(format!(
                 "num_images is {}: it must be between 1 and {MAX_BATCH}",
                 self.num_images
-            )));
+            ))));
         }
         if let Some(steps) = self.steps {
-            check_steps(steps)?;
+            check_steps(steps).map_err(at("steps"))?;
         }
         if let Some(guidance) = self.guidance {
-            check_guidance(guidance)?;
+            check_guidance(guidance).map_err(at("guidance"))?;
         }
         if self.preview_every == Some(0) {
-            return Err(request_error(
+            return Err(at("preview_every")(request_error(
                 "preview_every must be at least 1 step".into(),
-            ));
+            )));
         }
-        check_prompt(&self.prompt)?;
+        check_prompt(&self.prompt).map_err(at("prompt"))?;
         if let Some(negative) = &self.negative_prompt {
-            check_prompt(negative)?;
+            check_prompt(negative).map_err(at("negative_prompt"))?;
         }
-        check_reference_count(self.conditioning_images().count())?;
+        check_reference_count(self.conditioning_images().count()).map_err(at("references"))?;
         for (what, value) in [("width", self.width), ("height", self.height)] {
             if let Some(value) = value.filter(|v| !(MIN_SIDE..=MAX_SIDE).contains(v)) {
-                return Err(request_error(format!(
+                return Err(at(what)(request_error(format!(
                     "{what} {value} is out of range: it must be between {MIN_SIDE} and {MAX_SIDE} pixels \
                      (and width/16 x height/16 plus the references' tokens at most {MAX_IMAGE_TOKENS})"
-                )));
+                ))));
             }
         }
         // The output's own tokens (one per MIN_SIDE x MIN_SIDE pixels); the references' are
         // added once their sizes are read.
         if let (Some(width), Some(height)) = (self.width, self.height) {
             let tokens = (width / MIN_SIDE) as usize * (height / MIN_SIDE) as usize;
-            check_token_budget(tokens, 0, 0)?;
+            check_token_budget(tokens, 0, 0).map_err(at("width"))?;
         }
         Ok(())
     }

@@ -356,6 +356,7 @@ fn batch_flags_are_checked() {
     let empty = dir.join("empty.jsonl");
     std::fs::write(&empty, "\n\n").unwrap();
     batch(&empty, &out, &FAST).assert_user_error(&[path_str(&empty), "has no lines"]);
+    assert!(!out.exists(), "a refused batch leaves no --out-dir behind");
     // No size to check first: refused once the limit has been read.
     #[cfg(unix)]
     batch(Path::new("/dev/zero"), &out, &FAST).assert_user_error(&[
@@ -427,7 +428,7 @@ fn inpainting_lines_equal_single_runs() {
 }
 
 /// The command line's numbers, the lines' defaults, are checked before the bundle or the prompts
-/// file is read, and nothing is written.
+/// file is read, and nothing is written; nor for a bundle that is not there.
 #[test]
 fn command_line_bounds_are_checked_before_the_bundle_is_read() {
     let dir = temp_dir("batch-bounds");
@@ -446,4 +447,10 @@ fn command_line_bounds_are_checked_before_the_bundle_is_read() {
         assert!(!run.stderr.contains("/nonexistent"), "{}", run.describe());
         assert!(!out_dir.exists(), "{}", run.describe());
     }
+    // A bundle that is not there is found after the out-dir is made: the directories made for it
+    // (two levels here) are removed again.
+    let nested = out_dir.join("nested");
+    let run = batch(&prompts, &nested, &model);
+    run.assert_user_error(&["/nonexistent/klein-bundle"]);
+    assert!(!out_dir.exists(), "{}", run.describe());
 }

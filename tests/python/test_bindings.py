@@ -295,6 +295,17 @@ def test_invalid_input(pipe, tiny_bundle, tmp_path):
             call()
         assert error.value.param == param, (param, error.value)
         assert param.split("_")[0] in str(error.value), error.value
+    # klein's own bounds (the token budget, the reference count, the prompt's bytes), named as
+    # the caller's argument too.
+    for call, param in [
+        (lambda: pipe("a fox", width=2304, height=2304), "width"),
+        (lambda: pipe.inpaint("a fox", image=synthetic(), image_reference=[synthetic()] * 11), "image_reference"),
+        (lambda: pipe("a" * (klein.MAX_PROMPT_BYTES + 1)), "prompt"),
+        (lambda: pipe("a fox", negative_prompt="a" * (klein.MAX_PROMPT_BYTES + 1)), "negative_prompt"),
+    ]:
+        with pytest.raises(klein.InvalidInputError) as error:
+            call()
+        assert error.value.param == param, (param, error.value)
     closed = synthetic()
     closed.close()
     with pytest.raises(klein.InvalidInputError, match=r"image\[0\]"):
@@ -406,7 +417,7 @@ def test_release_transformer_is_the_cli_file(tiny_bundle, klein_bin, tmp_path):
 
 def test_an_input_image_error_names_its_argument(pipe, tmp_path):
     """`error.param` names the argument whose image klein could not use (as an API's 400 names the
-    field), or whose number is out of range; errors of no one input leave it None."""
+    field), or whose number or length is out of range."""
     source, unreadable = tmp_path / "source.png", tmp_path / "notes.png"
     synthetic().resize((100, 72)).save(source)
     unreadable.write_bytes(b"these are not the pixels you are looking for")
@@ -422,7 +433,7 @@ def test_an_input_image_error_names_its_argument(pipe, tmp_path):
         ("image", lambda: pipe.inpaint("a fox", image=Image.new("RGB", (8, 8)),
                                        mask_image=Image.new("RGB", (8, 8), "white"), padding_mask_crop=8)),
         ("width", lambda: pipe("a fox", width=8000, height=64)),
-        (None, lambda: pipe("a fox", image=[str(source)] * 11, width=64, height=64)),  # no one image's
+        ("image", lambda: pipe("a fox", image=[str(source)] * 11, width=64, height=64)),  # the list's length
     ]  # fmt: skip
     for param, call in cases:
         with pytest.raises(klein.InvalidInputError) as error:

@@ -212,6 +212,7 @@ def test_openai_api_errors(serve_url, expected):
         ({"size": "64x64"}, "prompt"),
         # Refused by the klein package, named as the request's field.
         ({"prompt": "a \ud800 fox", "size": "64x64"}, "prompt"),
+        ({"prompt": "a fox", "size": "2304x2304"}, "size"),  # over the token budget
     ]
     for body, param in cases:
         response = requests.post(f"{url}/v1/images/generations", json=body, timeout=HTTP_TIMEOUT)

@@ -210,12 +210,35 @@ pub(crate) fn generate_batch(
         ))
         .into());
     }
+    // The directories about to be made, removed again (while empty) if the batch stops before
+    // writing anything there: a refused run leaves no output.
+    let made: Vec<&Path> = out_dir.ancestors().take_while(|d| !d.exists()).collect();
     std::fs::create_dir_all(out_dir).map_err(|e| {
         UsageError(format!(
             "--out-dir {}: cannot create it ({e})",
             out_dir.display()
         ))
     })?;
+    let ran = run_batch(args, prompts, out_dir, &text, started);
+    if ran.is_err() {
+        for dir in made {
+            if std::fs::remove_dir(dir).is_err() {
+                break; // not empty: something was written there
+            }
+        }
+    }
+    ran
+}
+
+/// [`generate_batch`] once `out_dir` exists: sorts the lines of `text` (the file `prompts`), runs
+/// them and writes the summary.
+fn run_batch(
+    args: &GenerateArgs,
+    prompts: &Path,
+    out_dir: &Path,
+    text: &str,
+    started: Instant,
+) -> anyhow::Result<ExitCode> {
     crate::outputs::check_writable(
         &format!("--out-dir {}", out_dir.display()),
         &out_dir.join(SUMMARY_FILE),
@@ -232,7 +255,7 @@ pub(crate) fn generate_batch(
         records: Vec::new(),
         started,
     };
-    let to_run = run.sort_lines(&text, base, &reporter);
+    let to_run = run.sort_lines(text, base, &reporter);
     if run.records.is_empty() {
         return Err(UsageError(format!(
             "--prompts {} has no lines; give one {{\"prompt\": ...}} object per line",
