@@ -175,6 +175,9 @@ pub type KleinProgressFn =
 /// A loaded bundle (opaque). Create with `klein_pipeline_load`, release with `klein_pipeline_free`.
 pub struct KleinPipeline {
     pipeline: Pipeline,
+    /// Warnings of `klein_generate` that the library reports as facts of a generation (a
+    /// truncated prompt), kept for `klein_take_warnings`.
+    notes: Vec<String>,
 }
 
 /// Opens the bundle directory `bundle_dir` (see `onnx/README.md`) and stores a new pipeline in
@@ -207,7 +210,10 @@ pub unsafe extern "C" fn klein_pipeline_load(
             None => PipelineOptions::default(),
         };
         let pipeline = Pipeline::load(Path::new(dir), options)?;
-        *out = Box::into_raw(Box::new(KleinPipeline { pipeline }));
+        *out = Box::into_raw(Box::new(KleinPipeline {
+            pipeline,
+            notes: Vec::new(),
+        }));
         Ok(())
     };
     // SAFETY: `error_message` is NULL or writable.
@@ -280,9 +286,8 @@ pub unsafe extern "C" fn klein_generate(
 ) -> KleinStatus {
     let body = || {
         // SAFETY (each block): the pointer guarantees in `# Safety` above.
-        let pipeline = &mut unsafe { pipeline.as_mut() }
-            .ok_or_else(|| Failure::invalid("pipeline is NULL"))?
-            .pipeline;
+        let KleinPipeline { pipeline, notes } =
+            unsafe { pipeline.as_mut() }.ok_or_else(|| Failure::invalid("pipeline is NULL"))?;
         let request_ptr = request;
         let request = unsafe { to_request(pipeline, request) }?;
         let (width, height) = pipeline.output_size(&request)?;
@@ -339,6 +344,12 @@ pub unsafe extern "C" fn klein_generate(
             _ => ControlFlow::Continue(()),
         };
         let generation = pipeline.generate(&request, Some(&mut on_progress))?;
+        if generation.prompt_truncated {
+            notes.push(format!(
+                "the prompt is longer than {} tokens and was truncated, as the reference pipeline does",
+                pipeline.manifest().tokenizer.max_sequence_length
+            ));
+        }
         let images = &generation.images;
         if images.len() != count
             || images
@@ -421,6 +432,41 @@ pub unsafe extern "C" fn klein_set_loras(
     unsafe { guard(error_message, body) }
 }
 
+/// Moves the pipeline's warnings since the last call into `*warnings`: one per line, or NULL when
+/// there are none (`guidance` on a distilled model, which changed nothing; a prompt longer than
+/// the text encoder reads; a CPU cache that could not be used...). The text is the caller's, to
+/// release with `klein_string_free`; the pipeline's list is then empty. Call it after
+/// `klein_generate` (and `klein_pipeline_load`, `klein_set_loras`) to show what the CLI prints.
+///
+/// Thread-safety: as `klein_generate`.
+///
+/// # Safety
+/// `pipeline` is NULL or from `klein_pipeline_load` and not freed, and not used by another thread
+/// during the call; `warnings` and `error_message` are NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn klein_take_warnings(
+    pipeline: *mut KleinPipeline,
+    warnings: *mut *mut c_char,
+    error_message: *mut *mut c_char,
+) -> KleinStatus {
+    let body = || {
+        // SAFETY (each block): the pointer guarantees in `# Safety` above.
+        let slot =
+            unsafe { warnings.as_mut() }.ok_or_else(|| Failure::invalid("warnings is NULL"))?;
+        *slot = ptr::null_mut();
+        let KleinPipeline { pipeline, notes } =
+            unsafe { pipeline.as_mut() }.ok_or_else(|| Failure::invalid("pipeline is NULL"))?;
+        let mut taken = pipeline.take_warnings();
+        taken.append(notes);
+        if !taken.is_empty() {
+            *slot = c_string(taken.join("\n"));
+        }
+        Ok(())
+    };
+    // SAFETY: `error_message` is NULL or writable.
+    unsafe { guard(error_message, body) }
+}
+
 /// Releases a pipeline and every ONNX Runtime session it holds. NULL is a no-op. The pointer must
 /// not be used afterwards, nor while another thread uses it.
 ///
@@ -437,7 +483,8 @@ pub unsafe extern "C" fn klein_pipeline_free(pipeline: *mut KleinPipeline) {
     let _ = panic::catch_unwind(AssertUnwindSafe(move || drop(pipeline)));
 }
 
-/// Releases a message returned through `error_message`. NULL is a no-op. Thread-safe.
+/// Releases a message returned through `error_message` (or the text of `klein_take_warnings`).
+/// NULL is a no-op. Thread-safe.
 ///
 /// # Safety
 /// `message` is NULL or a message from this library not yet freed.
@@ -505,14 +552,17 @@ unsafe fn guard(
     };
     // SAFETY: the caller's guarantee.
     if let Some(slot) = unsafe { error_message.as_mut() } {
-        *slot = message.map_or(ptr::null_mut(), |m| {
-            // Interior NULs would cut the message short; CString::new cannot fail without them.
-            CString::new(m.replace('\0', "\u{FFFD}"))
-                .unwrap_or_default()
-                .into_raw()
-        });
+        *slot = message.map_or(ptr::null_mut(), c_string);
     }
     status
+}
+
+/// `text` as a C string the caller releases with [`klein_string_free`].
+fn c_string(text: String) -> *mut c_char {
+    // Interior NULs would cut the text short; CString::new cannot fail without them.
+    CString::new(text.replace('\0', "\u{FFFD}"))
+        .unwrap_or_default()
+        .into_raw()
 }
 
 fn panic_message(payload: &(dyn Any + Send)) -> &str {

@@ -9,7 +9,7 @@ use std::ptr;
 
 use klein::capi::{
     klein_generate, klein_output_size, klein_pipeline_free, klein_pipeline_load, klein_string_free,
-    KleinOptions, KleinPipeline, KleinRequest, KleinStatus,
+    klein_take_warnings, KleinOptions, KleinPipeline, KleinRequest, KleinStatus,
 };
 use klein::pipeline::{Inpaint, Request};
 
@@ -221,6 +221,16 @@ pub(crate) fn cpu_options(library: &CStr, threads: u32) -> KleinOptions {
         vae_tile_size: 0,
         release_transformer: false,
     }
+}
+
+/// The bundle loaded through the C API with `options` (asserted to succeed).
+pub(crate) fn load(bundle: &CStr, options: &KleinOptions) -> *mut KleinPipeline {
+    let mut pipeline: *mut KleinPipeline = ptr::null_mut();
+    // SAFETY: valid pointers and NUL-terminated strings.
+    let (status, message) =
+        call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), options, &mut pipeline, m) });
+    assert_eq!((status, message.as_str()), (KleinStatus::KLEIN_OK, ""));
+    pipeline
 }
 
 /// `klein_generate` into `buffer`, without progress or size outputs.
@@ -479,11 +489,8 @@ fn c_requests_carry_num_images_and_guidance() {
         release_transformer: true,
         ..cpu_options(&library, 1)
     };
-    let mut pipeline: *mut KleinPipeline = ptr::null_mut();
+    let pipeline = load(&bundle, &options);
     // SAFETY (every call): valid pointers, NUL-terminated strings, a live pipeline.
-    let (status, message) =
-        call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &options, &mut pipeline, m) });
-    assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
     let request = KleinRequest {
         prompt: c"a red fox in the snow".as_ptr(),
         seed: 42,
@@ -549,6 +556,56 @@ fn c_requests_carry_num_images_and_guidance() {
     unsafe { klein_pipeline_free(pipeline) };
 }
 
+/// `klein_take_warnings` returns what the CLI prints as warnings (guidance on a distilled model,
+/// a truncated prompt), one per line, once: the next call gives NULL.
+#[test]
+fn c_warnings_are_taken_once() {
+    use KleinStatus::*;
+    let (bundle, library) = c_paths();
+    let options = cpu_options(&library, 1);
+    let pipeline = load(&bundle, &options);
+    // SAFETY (every call): valid pointers, NUL-terminated strings, a live pipeline.
+    let take = || {
+        let mut warnings: *mut c_char = ptr::null_mut();
+        let (status, message) =
+            call(|m| unsafe { klein_take_warnings(pipeline, &mut warnings, m) });
+        assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
+        if warnings.is_null() {
+            return None;
+        }
+        let text = unsafe { CStr::from_ptr(warnings) }
+            .to_str()
+            .unwrap()
+            .to_string();
+        unsafe { klein_string_free(warnings) };
+        Some(text)
+    };
+    assert_eq!(take(), None, "nothing to warn of after a load");
+    // The tiny model is distilled; the prompt is longer than its 512 tokens.
+    let prompt = CString::new("a red fox in the snow ".repeat(200)).unwrap();
+    let request = KleinRequest {
+        prompt: prompt.as_ptr(),
+        width: 32,
+        height: 32,
+        steps: 1,
+        guidance: 3.0,
+        ..unsafe { std::mem::zeroed() }
+    };
+    let mut buffer = vec![0u8; 32 * 32 * 4];
+    let (status, message) = call(|m| unsafe { generate_into(pipeline, &request, &mut buffer, m) });
+    assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
+    let text = take().expect("two warnings");
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    assert_mentions(lines[0], &["guidance 3 is ignored", "distilled"]);
+    assert_mentions(lines[1], &["longer than 512 tokens", "truncated"]);
+    assert_eq!(take(), None, "taken once");
+    let (status, message) = call(|m| unsafe { klein_take_warnings(pipeline, ptr::null_mut(), m) });
+    assert_eq!(status, KLEIN_ERROR_INVALID_ARGUMENT, "{message}");
+    assert_mentions(&message, &["warnings is NULL"]);
+    unsafe { klein_pipeline_free(pipeline) };
+}
+
 /// An inpainting request (`image_path`, `mask_path`, `strength`) gives the Rust API's image; the
 /// output size is the source's; a mask without an image and a strength above 1 are refused.
 #[test]
@@ -571,11 +628,8 @@ fn c_requests_inpaint_as_the_rust_api() {
     );
     let (bundle, library) = c_paths();
     let options = cpu_options(&library, 1);
-    let mut pipeline: *mut KleinPipeline = ptr::null_mut();
+    let pipeline = load(&bundle, &options);
     // SAFETY (every call): valid pointers, NUL-terminated strings, a live pipeline.
-    let (status, message) =
-        call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &options, &mut pipeline, m) });
-    assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
     let request = KleinRequest {
         prompt: c"a hat".as_ptr(),
         seed: 3,
@@ -720,11 +774,8 @@ fn c_requests_get_step_previews() {
     use KleinStatus::*;
     let (bundle, library) = c_paths();
     let options = cpu_options(&library, 1);
-    let mut pipeline: *mut KleinPipeline = ptr::null_mut();
+    let pipeline = load(&bundle, &options);
     // SAFETY (every call): valid pointers, NUL-terminated strings, a live pipeline.
-    let (status, message) =
-        call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &options, &mut pipeline, m) });
-    assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
     let mut calls: Vec<(u32, u32, u32, u32, u32, usize)> = Vec::new();
     let request = KleinRequest {
         prompt: c"an owl".as_ptr(),

@@ -521,10 +521,7 @@ fn batch_lines_choose_their_loras() {
 #[test]
 fn c_api_sets_loras() {
     use crate::capi::{c_paths, call, cpu_options, generate_into};
-    use klein::capi::{
-        klein_pipeline_free, klein_pipeline_load, klein_set_loras, KleinPipeline, KleinRequest,
-        KleinStatus::*,
-    };
+    use klein::capi::{klein_pipeline_free, klein_set_loras, KleinRequest, KleinStatus::*};
     use std::ffi::CString;
     use std::ptr;
 
@@ -533,11 +530,8 @@ fn c_api_sets_loras() {
     let wide = diffusers_lora(&dir.join("wide.safetensors"), |_| true, 2);
     let (bundle, library) = c_paths();
     let options = cpu_options(&library, 1);
-    let mut pipeline: *mut KleinPipeline = ptr::null_mut();
+    let pipeline = crate::capi::load(&bundle, &options);
     // SAFETY (every call): valid pointers, NUL-terminated strings, a live pipeline.
-    let (status, message) =
-        call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &options, &mut pipeline, m) });
-    assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
     let c_request = KleinRequest {
         prompt: c"a lighthouse at dusk".as_ptr(),
         seed: 11,
