@@ -1,5 +1,5 @@
 //! File-system helpers shared by the bundle checks, the caches and the outputs: atomic writes
-//! ([`atomic`]) and streamed SHA-256.
+//! (`atomic`) and streamed SHA-256.
 use std::fs::File;
 use std::io::Read;
 use std::path::Path;

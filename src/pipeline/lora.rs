@@ -1,7 +1,7 @@
 //! LoRAs on a bundle: the files a pipeline applies ([`LoraSpec`]), read and checked against the
-//! bundle's `lora_targets` ([`LoraSet::load`]: every module must be a linear layer of this
+//! bundle's `lora_targets` (`LoraSet::load`: every module must be a linear layer of this
 //! transformer, of the same shape), and merged into the transformer's weights when its session is
-//! created ([`LoraSet::initializers`]): `W + sum(scale * delta)` per touched layer, handed to ONNX
+//! created (`LoraSet::initializers`): `W + sum(scale * delta)` per touched layer, handed to ONNX
 //! Runtime in place of the graph's initializer. Untouched layers are read from the bundle as usual,
 //! and no other graph is reloaded when the LoRAs change.
 use std::collections::BTreeMap;

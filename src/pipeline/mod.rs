@@ -3,7 +3,7 @@
 //! denoise (`denoise.rs`), decode; numbered 1 to 7 in [`Pipeline::generate`].
 //!
 //! Every stage is public and takes the progress callback (`None`: no reports), so an app can cache
-//! prompt embeddings or inject its own latents. Graphs are loaded on first use ([`graphs`]); the
+//! prompt embeddings or inject its own latents. Graphs are loaded on first use (`graphs`); the
 //! text encoder is released after the prompt unless [`PipelineOptions::with_keep_text_encoder`] is
 //! set. On the CPU, when both graphs' files fit in half the memory available, the transformer
 //! loads on a thread of its own while the prompt is encoded; otherwise it loads after the text

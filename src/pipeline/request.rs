@@ -1,5 +1,5 @@
 //! What to generate ([`Request`]) and its validation, in one place, before anything is loaded:
-//! [`Plan::new`] checks every number of a request against the bundle and [`crate::limits`].
+//! `Plan::new` checks every number of a request against the bundle and [`crate::limits`].
 use std::path::Path;
 
 use ndarray::Array4;

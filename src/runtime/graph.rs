@@ -57,7 +57,7 @@ impl fmt::Debug for Graph {
 ///
 /// `name` is the component (`text_encoder`, `transformer`, ...): errors name it as their stage.
 /// `initializers` replace the graph's initializers of the same names (merged LoRA weights).
-/// Initialises the runtime with default options when [`init`] has not been called.
+/// Initialises the runtime with default options when [`super::init`] has not been called.
 pub fn load_graph(
     name: &'static str,
     path: &Path,

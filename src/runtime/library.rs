@@ -116,7 +116,7 @@ static INIT_LOCK: Mutex<()> = Mutex::new(());
 /// Loads the ONNX Runtime library and creates the process-wide environment, once.
 ///
 /// Later calls return the same [`RuntimeInfo`]; they fail if they ask for a different library or
-/// a log sink, which can no longer take effect. [`load_graph`] calls this with default options
+/// a log sink, which can no longer take effect. `load_graph` calls this with default options
 /// when nothing has yet.
 pub fn init(options: RuntimeOptions) -> Result<&'static RuntimeInfo> {
     let RuntimeOptions { library, log_sink } = options;

@@ -2,9 +2,9 @@
 //!
 //! This is the only module that uses `ort` (its 2.0 release candidates rename things between
 //! releases; the blast radius stays in this folder). Everything else sees [`Graph`],
-//! [`TensorInput`] and owned `ndarray` outputs. [`library`] finds and loads ONNX Runtime,
-//! [`device`] turns a [`Device`] and its options into execution providers, [`tensor`] converts
-//! data in and out, and [`graph`] builds, binds and runs sessions. [`retain_freed_memory`] keeps
+//! [`TensorInput`] and owned `ndarray` outputs. `library` finds and loads ONNX Runtime,
+//! `device` turns a [`Device`] and its options into execution providers, `tensor` converts
+//! data in and out, and `graph` builds, binds and runs sessions. [`retain_freed_memory`] keeps
 //! the memory runs free in glibc's heap for the next run ([`give_back_freed_memory`] returns it
 //! for tiled VAE passes), and [`start_tunables`] adds huge pages
 //! for a process that starts again (the CLI and server use both).

@@ -122,7 +122,7 @@ fn dtype_of(ty: TensorElementType) -> Option<Dtype> {
     })
 }
 
-/// One input of [`Graph::run`]: a borrowed `f32` or `i64` array of any shape. An `f32` input is
+/// One input of [`super::Graph::run`]: a borrowed `f32` or `i64` array of any shape. An `f32` input is
 /// converted when the graph takes `float16` or `bfloat16`.
 #[derive(Debug, Clone)]
 pub enum TensorInput<'a> {
@@ -237,7 +237,7 @@ pub(super) fn extract_outputs(
     Ok(Outputs { stage, values })
 }
 
-/// The outputs of one [`Graph::run`], converted to owned `f32` arrays.
+/// The outputs of one [`super::Graph::run`], converted to owned `f32` arrays.
 #[derive(Debug)]
 pub struct Outputs {
     stage: &'static str,

@@ -10,7 +10,7 @@
 //!   (`lycoris_transformer_blocks_0_attn_to_q.lokr_w1`), bare (`<module>.lokr_w1`) and diffusers
 //!   (`transformer.<module>.lokr_w1`) layouts.
 //!
-//! A file becomes [`Update`]s in diffusers' module names; [`Update::delta_rows`] gives the weight
+//! A file becomes [`Update`]s in diffusers' module names; `Update::delta_rows` gives the weight
 //! delta `scale * B A` (LoRA) or `scale * kron(w1, w2)` (LoKr). What diffusers ignores with a warning
 //! (keys it cannot place, text-encoder keys, DoRA magnitudes) is refused here: a LoRA that loads
 //! "successfully" and changes nothing, or changes less than it should, is worse than an error.

@@ -5,14 +5,14 @@
 //!    `convert("RGB")` ([`decode_image`]). The contract: the pixels of
 //!    `diffusers.utils.load_image(path)`, bit for bit, for every format klein accepts (PNG, JPEG,
 //!    WebP; any other is refused with that list). JPEG goes through libjpeg-turbo's decoder, as in
-//!    Pillow ([`libjpeg`]); the orientation is read where Pillow reads it (EXIF, PNG text, XMP);
+//!    Pillow (`libjpeg`); the orientation is read where Pillow reads it (EXIF, PNG text, XMP);
 //!    alpha is dropped, not composited; grey is replicated; 16-bit channels keep their high byte,
 //!    except 16-bit grey, which Pillow clips at 255. tests/it/decode.rs proves it on a corpus made
 //!    by tests/fixtures/make_decode_corpus.py.
 //! 2. `Flux2ImageProcessor.check_image_input`: both sides at least `min_side`, aspect ratio at most
 //!    `max_aspect_ratio`.
 //! 3. If `w*h > max_area`: `_resize_to_target_area`, sides `int(w*s)`, `int(h*s)` with
-//!    `s = sqrt(max_area / (w*h))`, Pillow's LANCZOS ([`resize`], bit-exact).
+//!    `s = sqrt(max_area / (w*h))`, Pillow's LANCZOS (`resize`, bit-exact).
 //! 4. Both sides floored to multiples of 16 (`vae_scale_factor * 2`), centre crop (no resize).
 //! 5. `x / 255 * 2 - 1` in float32, layout `[1, 3, H, W]`.
 //!
@@ -214,7 +214,7 @@ pub fn processed_size(
 /// The source image of `Flux2KleinInpaintPipeline` (step 2 of its `__call__`), which is resized,
 /// not cropped: above `max_area` pixels, Pillow's LANCZOS to `(int(w*s), int(h*s))` with
 /// `s = sqrt(max_area / (w*h))`; then LANCZOS again to both sides floored to `pixel_multiple`
-/// (Pillow returns a copy when the size is unchanged, as [`resize::resize_lanczos`] does); then
+/// (Pillow returns a copy when the size is unchanged, as `resize::resize_lanczos` does); then
 /// `x / 255 * 2 - 1`. diffusers checks no minimum side or aspect ratio here; klein refuses only
 /// what floors to nothing.
 pub fn preprocess_source(
