@@ -10,6 +10,8 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from safetensors import SafetensorError, safe_open
+
 from .errors import LoraError
 
 # LoRAs merged into one bundle at most: the runtime's bound (`MAX_LORAS`, src/limits.rs).
@@ -62,6 +64,7 @@ def check_loras(transformer_config: dict, loras):
     with torch.device("meta"):
         transformer = Flux2Transformer2DModel.from_config(transformer_config)
     for lora in loras:
+        _check_file(lora.path)
         try:
             state_dict = Flux2KleinPipeline.lora_state_dict(str(lora.path))
         except (ValueError, KeyError, RuntimeError, OSError) as e:  # OSError: not a safetensors file
@@ -95,6 +98,59 @@ def merge_loras(transformer, loras):
     transformer.fuse_lora(lora_scale=1.0, adapter_names=names)
     transformer.unload_lora()
     return transformer
+
+
+# Key prefixes of text-encoder weights (kohya `lora_te1_`, PEFT `text_encoder.`...): the runtime's
+# `TEXT_ENCODER_PREFIXES` (src/stages/lora/keys.rs).
+TEXT_ENCODER_PREFIXES = ("text_encoder", "lora_te", "te_", "te1_", "te2_")
+# diffusers' `LORA_ADAPTER_METADATA_KEY`: the adapter's config, as JSON, in the file's metadata.
+METADATA_KEY = "lora_adapter_metadata"
+
+
+def _check_file(path):
+    """What diffusers would read without a word, refused as the runtime refuses it (src/stages/lora):
+    a file that is not safetensors (diffusers unpickles a `.pt`, which runs its code), text-encoder
+    keys and DoRA magnitudes (diffusers drops them and merges the rest: another adapter), and
+    non-finite values (the bundle would make black images)."""
+    import json
+
+    import torch
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            keys, metadata = list(f.keys()), f.metadata() or {}
+            bad = [k for k in keys if f.get_slice(k).get_dtype() in _FLOATS and not torch.isfinite(f.get_tensor(k)).all()]
+    except (SafetensorError, OSError) as e:
+        raise LoraError(f"{path}: not a safetensors file ({e}); klein reads LoRAs saved as .safetensors") from None
+    text = sorted(k for k in keys if k.startswith(TEXT_ENCODER_PREFIXES))
+    if text:
+        raise LoraError(
+            f"{path}: {len(text)} text-encoder keys ({_first(text)}): klein applies LoRAs to the transformer only, "
+            "as diffusers' Flux2 loader does (it ignores these keys); use a LoRA without text-encoder weights"
+        )
+    try:
+        config = json.loads(metadata.get(METADATA_KEY, "{}"))
+    except ValueError as e:
+        raise LoraError(f"{path}: its `{METADATA_KEY}` metadata is not JSON ({e})") from None
+    dora = sorted(k for k in keys if "dora_scale" in k or "lora_magnitude_vector" in k)
+    if dora or (isinstance(config, dict) and config.get("transformer.use_dora") is True):
+        raise LoraError(
+            f"{path}: a DoRA adapter ({_first(dora) or 'use_dora'}): klein applies LoRA and LoKr only "
+            "(diffusers drops the DoRA magnitudes and applies the rest, which is another adapter)"
+        )
+    if bad:
+        verb = "holds" if len(bad) == 1 else "hold"
+        raise LoraError(f"{path}: {_first(bad)} {verb} non-finite values (NaN or infinity)")
+
+
+# safetensors' names of the floating-point types a LoRA's factors may have.
+_FLOATS = ("F16", "BF16", "F32", "F64")
+
+
+def _first(names):
+    """The first three names, and how many more."""
+    more = f", and {len(names) - 3} more" if len(names) > 3 else ""
+    return ", ".join(names[:3]) + more
 
 
 def _check_complete(state_dict, path):

@@ -133,11 +133,41 @@ def test_an_empty_or_half_lora_and_too_many_loras_are_refused(tiny_checkpoint, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.safetensors", "half.safetensors"]
 
 
+def test_what_diffusers_would_drop_or_unpickle_is_refused(tiny_checkpoint, tmp_path, capsys):
+    """As the runtime refuses them, before any export: a pickled LoRA (diffusers would unpickle it,
+    running its code), text-encoder keys and DoRA magnitudes (diffusers drops them and merges the
+    rest), non-finite values (the bundle would make black images)."""
+    import torch
+    from safetensors.torch import save_file
+
+    pair = {
+        "transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.ones(4, 64),
+        "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.ones(64, 4),
+    }
+    pickled = tmp_path / "style.pt"
+    torch.save(pair, pickled)
+    text_encoder = tmp_path / "te.safetensors"
+    save_file({**pair, "lora_te1_model_layers_0_self_attn_q_proj.lora_down.weight": torch.ones(4, 8)}, text_encoder)
+    dora = tmp_path / "dora.safetensors"
+    save_file({**pair, "transformer.transformer_blocks.0.attn.to_q.lora_magnitude_vector": torch.ones(64)}, dora)
+    nan = tmp_path / "nan.safetensors"
+    save_file({**pair, "transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.full((4, 64), float("nan"))}, nan)
+    convert = ["convert", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "out", "--lora"]
+    for lora, needle in [
+        (pickled, "not a safetensors file"),
+        (text_encoder, "1 text-encoder keys (lora_te1_model_layers_0_self_attn_q_proj.lora_down.weight)"),
+        (dora, "a DoRA adapter (transformer.transformer_blocks.0.attn.to_q.lora_magnitude_vector)"),
+        (nan, "transformer.transformer_blocks.0.attn.to_q.lora_A.weight holds non-finite values"),
+    ]:
+        assert f"{lora}: {needle}" in _run(convert + [lora], capsys)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_lora_that_is_no_safetensors_or_has_a_bad_scale_is_named(tiny_checkpoint, tmp_path, capsys):
     lora = tmp_path / "style.safetensors"
     lora.write_text("plain text")
     err = _run(["convert", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "out", "--lora", lora], capsys)
-    assert f"{lora}: diffusers cannot read it as a FLUX.2 LoRA" in err
+    assert f"{lora}: not a safetensors file" in err
     err = _run(["convert", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "out", "--lora", f"{lora}:abc"], capsys)
     assert "the LoRA scale `abc` is not a number" in err
     assert not (tmp_path / "out").exists()
