@@ -119,7 +119,8 @@ def _check_file(path):
     try:
         with safe_open(str(path), "pt") as f:
             keys, metadata = list(f.keys()), f.metadata() or {}
-            bad = [k for k in keys if f.get_slice(k).get_dtype() in _FLOATS and not torch.isfinite(f.get_tensor(k)).all()]
+            floats = [k for k in keys if f.get_slice(k).get_dtype() in _FLOATS]
+            bad = [k for k in floats if not torch.isfinite(f.get_tensor(k)).all()]
     except (SafetensorError, OSError) as e:
         raise LoraError(f"{path}: not a safetensors file ({e}); klein reads LoRAs saved as .safetensors") from None
     text = sorted(k for k in keys if k.startswith(TEXT_ENCODER_PREFIXES))

@@ -151,7 +151,7 @@ def test_what_diffusers_would_drop_or_unpickle_is_refused(tiny_checkpoint, tmp_p
     dora = tmp_path / "dora.safetensors"
     save_file({**pair, "transformer.transformer_blocks.0.attn.to_q.lora_magnitude_vector": torch.ones(64)}, dora)
     nan = tmp_path / "nan.safetensors"
-    save_file({**pair, "transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.full((4, 64), float("nan"))}, nan)
+    save_file({**pair, next(iter(pair)): torch.full((4, 64), float("nan"))}, nan)
     convert = ["convert", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "out", "--lora"]
     for lora, needle in [
         (pickled, "not a safetensors file"),
