@@ -166,8 +166,9 @@ class Checkpoint:
                 "num_hidden_layers": num_layers,
                 **({"layer_types": layer_types[:num_layers]} if layer_types else {}),
             }
-        verbosity = logging.get_verbosity()
+        verbosity, bar = logging.get_verbosity(), logging.is_progress_bar_enabled()
         logging.set_verbosity_error()  # the skipped layers' weights would be reported as unexpected keys
+        logging.disable_progress_bar()  # "Loading weights: 100%|...|": the export prints its own progress
         try:
             return self._load(
                 lambda: Qwen3ForCausalLM.from_pretrained(
@@ -178,6 +179,8 @@ class Checkpoint:
             )
         finally:
             logging.set_verbosity(verbosity)
+            if bar:
+                logging.enable_progress_bar()
 
     def load_transformer(self):
         from diffusers import Flux2Transformer2DModel

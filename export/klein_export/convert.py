@@ -5,8 +5,12 @@ written to a sibling temporary directory and renamed into place only when comple
 export leaves nothing half-written behind.
 """
 
+import contextlib
 import multiprocessing
 import shutil
+import signal
+import sys
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -49,8 +53,40 @@ def _export_isolated(label, checkpoint_root, out, precision, loras, fused=True):
     next one loads (in one process the 4B's text encoder and transformer peaks added up past 22 GB,
     glibc and torch keeping freed weights; each alone peaks at 19-20 GB)."""
     context = multiprocessing.get_context("spawn")
+    # An interrupted worker leaves its queue's semaphore to multiprocessing's resource tracker, which
+    # removes it and says so ("There appear to be 1 leaked semaphore objects"): it starts with the
+    # interpreter's -W options, so this one keeps it quiet.
+    if RESOURCE_TRACKER_QUIET not in sys.warnoptions:
+        sys.warnoptions.append(RESOURCE_TRACKER_QUIET)
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(_export_component, label, str(checkpoint_root), str(out), precision, loras, fused).result()
+        # Ctrl-C is the parent's alone: the worker starts with SIGINT ignored (kept through exec; Python
+        # then installs no handler), so it prints no traceback of its own, and is ended below.
+        with _sigint_ignored():
+            future = pool.submit(_export_component, label, str(checkpoint_root), str(out), precision, loras, fused)
+        try:
+            return future.result()
+        except BaseException:
+            # Interrupted (or failed): the worker is ended, not waited for; the pool's shutdown then
+            # returns at once (it hung at exit when the worker outlived an interrupt).
+            for child in multiprocessing.active_children():
+                child.terminate()
+            raise
+
+
+RESOURCE_TRACKER_QUIET = "ignore::UserWarning:multiprocessing.resource_tracker"
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    """SIGINT ignored in the block (in the main thread; elsewhere Python cannot change handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _peak_rss_mb() -> float:

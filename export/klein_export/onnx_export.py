@@ -1,5 +1,7 @@
 """The one helper that calls the ONNX exporter, and the metadata every graph carries."""
 
+import logging
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,7 +26,7 @@ def export_graph(
     path = Path(out_dir) / io.file
     param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     external = param_bytes >= EXTERNAL_DATA_THRESHOLD * 0.9
-    with torch.no_grad(), without_slices_split():
+    with torch.no_grad(), without_slices_split(), _exporter_notes_silenced():
         program = torch.onnx.export(
             module,
             tuple(example_args),
@@ -55,6 +57,23 @@ def export_graph(
     program.save(str(path), external_data=external)
     check_names(path, io)
     return path, fusions
+
+
+@contextmanager
+def _exporter_notes_silenced():
+    """The exporter's notes that say nothing about this export, silenced in the block: "torchvision is
+    not installed. Skipping torchvision::nms" (four lines per graph) and "The axis name: batch will not
+    be used, since it shares the same shape constraints with another axis: batch" (one per dynamic
+    axis shared by inputs, as every graph here has)."""
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+    registration.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"# The axis name: .* will not be used", category=UserWarning)
+            yield
+    finally:
+        registration.setLevel(level)
 
 
 SLICES_SPLIT = "SlicesSplit"
