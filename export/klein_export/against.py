@@ -53,6 +53,16 @@ def check_same_model(bundle, reference):
     kv = [bool(m["model"].get("kv_cache")) for m in (ours, theirs)]
     if kv[0] != kv[1]:
         differences.append(f"model.kv_cache {kv[0]} vs {kv[1]}")
+    lower = [
+        f"{name} {graph.get('precision')}" + (" quantized" if graph.get("quantization") else "")
+        for name, graph in theirs["graphs"].items()
+        if graph.get("precision") != "fp32" or graph.get("quantization")
+    ]
+    if lower:
+        raise BundleError(
+            f"{reference}: not an fp32 bundle ({', '.join(lower)}): the reference is the checkpoint's fp32 "
+            f"export, and {bundle} the one measured against it (the other way round?)"
+        )
     if differences:
         raise BundleError(
             f"{reference}: not a reference bundle of the model of {bundle} ({bundle}/{MANIFEST} vs "

@@ -47,13 +47,30 @@ def _check_header(path: Path) -> None:
         raise CheckpointError(f"{path}: not a readable safetensors file ({err}); copy or download it again") from None
 
 
+def weight_files(folder: Path) -> list:
+    """The weights diffusers and transformers load from `folder` when no variant is asked for: every
+    `*.safetensors`, shards included, but variants such as `diffusion_pytorch_model.fp16.safetensors`."""
+    return sorted(p for p in folder.glob("*.safetensors") if "." not in p.name.removesuffix(".safetensors"))
+
+
+def _stored_shapes(folder: Path) -> dict:
+    """name -> shape of every tensor in `folder`'s weights, from the headers (no data read)."""
+    shapes = {}
+    for path in weight_files(folder):
+        with safe_open(path, "pt") as f:
+            names = f.keys()
+            shapes.update((name, list(f.get_slice(name).get_shape())) for name in names)
+    return shapes
+
+
 class Checkpoint:
     """Reads and checks `model_index.json` and every component's config."""
 
     def __init__(self, root):
         self.root = Path(root)
         if not self.root.is_dir():
-            raise CheckpointError(f"{self.root}: not a directory (expected a diffusers checkpoint)")
+            what = "not a directory" if self.root.exists() else "no such directory"
+            raise CheckpointError(f"{self.root}: {what} (expected a diffusers checkpoint)")
         self.model_index = _read_json(self.root / "model_index.json")
         pipeline_class = self.model_index.get("_class_name")
         if pipeline_class not in PIPELINE_CLASSES:
@@ -77,17 +94,68 @@ class Checkpoint:
         self.vae_config = _read_json(self.root / "vae" / "config.json")
         self.scheduler_config = _read_json(self.root / "scheduler" / "scheduler_config.json")
         for component in ("text_encoder", "transformer", "vae"):
-            weights = sorted((self.root / component).glob("*.safetensors"))
+            weights = weight_files(self.root / component)
             if not weights:
-                raise CheckpointError(f"{self.root / component}: no *.safetensors weights")
+                variants = ", ".join(sorted(p.name for p in (self.root / component).glob("*.safetensors")))
+                asked = f" but variants ({variants}), which diffusers loads only when asked" if variants else ""
+                raise CheckpointError(f"{self.root / component}: no *.safetensors weights{asked}")
             for path in weights:
                 _check_header(path)
         if not (self.root / "tokenizer" / "tokenizer.json").is_file():
             raise CheckpointError(
                 f"{self.root / 'tokenizer' / 'tokenizer.json'}: missing (a fast tokenizer file is required)"
             )
+        self._check_chat_template()
         self._check_scheduler()
         self.text_encoder_out_layers = self._out_layers()
+
+    def check_weights(self):
+        """Every weight the export reads is in the files with the shape the configs give it, and the
+        transformer's and VAE's files hold nothing their configs have no place for: a config of another
+        size, or weights of another model, found in seconds (on weightless copies of the models, from
+        the files' headers), not when the component loads after the text encoder's export."""
+        from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        layers = max(self.text_encoder_out_layers)
+        te = dict(self.text_encoder_config, num_hidden_layers=layers)
+        if te.get("layer_types"):
+            te["layer_types"] = te["layer_types"][:layers]
+        with torch.device("meta"):
+            models = {
+                "text_encoder": Qwen3ForCausalLM(Qwen3Config.from_dict(te)),
+                "transformer": Flux2Transformer2DModel.from_config(self.transformer_config),
+                "vae": AutoencoderKLFlux2.from_config(self.vae_config),
+            }
+        for component, model in models.items():
+            where, stored = self.root / component, _stored_shapes(self.root / component)
+            wanted = {k: list(t.shape) for k, t in model.state_dict().items() if k not in TEXT_ENCODER_UNUSED}
+            missing = [k for k in wanted if k not in stored]
+            check_complete(where, None, missing)
+            wrong = [f"{k} is {stored[k]}, config.json gives {want}" for k, want in wanted.items() if stored[k] != want]
+            # The text encoder's files hold the layers after the last one read, and its output head.
+            extra = [] if component == "text_encoder" else sorted(set(stored) - set(wanted))
+            if wrong or extra:
+                problem = f"{len(wrong)} weights have another shape ({_first(wrong)})" if wrong else ""
+                problem += "; " if wrong and extra else ""
+                problem += f"{len(extra)} weights have no place in the model ({_first(extra)})" if extra else ""
+                raise CheckpointError(
+                    f"{where}: {problem}: its config.json and its weights are of different models "
+                    "(a config of another size, or a file of another checkpoint?)"
+                )
+
+    def _check_chat_template(self):
+        """The tokenizer's settings, with the chat template every prompt is rendered with (in
+        tokenizer_config.json, or beside it in chat_template.jinja or chat_template.json)."""
+        tokenizer = self.root / "tokenizer"
+        settings = _read_json(tokenizer / "tokenizer_config.json")
+        beside = [tokenizer / name for name in ("chat_template.jinja", "chat_template.json")]
+        if not settings.get("chat_template") and not any(path.is_file() for path in beside):
+            raise CheckpointError(
+                f"{tokenizer}: no chat template (tokenizer_config.json has no chat_template, and there is no "
+                "chat_template.jinja): Flux2KleinPipeline renders every prompt with Qwen3's; copy the "
+                "checkpoint's tokenizer folder again"
+            )
 
     def _out_layers(self) -> tuple:
         """The hidden layers the pipeline concatenates, checked against the text encoder's depth and
@@ -223,14 +291,19 @@ class Checkpoint:
         return model
 
 
+def _first(names) -> str:
+    """The first three of `names`, and how many more."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def check_complete(where, model, missing=()) -> None:
     """Refuses a loaded `model` whose weights `missing` (its loader's report) were not in the files,
     or that holds tensors without data (`meta`, as diffusers leaves what it did not find)."""
     if isinstance(model, torch.nn.Module):
         missing = list(missing) or [name for name, t in model.state_dict().items() if t.is_meta]
     if missing:
-        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise CheckpointError(
-            f"{where}: its safetensors files lack {len(missing)} of the model's weights ({shown}): "
-            "they do not hold this component's weights (a wrong or partly copied file?)"
+            f"{where}: its safetensors files lack {len(missing)} of the model's weights ({_first(missing)}): "
+            "they do not hold this component's weights (a wrong or partly copied file, or a config.json of "
+            "another size?)"
         )

@@ -16,7 +16,9 @@ def _quantization(args, required=False):
     """The QuantizationConfig the flags ask for (None without --quantize)."""
     if not args.quantize:
         if required:
-            raise QuantizationError("--quantize int8|int4 is required")
+            # dynamic and static quantization are 8-bit only; MatMulNBits takes both widths.
+            widths = "int8|int4" if args.method in (None, "nbits") else "int8"
+            raise QuantizationError(f"--quantize {widths} is required")
         given = [
             flag
             for flag, value in (("--components", args.components), ("--block-size", args.block_size))
@@ -262,7 +264,7 @@ def parser() -> argparse.ArgumentParser:
     q.set_defaults(func=_quantize)
 
     t = sub.add_parser("tiny", help="write a random-weight checkpoint (real classes, real tokenizer)")
-    t.add_argument("--out", required=True)
+    t.add_argument("--out", required=True, help="checkpoint directory to write (diffusers format)")
     t.add_argument("--seed", type=_seed, default=0, help="seed of the random weights, 0 to 2**63-1 (default 0)")
     t.add_argument(
         "--preset",
@@ -290,7 +292,7 @@ def parser() -> argparse.ArgumentParser:
         "verify", help="torch fp32 vs ONNX Runtime per component at several shapes, and the final image vs diffusers"
     )
     v.add_argument("--checkpoint", help="the checkpoint the bundle was exported from (not needed with --against)")
-    v.add_argument("--bundle", required=True)
+    v.add_argument("--bundle", required=True, help="the bundle directory to check")
     v.add_argument(
         "--against",
         metavar="REFERENCE_BUNDLE",
@@ -313,15 +315,15 @@ def parser() -> argparse.ArgumentParser:
     v.set_defaults(func=_verify)
 
     r = sub.add_parser("ranges", help="largest |activation| per module over a diffusers run, against the float16 range")
-    r.add_argument("--checkpoint", required=True)
+    r.add_argument("--checkpoint", required=True, help="the diffusers checkpoint to measure")
     r.add_argument("--steps", type=_at_least(1), default=2, help="denoising steps (default 2)")
     r.add_argument("--size", type=_side, default=64, help="image side in pixels, a multiple of 16 (default 64)")
     r.add_argument("--top", type=_at_least(1), default=40, help="rows to print (default 40)")
     r.set_defaults(func=_ranges)
 
     f = sub.add_parser("fixtures", help="run diffusers' pipeline and write the runtime's reference fixtures")
-    f.add_argument("--checkpoint", required=True)
-    f.add_argument("--out", required=True)
+    f.add_argument("--checkpoint", required=True, help="the diffusers checkpoint to run")
+    f.add_argument("--out", required=True, help="fixtures directory to write")
     f.add_argument("--force", action="store_true", help="replace an existing --out (once every case is written)")
     f.set_defaults(func=_fixtures)
     return p

@@ -274,6 +274,7 @@ def convert(
     ckpt = Checkpoint(checkpoint)
     check_variant(ckpt, variant)
     check_loras(ckpt.transformer_config, loras)
+    ckpt.check_weights()
     out = Path(out)
     inputs = [(ckpt.root, "the checkpoint")] + [(lora.path, "the LoRA") for lora in loras]
     check_output(out, force, inputs, error=BundleExistsError)

@@ -152,8 +152,9 @@ def lora_targets(model, graph_path: Path, log=print) -> dict:
             for name in names:
                 del targets[name]
             missing.extend(names)
-    if missing:
-        log(f"LoRA map: {len(missing)} linear layers have no weight of their own in the graph: {', '.join(missing)}")
+    if missing and targets:  # none found at all: the caller's error says why, without the list
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        log(f"LoRA map: {len(missing)} linear layers have no weight of their own in the graph: {shown}")
     return dict(sorted(targets.items()))
 
 

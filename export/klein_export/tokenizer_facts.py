@@ -18,7 +18,10 @@ def tokenizer_facts(tokenizer) -> dict:
             [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True, enable_thinking=False
         )
 
-    text = render(_SENTINEL)
+    try:
+        text = render(_SENTINEL)
+    except ValueError as e:  # no template, or one that cannot render
+        raise CheckpointError(f"the tokenizer's chat template cannot be used: {e}") from None
     if text.count(_SENTINEL) != 1:
         raise CheckpointError("the chat template does not contain the prompt exactly once")
     prefix, suffix = text.split(_SENTINEL)

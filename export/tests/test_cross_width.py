@@ -200,6 +200,17 @@ def test_reference_bundle_of_another_width_is_refused(tiny_bundle, tmp_path):
         next(component_differences(tiny_bundle, tmp_path))
 
 
+def test_a_reference_bundle_that_is_not_fp32_is_refused(tiny_bundle, tmp_path):
+    """`verify --bundle FP32 --against INT8` (the operands swapped) said only "PSNR ... FAIL"."""
+    manifest = json.loads((tiny_bundle / "manifest.json").read_text())
+    manifest["graphs"]["transformer"].update(precision="fp16")
+    manifest["graphs"]["text_encoder"].update(quantization={"method": "dynamic"})
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    expected = r"not an fp32 bundle \(text_encoder fp32 quantized, transformer fp16\): .*the other way round"
+    with pytest.raises(BundleError, match=expected):
+        check_same_model(tiny_bundle, tmp_path)
+
+
 def test_variant_must_have_its_widths(tiny_checkpoint, tmp_path):
     def checkpoint(text, heads, joint):
         return SimpleNamespace(

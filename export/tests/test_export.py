@@ -125,7 +125,7 @@ def test_wrong_component_class_is_a_clear_error(tiny_checkpoint, tmp_path):
     [
         # Found when the checkpoint is opened, before any export.
         (lambda w: w.write_bytes(w.read_bytes()[:1000]), "not a readable safetensors file"),
-        # Found when the transformer loads, after the text encoder's export.
+        # Found from the headers, against a weightless copy of the model, before any export.
         (lambda w: save_file({"not.a.weight": torch.zeros(3)}, w), "transformer: its safetensors files lack"),
     ],
 )
@@ -135,6 +135,49 @@ def test_corrupt_weights_leave_no_partial_bundle(tiny_checkpoint, tmp_path, corr
     with pytest.raises(CheckpointError, match=message):
         convert(ckpt, tmp_path / "out")
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"], "no bundle and no temporary directory left behind"
+
+
+@pytest.mark.parametrize(
+    "component, change, message",
+    [
+        ("transformer", {"num_layers": 3}, "transformer: its safetensors files lack 16 of the model's weights"),
+        ("transformer", {"num_layers": 1}, "transformer: 16 weights have no place in the model"),
+        ("vae", {"layers_per_block": 2}, "vae: its safetensors files lack 64"),
+        ("text_encoder", {"intermediate_size": 96}, "text_encoder: 81 weights have another shape"),
+    ],
+)
+def test_a_config_of_another_size_is_refused_before_any_export(tiny_checkpoint, tmp_path, component, change, message):
+    """A config.json that does not describe its weights (diffusers would leave weights out, or make
+    some up): refused from the headers before the text encoder's export, which took most of a
+    minute here and minutes on the 4B."""
+    ckpt = _copy(tiny_checkpoint, tmp_path)
+    config = ckpt / component / "config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | change))
+    with pytest.raises(CheckpointError, match=message):
+        convert(ckpt, tmp_path / "out", log=lambda line: pytest.fail(f"exported before the check: {line}"))
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_variant_weights_are_not_read_and_a_missing_chat_template_is_named(tiny_checkpoint, tmp_path):
+    """Files diffusers loads only when asked for a variant are left alone (a partial fp16 download
+    beside the weights); a tokenizer without its chat template is named, not a traceback."""
+    from klein_export.checkpoint import Checkpoint
+
+    ckpt = _copy(tiny_checkpoint, tmp_path)
+    (ckpt / "transformer" / "diffusion_pytorch_model.fp16.safetensors").write_bytes(b"partial")
+    Checkpoint(ckpt).check_weights()
+    for name in ("diffusion_pytorch_model.safetensors",):
+        (ckpt / "vae" / name).rename(ckpt / "vae" / "diffusion_pytorch_model.fp16.safetensors")
+    with pytest.raises(CheckpointError, match=r"vae: no \*.safetensors weights but variants"):
+        Checkpoint(ckpt)
+    ckpt = _copy(tiny_checkpoint, tmp_path / "again")
+    settings = ckpt / "tokenizer" / "tokenizer_config.json"
+    settings.write_text(json.dumps({k: v for k, v in json.loads(settings.read_text()).items() if k != "chat_template"}))
+    with pytest.raises(CheckpointError, match="tokenizer: no chat template"):
+        Checkpoint(ckpt)
+    settings.unlink()
+    with pytest.raises(CheckpointError, match="tokenizer_config.json: missing"):
+        Checkpoint(ckpt)
 
 
 def test_unsupported_scheduler_option_is_refused(tiny_checkpoint, tmp_path):
