@@ -344,11 +344,13 @@ pub unsafe extern "C" fn klein_generate(
             _ => ControlFlow::Continue(()),
         };
         let generation = pipeline.generate(&request, Some(&mut on_progress))?;
-        if generation.prompt_truncated {
-            notes.push(format!(
-                "the prompt is longer than {} tokens and was truncated, as the reference pipeline does",
-                pipeline.manifest().tokenizer.max_sequence_length
-            ));
+        let truncated = format!(
+            "the prompt is longer than {} tokens and was truncated, as the reference pipeline does",
+            pipeline.manifest().tokenizer.max_sequence_length
+        );
+        // Once until taken: an app that never takes them keeps one line, not one per image.
+        if generation.prompt_truncated && !notes.contains(&truncated) {
+            notes.push(truncated);
         }
         let images = &generation.images;
         if images.len() != count

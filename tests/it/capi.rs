@@ -557,7 +557,8 @@ fn c_requests_carry_num_images_and_guidance() {
 }
 
 /// `klein_take_warnings` returns what the CLI prints as warnings (guidance on a distilled model,
-/// a truncated prompt), one per line, once: the next call gives NULL.
+/// a truncated prompt), one per line, once: the next call gives NULL; a repeated truncation is one
+/// line.
 #[test]
 fn c_warnings_are_taken_once() {
     use KleinStatus::*;
@@ -600,6 +601,18 @@ fn c_warnings_are_taken_once() {
     assert_mentions(lines[0], &["guidance 3 is ignored", "distilled"]);
     assert_mentions(lines[1], &["longer than 512 tokens", "truncated"]);
     assert_eq!(take(), None, "taken once");
+    // Two truncated prompts before the next take: one line.
+    let plain = KleinRequest {
+        guidance: 0.0,
+        ..request
+    };
+    for _ in 0..2 {
+        let (status, message) =
+            call(|m| unsafe { generate_into(pipeline, &plain, &mut buffer, m) });
+        assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
+    }
+    let text = take().expect("the truncation");
+    assert_eq!(text.lines().count(), 1, "{text}");
     let (status, message) = call(|m| unsafe { klein_take_warnings(pipeline, ptr::null_mut(), m) });
     assert_eq!(status, KLEIN_ERROR_INVALID_ARGUMENT, "{message}");
     assert_mentions(&message, &["warnings is NULL"]);
