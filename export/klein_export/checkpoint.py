@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .errors import CheckpointError
+from .errors import CheckpointError, first_names
 from .jsonfile import read_json
 
 # Flux2KleinPipeline's `text_encoder_out_layers` default: the hidden layers whose outputs are
@@ -136,9 +136,9 @@ class Checkpoint:
             # The text encoder's files hold the layers after the last one read, and its output head.
             extra = [] if component == "text_encoder" else sorted(set(stored) - set(wanted))
             if wrong or extra:
-                problem = f"{len(wrong)} weights have another shape ({_first(wrong)})" if wrong else ""
+                problem = f"{len(wrong)} weights have another shape ({first_names(wrong)})" if wrong else ""
                 problem += "; " if wrong and extra else ""
-                problem += f"{len(extra)} weights have no place in the model ({_first(extra)})" if extra else ""
+                problem += f"{len(extra)} weights have no place in the model ({first_names(extra)})" if extra else ""
                 raise CheckpointError(
                     f"{where}: {problem}: its config.json and its weights are of different models "
                     "(a config of another size, or a file of another checkpoint?)"
@@ -291,11 +291,6 @@ class Checkpoint:
         return model
 
 
-def _first(names) -> str:
-    """The first three of `names`, and how many more."""
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
 def check_complete(where, model, missing=()) -> None:
     """Refuses a loaded `model` whose weights `missing` (its loader's report) were not in the files,
     or that holds tensors without data (`meta`, as diffusers leaves what it did not find)."""
@@ -303,7 +298,7 @@ def check_complete(where, model, missing=()) -> None:
         missing = list(missing) or [name for name, t in model.state_dict().items() if t.is_meta]
     if missing:
         raise CheckpointError(
-            f"{where}: its safetensors files lack {len(missing)} of the model's weights ({_first(missing)}): "
+            f"{where}: its safetensors files lack {len(missing)} of the model's weights ({first_names(missing)}): "
             "they do not hold this component's weights (a wrong or partly copied file, or a config.json of "
             "another size?)"
         )

@@ -35,3 +35,8 @@ class StaticShapesError(KleinExportError, ValueError):
 
 class LoraError(KleinExportError, ValueError):
     """A LoRA file that cannot be read or does not fit the checkpoint."""
+
+
+def first_names(names) -> str:
+    """The first three of `names`, and how many more: the examples an error message gives."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from .errors import LoraError
+from .errors import LoraError, first_names
 
 # LoRAs merged into one bundle at most: the runtime's bound (`MAX_LORAS`, src/limits.rs).
 MAX_LORAS = 16
@@ -126,8 +126,8 @@ def _check_file(path):
     text = sorted(k for k in keys if k.startswith(TEXT_ENCODER_PREFIXES))
     if text:
         raise LoraError(
-            f"{path}: {len(text)} text-encoder keys ({_first(text)}): klein applies LoRAs to the transformer only, "
-            "as diffusers' Flux2 loader does (it ignores these keys); use a LoRA without text-encoder weights"
+            f"{path}: {len(text)} text-encoder keys ({first_names(text)}): klein applies LoRAs to the transformer "
+            "only, as diffusers' Flux2 loader does (it ignores these keys); use a LoRA without text-encoder weights"
         )
     try:
         config = json.loads(metadata.get(METADATA_KEY, "{}"))
@@ -136,22 +136,16 @@ def _check_file(path):
     dora = sorted(k for k in keys if "dora_scale" in k or "lora_magnitude_vector" in k)
     if dora or (isinstance(config, dict) and config.get("transformer.use_dora") is True):
         raise LoraError(
-            f"{path}: a DoRA adapter ({_first(dora) or 'use_dora'}): klein applies LoRA and LoKr only "
+            f"{path}: a DoRA adapter ({first_names(dora) or 'use_dora'}): klein applies LoRA and LoKr only "
             "(diffusers drops the DoRA magnitudes and applies the rest, which is another adapter)"
         )
     if bad:
         verb = "holds" if len(bad) == 1 else "hold"
-        raise LoraError(f"{path}: {_first(bad)} {verb} non-finite values (NaN or infinity)")
+        raise LoraError(f"{path}: {first_names(bad)} {verb} non-finite values (NaN or infinity)")
 
 
 # safetensors' names of the floating-point types a LoRA's factors may have.
 _FLOATS = ("F16", "BF16", "F32", "F64")
-
-
-def _first(names):
-    """The first three names, and how many more."""
-    more = f", and {len(names) - 3} more" if len(names) > 3 else ""
-    return ", ".join(names[:3]) + more
 
 
 def _check_complete(state_dict, path):
