@@ -8,6 +8,8 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass
 from onnxscript.rewriter.ort_fusions import optimize_for_ort
 from onnxscript.rewriter.ort_fusions.rms_normalization import fuse_rms_normalization
 
+from .real_keys import attend_to_real_keys_only
+
 
 def fuse_for_ort(model) -> dict:
     """Rewrites `model` (an onnx_ir model, in place) with ONNX Runtime's fused operators, by
@@ -32,70 +34,8 @@ def fuse_for_ort(model) -> dict:
                 out.type, out.shape = node.inputs[0].type, node.inputs[0].shape
             elif out.type is None:
                 out.type = ir.TensorType(ir.DataType.FLOAT)
-    counts["attention_keys_trimmed"] = _attend_to_real_keys_only(model)
+    counts["attention_keys_trimmed"], counts["key_projections_trimmed"] = attend_to_real_keys_only(model)
     return {name: count for name, count in counts.items() if count}
-
-
-def _attend_to_real_keys_only(model) -> int:
-    """Trims each text-encoder attention to the keys a query may attend to; returns the number of
-    MultiHeadAttention nodes trimmed.
-
-    Under the causal and padding mask no query attends to a key after the last real token of the
-    batch: such a key's bias is the lowest float in every row, its weight exactly 0. Each attention
-    therefore takes its keys, values and bias up to `L` = 1 + the last position where
-    `attention_mask` is 1 in any row, rounded up to a multiple of 16 (at most all keys), and computes
-    the same output from `L` keys instead of all (a prompt of 40 tokens padded to 512: 48). The
-    multiple keeps the bias rows aligned as ONNX Runtime's CUDA kernel (cutlass memory-efficient
-    attention) requires: with 41 keys it refused to run on an H200 ("attn_bias is not correctly
-    aligned"). The rows of the padding still get their outputs (they attend to the real tokens), as
-    diffusers computes them. Written for any mask, not only right padding."""
-    mask = next((v for v in model.graph.inputs if v.name == "attention_mask"), None)
-    attentions = [
-        n
-        for n in model.graph
-        if n.op_type == "MultiHeadAttention"
-        and len(n.inputs) == 6
-        and all(n.inputs[i] is not None and n.inputs[i].shape is not None for i in (1, 2, 5))
-        and [len(n.inputs[i].shape) for i in (1, 2, 5)] == [3, 3, 4]
-    ]
-    if mask is None or not attentions:
-        return 0
-
-    def const(name, values):
-        value = ir.Value(name=name, const_value=ir.tensor(values, dtype=ir.DataType.INT64))
-        model.graph.register_initializer(value)
-        return value
-
-    one, zero, seq_axis, last_axis, flat = (
-        const("klein_one", 1),
-        const("klein_zero", [0]),
-        const("klein_axis_1", [1]),
-        const("klein_axis_last", [-1]),
-        const("klein_shape_1", [1]),
-    )
-    # attention_mask [B, S] -> L [1]: max over b, s of mask[b, s] * (s + 1), rounded up to a multiple
-    # of 16 (Slice clamps it to S)
-    length = ir.Node("", "Shape", [mask], [ir.AttrInt64("start", 1), ir.AttrInt64("end", 2)])
-    scalar = ir.Node("", "Squeeze", [length.outputs[0]])
-    limit = ir.Node("", "Add", [scalar.outputs[0], one])
-    positions = ir.Node("", "Range", [one, limit.outputs[0], one])  # [S]: 1..S
-    masked = ir.Node("", "Mul", [mask, positions.outputs[0]])  # [B, S]
-    last = ir.Node("", "ReduceMax", [masked.outputs[0]], [ir.AttrInt64("keepdims", 1)])  # [1, 1]
-    padded = ir.Node("", "Add", [last.outputs[0], const("klein_fifteen", 15)])
-    blocks = ir.Node("", "Div", [padded.outputs[0], const("klein_sixteen", 16)])  # int64: floor
-    rounded = ir.Node("", "Mul", [blocks.outputs[0], const("klein_sixteen_", 16)])
-    end = ir.Node("", "Reshape", [rounded.outputs[0], flat])  # [1]
-    nodes = [length, scalar, limit, positions, masked, last, padded, blocks, rounded, end]
-    model.graph.insert_before(attentions[0], nodes)
-    for attention in attentions:
-        trims = []
-        for index, axis in ((1, seq_axis), (2, seq_axis), (5, last_axis)):
-            # key, value [B, S, H*D] -> [B, L, H*D]; bias [B, 1, S, S] -> [B, 1, S, L]
-            trim = ir.Node("", "Slice", [attention.inputs[index], zero, end.outputs[0], axis])
-            trims.append(trim)
-            attention.replace_input_with(index, trim.outputs[0])
-        model.graph.insert_before(attention, trims)
-    return len(attentions)
 
 
 def fuse_transformer(model) -> dict:

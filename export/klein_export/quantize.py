@@ -605,15 +605,18 @@ def dequantized(weight_kn, config: QuantizationConfig):
     return w[:, :k].T.astype(weight_kn.dtype)
 
 
-def emulate_quantization(module, scheme: dict, example_args):
+def emulate_quantization(module, scheme: dict, example_args, key_rows=False):
     """Replaces, in place, the weight of every `nn.Linear` of `module` that the exported graph holds as
     a MatMul (input of rank 3 or more on `example_args`; rank-2 inputs are the per-image projections,
     left in float)
     by its dequantized value under `scheme` (a graph's `quantization`); for `--method dynamic`, its
     input also goes through `quantized_activations` (a forward pre-hook that stays on the module), each
     part on its own for the scheme's `split_inputs` linears whose input the graph splits (diffusers
-    marks them with `_tp_packed_row_blocks`, the widths of the parts it concatenates). Returns the
-    number of weights replaced (the graph's quantized weight count)."""
+    marks them with `_tp_packed_row_blocks`, the widths of the parts it concatenates). `key_rows`: the
+    graph computes each attention's key and value projections on the real tokens' rows only
+    (`real_keys.py`, the text encoder's `key_projections_trimmed`), so their activations' range is
+    those rows' (`_real_key_rows`). Returns the number of weights replaced (the graph's quantized
+    weight count)."""
     import torch
     from torch import nn
 
@@ -636,6 +639,7 @@ def emulate_quantization(module, scheme: dict, example_args):
     finally:
         for h in handles:
             h.remove()
+    keys = _real_key_rows(module) if key_rows else {}
     replaced, parted = 0, 0
     for name, sub in module.named_modules():
         if isinstance(sub, nn.Linear) and ranks.get(name, 0) >= 3:
@@ -644,7 +648,11 @@ def emulate_quantization(module, scheme: dict, example_args):
             with torch.no_grad():
                 sub.weight.copy_(torch.from_numpy(deq).t())
             widths = getattr(sub, "_tp_packed_row_blocks", None) if split_inputs else None
-            if config.method == DYNAMIC:
+            if config.method == DYNAMIC and key_rows and name in keys:
+                sub.register_forward_pre_hook(
+                    lambda _module, args, rows=keys[name]: (quantized_activations(args[0], rows.get("rows")), *args[1:])
+                )
+            elif config.method == DYNAMIC:
                 sub.register_forward_pre_hook(
                     lambda _module, args, widths=widths: (_in_parts(args[0], widths), *args[1:])
                 )
@@ -664,12 +672,43 @@ def _in_parts(x, widths):
     return torch.cat([quantized_activations(part) for part in x.split(list(widths), dim=-1)], dim=-1)
 
 
-def quantized_activations(x):
-    """`x` as DynamicQuantizeMatMul sees it: ONNX Runtime's DynamicQuantizeLinear (uint8, one scale and
-    zero point for the whole tensor, its range widened to hold 0, rounding half to even), dequantized."""
+def _real_key_rows(module) -> dict:
+    """For each attention of `module` (a Qwen3 `self_attn` with `k_proj` and `v_proj`): a forward
+    pre-hook that records, before its projections run, how many rows of its input the graph's
+    key and value projections read (`real_keys.py`: up to the last key any query may attend to, the
+    batch's last real token). Returns {name of a k_proj or v_proj: the dict whose "rows" its own
+    hook reads}."""
     import torch
 
-    low, high = torch.clamp(x.min(), max=0), torch.clamp(x.max(), min=0)
+    def record(rows):
+        def hook(_module, args, kwargs):
+            mask = kwargs.get("attention_mask")  # [B, 1, S, S]: bool (True: attends) or additive; None: all
+            rows.pop("rows", None)
+            if mask is not None:
+                allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+                keys = allowed.flatten(0, 2).any(dim=0)  # [S]
+                rows["rows"] = int(keys.nonzero().max()) + 1 if bool(keys.any()) else 0
+
+        return hook
+
+    found = {}
+    for name, sub in module.named_modules():
+        if hasattr(sub, "k_proj") and hasattr(sub, "v_proj"):
+            rows = {}
+            sub.register_forward_pre_hook(record(rows), with_kwargs=True)
+            found[f"{name}.k_proj"] = found[f"{name}.v_proj"] = rows
+    return found
+
+
+def quantized_activations(x, rows=None):
+    """`x` as DynamicQuantizeMatMul sees it: ONNX Runtime's DynamicQuantizeLinear (uint8, one scale and
+    zero point for the whole tensor, its range widened to hold 0, rounding half to even), dequantized.
+    With `rows`, the range is that of `x`'s first `rows` rows (`[B, S, E]`: the graph quantizes only
+    those, and the rest are not used)."""
+    import torch
+
+    seen = x if rows is None else x[:, :rows]
+    low, high = torch.clamp(seen.min(), max=0), torch.clamp(seen.max(), min=0)
     scale = torch.where(high > low, (high - low) / 255, torch.ones_like(high))
     zero = torch.round(torch.clamp(-low / scale, 0, 255))
     return (torch.clamp(torch.round(x / scale) + zero, 0, 255) - zero) * scale

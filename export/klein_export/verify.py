@@ -146,6 +146,7 @@ class _Checker:
         spec = read_manifest(bundle)["graphs"][component]
         self.component, self.module = component, module
         self.precision, self.quantization = spec["precision"], spec.get("quantization")
+        self.key_rows = bool(spec.get("fusions", {}).get("key_projections_trimmed"))
         self.session = session(bundle, spec["file"])
         self.module64 = copy.deepcopy(module).double()
         self.emulated = None  # (module, its float64 copy) with the dequantized weights
@@ -156,7 +157,7 @@ class _Checker:
             return None
         if self.emulated is None:
             emulated = copy.deepcopy(self.module)
-            replaced = emulate_quantization(emulated, self.quantization, args)
+            replaced = emulate_quantization(emulated, self.quantization, args, self.key_rows)
             # One node per weight, but for products cut into column ranges (bundles since quantized_weights).
             weights = self.quantization.get("quantized_weights", self.quantization["quantized_nodes"])
             if replaced != weights:
@@ -335,7 +336,8 @@ def _dequantize_pipeline(pipe, graphs, out_layers):
     for component, (module, args) in examples.items():
         spec = graphs[component]
         if spec.get("quantization") and spec["precision"] == "fp32":
-            emulate_quantization(module, spec["quantization"], args)
+            key_rows = bool(spec.get("fusions", {}).get("key_projections_trimmed"))
+            emulate_quantization(module, spec["quantization"], args, key_rows)
 
 
 def image_cases(size=None):

@@ -66,6 +66,7 @@ FLOAT16_OPS = {"Cast", "MatMul", "Gemm", "Conv", "Gather", "Add"}
 # The transformer's fused attention also runs in float16 (fused_attention.py, `half`): its query, key and
 # value are cast, flattened to [B, S, H*D] and back (Shape, Slice... of their shapes are int64).
 ATTENTION_OPS = {"MultiHeadAttention", "Reshape", "Shape"}
+ROW_SLICES = {"Slice"}
 
 
 @pytest.fixture
@@ -144,8 +145,16 @@ def test_fp16_graphs_keep_norms_and_modulation_in_float32(fp16_bundle):
         for node in model.graph.node:
             if TensorProto.FLOAT16 in (types[name] for name in [*node.input, *node.output] if name):
                 half.setdefault(node.op_type, []).append(node)
-        allowed = FLOAT16_OPS | (ATTENTION_OPS if component == "transformer" else set())
+        # The text encoder's key and value projections read their float16 input's real rows (a Slice,
+        # exact: real_keys.py), one per layer.
+        slices = ROW_SLICES if component == "text_encoder" else set()
+        allowed = FLOAT16_OPS | slices | (ATTENTION_OPS if component == "transformer" else set())
         assert set(half) <= allowed, f"{component}: float16 reaches {set(half) - allowed}"
+        users = {}
+        for node in model.graph.node:
+            for name in node.input:
+                users.setdefault(name, []).append(node.op_type)
+        assert all(users[n.output[0]] == ["MatMul"] * 2 for n in half.get("Slice", [])), component
         if component == "transformer":
             attention = [n for n in model.graph.node if n.op_type == "MultiHeadAttention"]
             assert attention and all(n in half["MultiHeadAttention"] for n in attention)

@@ -258,13 +258,14 @@ def test_text_encoder_norms_and_attention_are_fused_in_dynamic_bundles_only(stat
     assert norms == 4 * layers
     fusions = manifest["graphs"]["text_encoder"]["fusions"]
     assert fusions["rms_normalization"] == 4 * layers and fusions["sdpa_via_mha"] == layers
-    # Every attention reads its keys, values and bias trimmed to the batch's last real token
-    # (verify's padded batches check the outputs against torch).
-    assert fusions["attention_keys_trimmed"] == layers
+    # Every attention reads its keys, values and bias trimmed to the batch's last real token, the
+    # keys and values projected from the real tokens' rows only and padded with zero rows (verify's
+    # padded batches check the outputs against torch).
+    assert fusions["attention_keys_trimmed"] == layers and fusions["key_projections_trimmed"] == 2 * layers
     model = onnx.load(str(tiny_bundle / "text_encoder.onnx"), load_external_data=False)
     made_by = {out: node.op_type for node in model.graph.node for out in node.output}
     attentions = [n for n in model.graph.node if n.op_type == "MultiHeadAttention"]
-    assert all([made_by[n.input[i]] for i in (1, 2, 5)] == ["Slice"] * 3 for n in attentions)
+    assert all([made_by[n.input[i]] for i in (1, 2, 5)] == ["Pad", "Pad", "Slice"] for n in attentions)
     _trimmed_key_counts_are_multiples_of_16(model, attentions[0])
     static_manifest = json.loads((static_bundle / "manifest.json").read_text())
     static_file = static_manifest["graphs"]["text_encoder"]["file"]
@@ -275,13 +276,22 @@ def test_text_encoder_norms_and_attention_are_fused_in_dynamic_bundles_only(stat
 
 def _trimmed_key_counts_are_multiples_of_16(model, attention):
     """The keys an attention keeps: 1 + the last real position, rounded up to a multiple of 16 and at
-    most all of them (ONNX Runtime's CUDA attention refused a 41-key bias: rows must be aligned)."""
+    most all of them (ONNX Runtime's CUDA attention refused a 41-key bias: rows must be aligned); the
+    key projection's input: the rows up to the last real position only, of any row of the batch."""
     made_by = {out: node for node in model.graph.node for out in node.output}
-    end = made_by[attention.input[1]].input[2]
-    model.graph.output.append(onnx.helper.make_tensor_value_info(end, onnx.TensorProto.INT64, [1]))
+    key, bias = attention.input[1], made_by[attention.input[5]].input[2]
+    # The first product of a Slice: layer 0's key projection, of the real rows of its input.
+    products = (n for n in model.graph.node if n.op_type == "MatMul")
+    projected = next(n.input[0] for n in products if made_by[n.input[0]].op_type == "Slice")
+    for name in (key, projected):
+        model.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+    model.graph.output.append(onnx.helper.make_tensor_value_info(bias, onnx.TensorProto.INT64, [1]))
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     seq = 512
     for real, expected in ((1, 16), (40, 48), (48, 48), (49, 64), (500, 512), (512, 512)):
-        mask = (np.arange(seq) < real).astype(np.int64)[None]
-        feeds = {"input_ids": np.zeros((1, seq), np.int64), "attention_mask": mask}
-        assert session.run([end], feeds)[0].tolist() == [expected], real
+        for short in (real, 1):  # a batch of two: the other row's prompt shorter
+            mask = np.stack([np.arange(seq) < real, np.arange(seq) < short]).astype(np.int64)
+            feeds = {"input_ids": np.zeros((2, seq), np.int64), "attention_mask": mask}
+            keys, rows, end = session.run([key, projected, bias], feeds)
+            assert (end.tolist(), keys.shape[1], rows.shape[1]) == ([expected], expected, real), real
+            assert not keys[:, real:].any(), "the keys after the last real token are zero rows"
