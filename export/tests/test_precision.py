@@ -646,3 +646,50 @@ def test_dynamic_text_encoder_computes_the_same_unpacked(bundles):
         outputs.append(session.run(None, feeds)[0])
     assert "DynamicQuantizeMatMul" in {n.op_type for n in onnx.load(path, load_external_data=False).graph.node}
     assert np.array_equal(outputs[0], outputs[1])
+
+
+def test_emulation_quantizes_key_projections_over_the_rows_the_graph_computes(tiny_checkpoint, dynamic_bundle):
+    """An int8 `--method dynamic` text encoder projects keys and values from the rows up to the batch's
+    last real token only, so their activations' range is those rows' (real_keys.py); verify's torch
+    emulation must do the same. Layer 0's key projection of a right-padded batch (21 and 9 real
+    tokens of 64) from ONNX Runtime against the emulation: equal to float32 rounding (1e-4 on outputs
+    of order 1: one product of 16 terms), and the range of all 64 rows would give another product."""
+    import onnxruntime as ort
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from klein_export.checkpoint import Checkpoint
+    from klein_export.quantize import emulate_quantization, quantized_activations
+    from klein_export.wrappers import TextEncoder
+
+    spec = _manifest(dynamic_bundle)["graphs"]["text_encoder"]
+    assert spec["fusions"]["key_projections_trimmed"] > 0
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 150000, (2, 64)).astype(np.int64)
+    mask = np.stack([np.arange(64) < 21, np.arange(64) < 9]).astype(np.int64)
+    model = onnx.load(str(dynamic_bundle / spec["file"]))
+    made_by = {out: node for node in model.graph.node for out in node.output}
+    products = [n for n in model.graph.node if n.op_type == "DynamicQuantizeMatMul"]
+    key = next(n.output[0] for n in products if made_by[n.input[0]].op_type == "Slice")
+    model.graph.output.append(onnx.helper.make_tensor_value_info(key, TensorProto.FLOAT, None))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = session.run([key], {"input_ids": ids, "attention_mask": mask})
+    assert got.shape[1] == 21
+
+    encoder = TextEncoder(
+        AutoModelForCausalLM.from_pretrained(tiny_checkpoint / "text_encoder"),
+        Checkpoint(tiny_checkpoint).text_encoder_out_layers,
+    )
+    args = (torch.from_numpy(ids), torch.from_numpy(mask))
+    emulate_quantization(encoder, spec["quantization"], args, key_rows=True)
+    seen = {}
+    k_proj = encoder.model.layers[0].self_attn.k_proj
+    # the input before the emulation's own pre-hook quantizes it, and the output
+    k_proj.register_forward_pre_hook(lambda _m, inputs: seen.update(x=inputs[0]), prepend=True)
+    k_proj.register_forward_hook(lambda _m, _inputs, out: seen.update(k=out))
+    with torch.no_grad():
+        encoder(*args)
+        whole = torch.nn.functional.linear(quantized_activations(seen["x"]), k_proj.weight)
+    assert np.abs(seen["k"][:, :21].numpy() - got).max() < 1e-4
+    # With all 64 rows' range the product moves by more than rounding: the check above tells them apart.
+    assert np.abs(whole[:, :21].numpy() - got).max() > 1e-3
