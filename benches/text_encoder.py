@@ -20,24 +20,38 @@ import sys
 import tempfile
 from pathlib import Path
 
-CHILD = r"""
+# Both children's start: the session options klein sets, and the 512 ids of which `real` are real.
+SETUP = r"""
 import json, sys, time
 import numpy as np, onnxruntime as ort
+
+
+def options_for(threads, no_prepack):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.set_denormal_as_zero", "1")  # as klein's sessions
+    if no_prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    return options
+
+
+def feeds_for(real):
+    return {
+        "input_ids": np.random.default_rng(0).integers(0, 1000, (1, 512)).astype(np.int64),
+        "attention_mask": (np.arange(512) < real).astype(np.int64)[None],
+    }
+"""
+
+CHILD = (
+    SETUP
+    + r"""
 path, real, threads, no_prepack, profile, out = sys.argv[1:7]
-real, threads = int(real), int(threads)
-options = ort.SessionOptions()
-options.intra_op_num_threads = threads
-options.add_session_config_entry("session.set_denormal_as_zero", "1")  # as klein's sessions
-if no_prepack == "1":
-    options.add_session_config_entry("session.disable_prepacking", "1")
+options = options_for(int(threads), no_prepack == "1")
 if profile == "1":
     options.enable_profiling = True
     options.profile_file_prefix = out[: -len(".npy")] + "-profile"  # in the temporary directory
 session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-feeds = {
-    "input_ids": np.random.default_rng(0).integers(0, 1000, (1, 512)).astype(np.int64),
-    "attention_mask": (np.arange(512) < real).astype(np.int64)[None],
-}
+feeds = feeds_for(int(real))
 session.run(None, feeds)
 start = time.perf_counter()
 embeds = session.run(None, feeds)[0]
@@ -53,24 +67,18 @@ if profile == "1":
     for op, seconds in sorted(by_op.items(), key=lambda kv: -kv[1])[:10]:
         print(f"  {op:<34} {seconds:.3f} s")
 """
+)
 
-ALTERNATE = r"""
-import sys, time
-import numpy as np, onnxruntime as ort
+ALTERNATE = (
+    SETUP
+    + r"""
 real, threads, no_prepack, rounds = (int(a) for a in sys.argv[1:5])
 sessions = {}
 for item in sys.argv[5:]:
     name, _, path = item.partition("=")
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.add_session_config_entry("session.set_denormal_as_zero", "1")
-    if no_prepack:
-        options.add_session_config_entry("session.disable_prepacking", "1")
+    options = options_for(threads, no_prepack)
     sessions[name] = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-feeds = {
-    "input_ids": np.random.default_rng(0).integers(0, 1000, (1, 512)).astype(np.int64),
-    "attention_mask": (np.arange(512) < real).astype(np.int64)[None],
-}
+feeds = feeds_for(real)
 for session in sessions.values():
     session.run(None, feeds)
 times = {name: [] for name in sessions}
@@ -86,6 +94,7 @@ for name, runs in times.items():
         ratios = [t / t0 for t, t0 in zip(runs, times[first])]
         print(f"  / {first} per round: {min(ratios):.3f}-{max(ratios):.3f}, median {np.median(ratios):.3f}")
 """
+)
 
 
 def _alternate(args, graphs) -> int:

@@ -648,7 +648,7 @@ def emulate_quantization(module, scheme: dict, example_args, key_rows=False):
             with torch.no_grad():
                 sub.weight.copy_(torch.from_numpy(deq).t())
             widths = getattr(sub, "_tp_packed_row_blocks", None) if split_inputs else None
-            if config.method == DYNAMIC and key_rows and name in keys:
+            if config.method == DYNAMIC and name in keys:
                 sub.register_forward_pre_hook(
                     lambda _module, args, rows=keys[name]: (quantized_activations(args[0], rows.get("rows")), *args[1:])
                 )

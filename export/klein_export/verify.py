@@ -131,6 +131,12 @@ class ImageResult:
         )
 
 
+def _key_rows(spec) -> bool:
+    """Whether the graph `spec` (a manifest entry) projects its keys and values from the real tokens'
+    rows only (real_keys.py), which `emulate_quantization` must follow."""
+    return bool(spec.get("fusions", {}).get("key_projections_trimmed"))
+
+
 def _run_torch(module, module64, args):
     """The module's fp32 output and its max abs error against its float64 copy `module64`."""
     with torch.no_grad():
@@ -146,7 +152,7 @@ class _Checker:
         spec = read_manifest(bundle)["graphs"][component]
         self.component, self.module = component, module
         self.precision, self.quantization = spec["precision"], spec.get("quantization")
-        self.key_rows = bool(spec.get("fusions", {}).get("key_projections_trimmed"))
+        self.key_rows = _key_rows(spec)
         self.session = session(bundle, spec["file"])
         self.module64 = copy.deepcopy(module).double()
         self.emulated = None  # (module, its float64 copy) with the dequantized weights
@@ -336,8 +342,7 @@ def _dequantize_pipeline(pipe, graphs, out_layers):
     for component, (module, args) in examples.items():
         spec = graphs[component]
         if spec.get("quantization") and spec["precision"] == "fp32":
-            key_rows = bool(spec.get("fusions", {}).get("key_projections_trimmed"))
-            emulate_quantization(module, spec["quantization"], args, key_rows)
+            emulate_quantization(module, spec["quantization"], args, _key_rows(spec))
 
 
 def image_cases(size=None):
