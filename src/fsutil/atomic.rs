@@ -125,7 +125,10 @@ pub fn write_all_atomic(files: &[(&Path, &[u8])]) -> Result<()> {
         let result = (|| {
             let aside = if path.exists() {
                 let aside = Temp::next_to(path);
-                std::fs::rename(path, &aside.path).map_err(io_error(path, "move aside"))?;
+                std::fs::rename(path, &aside.path).map_err(io_error(
+                    path,
+                    "replace the existing file (moved aside first)",
+                ))?;
                 Some(aside)
             } else {
                 None

@@ -6,6 +6,7 @@ use std::thread::JoinHandle;
 
 use super::lora::LoraSet;
 use super::progress::{timed, ProgressFn, Stage};
+use super::warnings::Warnings;
 use crate::bundle::contract::check_graph;
 use crate::bundle::manifest::QuantizationSpec;
 use crate::bundle::support::{auto_skip, has_8bit_int8_codes, DYNAMIC};
@@ -23,7 +24,7 @@ pub(crate) struct LoadedGraphs {
     /// Where each graph loaded so far runs, and the devices auto skipped for it.
     placements: Vec<Placement>,
     /// Problems loading left behind (see [`Graph::take_warnings`]).
-    warnings: Vec<String>,
+    warnings: Warnings,
     /// Whether [`uint8_weights_warning`] was given (once per pipeline: it is about the bundle).
     warned_uint8_weights: bool,
     /// A graph loading on a thread of its own ([`LoadedGraphs::start_loading`]).
@@ -217,7 +218,7 @@ impl LoadedGraphs {
 
     /// Problems that did not stop a load, taken once.
     pub fn take_warnings(&mut self) -> Vec<String> {
-        std::mem::take(&mut self.warnings)
+        self.warnings.take()
     }
 
     /// Where each graph loaded so far runs, in the order they were loaded.

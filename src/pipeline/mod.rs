@@ -45,6 +45,7 @@ pub mod options;
 pub mod progress;
 pub mod prompts;
 pub mod request;
+mod warnings;
 
 pub use denoise::{DenoiseContext, ReferenceTokens};
 pub use options::{PipelineOptions, VaeTiling};
@@ -59,6 +60,7 @@ use lora::LoraSet;
 pub use lora::{LoraSpec, LoraSummary, ModuleSummary};
 use progress::timed;
 use request::Plan;
+use warnings::Warnings;
 
 use crate::bundle::support;
 use crate::bundle::{default_cache_dir, Component, Manifest, Verification};
@@ -118,7 +120,7 @@ pub struct Pipeline {
     /// there while the transformer's session is created.
     scratch: PathBuf,
     /// Problems that did not stop a stage ([`Pipeline::take_warnings`]).
-    warnings: Vec<String>,
+    warnings: Warnings,
     vae_tiling: VaeTiling,
     /// The VAE's tile side in pixels ([`PipelineOptions::with_vae_tile_size`], else the bundle's).
     vae_tile: usize,
@@ -159,6 +161,7 @@ impl Pipeline {
                 "creating the CoreML model cache directory",
             ),
             (&session.cpu_cache_dir, "creating the CPU cache directory"),
+            (&prompt_cache_dir, "creating the prompt cache directory"),
         ];
         for (cache, action) in caches {
             if let Some(cache) = cache {
@@ -199,7 +202,7 @@ impl Pipeline {
             kv_cache: None,
             loras,
             scratch,
-            warnings: Vec::new(),
+            warnings: Warnings::default(),
             vae_tiling,
             vae_tile,
         })
@@ -239,11 +242,12 @@ impl Pipeline {
 
     /// Problems met since the last call that did not stop the work (a prompt-cache entry that was
     /// rejected, a cache that could not be written, guidance given to a distilled model), oldest
-    /// first. The library never prints: an app shows or logs them.
+    /// first. The library never prints: an app shows or logs them. At most 64 are kept between
+    /// two calls: older ones are dropped, and a first warning says how many.
     pub fn take_warnings(&mut self) -> Vec<String> {
-        let mut warnings = std::mem::take(&mut self.warnings);
-        warnings.extend(self.graphs.take_warnings());
-        warnings
+        let taken = self.graphs.take_warnings();
+        self.warnings.extend(taken);
+        self.warnings.take()
     }
 
     /// The execution provider of the graph loaded last (known once a graph is loaded); see

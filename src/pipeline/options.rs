@@ -175,7 +175,9 @@ impl PipelineOptions {
         self.cache_dir = Some(dir.into());
         self
     }
-    /// Keeps prompt embeddings on disk in `dir`, keyed by the bundle and the prompt.
+    /// Keeps prompt embeddings on disk in `dir`, keyed by the bundle and the prompt. `dir` is
+    /// created when the pipeline loads (an error if it cannot be); an entry that cannot be written
+    /// later is a warning.
     pub fn with_prompt_cache_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.prompt_cache_dir = Some(dir.into());
         self

@@ -10,8 +10,12 @@
 //! weights to uint8 ([`super::cpu_features::converts_int8_weights`]). Anything else changed means another key;
 //! nothing is ever overwritten in place.
 //! An entry is written into `<key>.partial-<pid>` and renamed when complete, so a process stopped
-//! midway leaves no entry that looks whole.
+//! midway leaves no entry that looks whole. Its last file, `files`, records the size and
+//! modification time of the others: an entry whose files changed since (zeroed or rewritten by
+//! something else, which ONNX Runtime would load without a word and run with the wrong weights)
+//! is not used but saved again, as the bundle's stamps do for its hashes.
 use std::path::{Path, PathBuf};
+use std::time::UNIX_EPOCH;
 
 use sha2::{Digest, Sha256};
 
@@ -21,6 +25,20 @@ use crate::fsutil::hex;
 
 /// Bumped when the layout of an entry changes.
 const CACHE_FORMAT: &str = "klein-cpu-cache-1";
+/// The file of an entry that lists its other files' sizes and modification times.
+const STAMP_FILE: &str = "files";
+
+/// What the cache holds for one graph.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Saved {
+    /// Nothing.
+    Missing,
+    /// The saved graph, its files as they were saved.
+    Intact(PathBuf),
+    /// An entry whose files are not those it saved (changed since, or an entry without the list
+    /// of its files).
+    Changed,
+}
 
 /// Where one graph's optimised copy lives (or will).
 #[derive(Debug)]
@@ -54,10 +72,30 @@ impl CacheEntry {
         }
     }
 
-    /// The saved graph, when the entry is complete.
-    pub(super) fn saved(&self) -> Option<PathBuf> {
+    /// `<dir>/<key>`.
+    pub(super) fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// What the entry holds: the saved graph when its files are those it saved.
+    pub(super) fn saved(&self) -> Saved {
+        if !self.dir.exists() {
+            return Saved::Missing;
+        }
         let path = self.dir.join(&self.file);
-        path.is_file().then_some(path)
+        let stamp = std::fs::read_to_string(self.dir.join(STAMP_FILE)).ok();
+        match (path.is_file(), stamp, files_stamp(&self.dir)) {
+            (true, Some(stamp), Some(now)) if stamp == now => Saved::Intact(path),
+            _ => Saved::Changed,
+        }
+    }
+
+    /// The saved graph, when the entry is intact.
+    pub(super) fn intact(&self) -> Option<PathBuf> {
+        match self.saved() {
+            Saved::Intact(path) => Some(path),
+            Saved::Missing | Saved::Changed => None,
+        }
     }
 
     /// A fresh folder to save into, and the graph file to save there.
@@ -76,6 +114,9 @@ impl CacheEntry {
     /// Makes the saved `partial` folder the entry. Another process that finished first wins; this
     /// copy is then removed.
     pub(super) fn finish(&self, partial: &Path) -> std::io::Result<()> {
+        let stamp = files_stamp(partial)
+            .ok_or_else(|| std::io::Error::other("its files' sizes and times cannot be read"))?;
+        std::fs::write(partial.join(STAMP_FILE), stamp)?;
         if self.dir.exists() {
             return std::fs::remove_dir_all(partial);
         }
@@ -93,6 +134,28 @@ impl CacheEntry {
     pub(super) fn discard(&self) {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Each file of the folder `dir` but the stamp, one line each: name, size and modification time
+/// (ns), sorted; `None` if one cannot be read.
+fn files_stamp(dir: &Path) -> Option<String> {
+    let mut lines = Vec::new();
+    for entry in std::fs::read_dir(dir).ok()? {
+        let entry = entry.ok()?;
+        let name = entry.file_name().into_string().ok()?;
+        if name == STAMP_FILE {
+            continue;
+        }
+        let metadata = entry.metadata().ok()?;
+        let modified = metadata.modified().ok()?.duration_since(UNIX_EPOCH).ok()?;
+        lines.push(format!(
+            "{name}\t{}\t{}",
+            metadata.len(),
+            modified.as_nanos()
+        ));
+    }
+    lines.sort();
+    Some(lines.join("\n"))
 }
 
 /// The CPU's model and instruction sets: Linux's `/proc/cpuinfo` (model name and flags of the
@@ -208,21 +271,37 @@ mod tests {
             false,
             false,
         );
-        assert!(entry.saved().is_none());
+        assert_eq!(entry.saved(), Saved::Missing);
         let (partial, file) = entry.start().unwrap();
         std::fs::write(&file, b"graph").unwrap();
-        assert!(entry.saved().is_none(), "a partial folder is not an entry");
+        assert_eq!(
+            entry.saved(),
+            Saved::Missing,
+            "a partial folder is not an entry"
+        );
         entry.finish(&partial).unwrap();
-        assert_eq!(std::fs::read(entry.saved().unwrap()).unwrap(), b"graph");
+        assert_eq!(std::fs::read(entry.intact().unwrap()).unwrap(), b"graph");
         assert!(!partial.exists());
         // A second writer that finishes later leaves the first entry and removes its own copy.
         let (partial, file) = entry.start().unwrap();
         std::fs::write(&file, b"other").unwrap();
         entry.finish(&partial).unwrap();
-        assert_eq!(std::fs::read(entry.saved().unwrap()).unwrap(), b"graph");
+        assert_eq!(std::fs::read(entry.intact().unwrap()).unwrap(), b"graph");
         assert!(!partial.exists());
+        // Rewritten in place, same size, a later time: no longer the entry it saved.
+        let saved = entry.intact().unwrap();
+        let later = std::fs::metadata(&saved).unwrap().modified().unwrap()
+            + std::time::Duration::from_secs(1);
+        std::fs::write(&saved, b"GRAPH").unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&saved)
+            .unwrap()
+            .set_modified(later)
+            .unwrap();
+        assert_eq!(entry.saved(), Saved::Changed);
         entry.discard();
-        assert!(entry.saved().is_none());
+        assert_eq!(entry.saved(), Saved::Missing);
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

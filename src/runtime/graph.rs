@@ -11,7 +11,7 @@ use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
 use ort::session::builder::SessionBuilder;
 use ort::session::{IoBinding, Session, SessionInputValue};
 
-use super::cpu_cache::CacheEntry;
+use super::cpu_cache::{CacheEntry, Saved};
 use super::cpu_features::converts_int8_weights;
 use super::denormals::flushed;
 use super::device::{register_device, Device, LoadFailure, OptimizationLevel, SessionConfig};
@@ -191,12 +191,21 @@ pub fn load_graph(
             (Some(bytes), _) => builder.commit_from_memory(bytes),
             (None, _) => builder.commit_from_file(path),
         });
-        committed.map_err(|e| match e.code() {
-            // The file itself is not a graph ONNX Runtime can read: a bad bundle, not a bad run.
-            ErrorCode::InvalidProtobuf | ErrorCode::InvalidGraph | ErrorCode::NoModel => {
-                LoadFailure::File(error_chain(&e))
+        committed.map_err(|e| {
+            let message = error_chain(&e);
+            match e.code() {
+                // The file itself is not a graph ONNX Runtime can read: a bad bundle, not a bad run.
+                ErrorCode::InvalidProtobuf | ErrorCode::InvalidGraph | ErrorCode::NoModel => {
+                    LoadFailure::File(message)
+                }
+                // On the CPU only the graph's files and the memory can fail a session: an opset
+                // or operator this runtime lacks, external data out of bounds, a shape that does
+                // not infer are the bundle's (errors of code FAIL, where ONNX Runtime says why).
+                _ if device == Device::Cpu && !is_out_of_memory(&message) => {
+                    LoadFailure::File(message)
+                }
+                _ => LoadFailure::Session(message),
             }
-            _ => LoadFailure::Session(error_chain(&e)),
         })
     };
 
@@ -256,7 +265,8 @@ pub fn load_graph(
                     path: path.to_path_buf(),
                     reason: format!(
                         "ONNX Runtime cannot read it as the {name} graph ({message}); the file is corrupt or \
-                         not an ONNX graph: check the bundle with `klein info --verify` and copy or export it again"
+                         not an ONNX graph this runtime can run: check the bundle with `klein info --verify` and \
+                         copy or export it again"
                     ),
                 })
             }
@@ -320,7 +330,7 @@ fn cache_entry(name: &str, config: &SessionConfig) -> Option<CacheEntry> {
 pub fn graph_files(name: &str, path: &Path, config: &SessionConfig) -> Vec<PathBuf> {
     let cpu_possible = matches!(config.device, Device::Cpu | Device::Auto);
     let file = cpu_possible
-        .then(|| cache_entry(name, config)?.saved())
+        .then(|| cache_entry(name, config)?.intact())
         .flatten()
         .unwrap_or_else(|| path.to_path_buf());
     let mut data = file.clone().into_os_string();
@@ -329,6 +339,18 @@ pub fn graph_files(name: &str, path: &Path, config: &SessionConfig) -> Vec<PathB
         .into_iter()
         .filter(|f| f.is_file())
         .collect()
+}
+
+/// Whether ONNX Runtime's message says that memory ran out (its allocators' and C++'s words).
+fn is_out_of_memory(message: &str) -> bool {
+    [
+        "bad_alloc",
+        "bad allocation",
+        "Failed to allocate",
+        "out of memory",
+    ]
+    .iter()
+    .any(|words| message.contains(words))
 }
 
 /// Which file a session is built from.
@@ -351,8 +373,8 @@ fn build_cached(
     build: impl Fn(&LoadFrom) -> std::result::Result<Session, LoadFailure>,
     warnings: &mut Vec<String>,
 ) -> std::result::Result<Session, LoadFailure> {
-    if let Some(saved) = entry.saved() {
-        match build(&LoadFrom::Cached(saved.clone())) {
+    match entry.saved() {
+        Saved::Intact(saved) => match build(&LoadFrom::Cached(saved.clone())) {
             Ok(session) => return Ok(session),
             Err(failure) => {
                 warnings.push(format!(
@@ -362,7 +384,16 @@ fn build_cached(
                 ));
                 entry.discard();
             }
+        },
+        Saved::Changed => {
+            warnings.push(format!(
+                "the CPU cache's copy of the {name} graph ({}) is not as it was saved (a file's size or time \
+                 changed since, or an older klein saved it), so it was saved again",
+                entry.dir().display()
+            ));
+            entry.discard();
         }
+        Saved::Missing => {}
     }
     let (partial, file) = match entry.start() {
         Ok(started) => started,

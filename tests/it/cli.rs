@@ -789,6 +789,54 @@ fn empty_image_file_is_refused() {
     );
 }
 
+/// A file where a cache directory should be: `--prompt-cache` and `--cpu-cache` are refused before
+/// any work (the prompt cache was a warning after the image), and `KLEIN_CACHE_DIR` is named when
+/// the bundled model cannot be written under it.
+#[test]
+fn a_file_is_not_a_cache_directory() {
+    let dir = temp_dir("cli-cache-file");
+    let file = dir.join("file");
+    std::fs::write(&file, b"x").unwrap();
+    for option in ["--prompt-cache", "--cpu-cache"] {
+        let run = assert_refused(
+            &[&FAST[..], &[option, path_str(&file)]].concat(),
+            &[path_str(&file)],
+        );
+        assert!(
+            !run.stderr.contains("seed:"),
+            "refused before the work:\n{}",
+            run.describe()
+        );
+    }
+    let out = dir.join("out.png");
+    let run = klein_env(
+        ["generate", "a cat", "-o", path_str(&out)],
+        &[
+            ("KLEIN_CACHE_DIR", Some(file.as_os_str())),
+            ("KLEIN_MODEL", None),
+        ],
+    );
+    run.assert_user_error(&[path_str(&file), "KLEIN_CACHE_DIR", "-m"]);
+    assert!(!out.exists());
+}
+
+/// A directory given as an image (reference, source or mask) is refused as such.
+#[test]
+fn a_directory_is_not_an_image() {
+    let dir = temp_dir("cli-image-dir");
+    let source = solid_png(&dir.join("source.png"), 64, 64);
+    let folder = path_str(&dir);
+    for extra in [
+        vec!["--ref", folder],
+        vec!["--image", folder],
+        vec!["--image", path_str(&source), "--mask", folder],
+    ] {
+        let run = generate("a cat", &dir.join("x.png"), &[&FAST[..], &extra].concat());
+        run.assert_user_error(&[folder, "is a directory", "image file"]);
+        assert!(!dir.join("x.png").exists(), "{}", run.describe());
+    }
+}
+
 /// `--mask-crop` with a mask of another size, or a black one, is refused with the reason.
 #[test]
 fn mask_crop_needs_a_mask_of_the_source_size_with_a_region() {
@@ -1033,6 +1081,23 @@ fn zero_images_is_refused() {
         &[&FAST[..], &["--num-images", "0"]].concat(),
         &["--num-images", "1..=16"],
     );
+}
+
+/// A negative number is the option's value, refused naming the option and its valid values (not
+/// read as an unknown flag, whose tip would make it the prompt).
+#[test]
+fn negative_numbers_are_refused_as_the_options_values() {
+    for (option, value, valid) in [
+        ("--width", "-16", "16 to 4096"),
+        ("--height", "-1", "16 to 4096"),
+        ("--steps", "-1", "1 to 1000"),
+        ("--seed", "-1", "0 to 18446744073709551615"),
+        ("--threads", "-2", "1 to 1024"),
+        ("--num-images", "-1", "1..=16"),
+    ] {
+        let run = assert_refused(&[option, value], &[option, value, valid]);
+        assert!(!run.stderr.contains("tip:"), "{}", run.describe());
+    }
 }
 
 #[test]

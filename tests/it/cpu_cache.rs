@@ -121,6 +121,34 @@ fn a_damaged_entry_is_saved_again_with_a_warning() {
     assert!(warnings.is_empty(), "{warnings:?}");
 }
 
+/// Weights rewritten in place, same size (zeroed): ONNX Runtime would load them without a word and
+/// make another image. The entry's list of its files' sizes and times no longer agrees, so it is
+/// saved again, with a warning, and the image is the right one.
+#[test]
+fn an_entry_whose_weights_changed_is_saved_again() {
+    let cache = temp_dir("cpu-cache-zeroed");
+    let (first, _) = generate(Some(&cache));
+    let weights = saved_graphs(&cache)
+        .into_iter()
+        .find(|g| g.ends_with("transformer.onnx"))
+        .unwrap()
+        .with_extension("onnx.data");
+    let size = std::fs::metadata(&weights).unwrap().len();
+    std::fs::write(&weights, vec![0u8; usize::try_from(size).unwrap()]).unwrap();
+
+    let (second, warnings) = generate(Some(&cache));
+    assert_eq!(first, second, "the zeroed weights were used");
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("transformer") && w.contains("not as it was saved")),
+        "{warnings:?}"
+    );
+    let (third, warnings) = generate(Some(&cache));
+    assert_eq!(first, third);
+    assert!(warnings.is_empty(), "{warnings:?}");
+}
+
 #[test]
 fn graph_files_name_what_the_transformer_load_reads() {
     let cache = temp_dir("cpu-cache-files");

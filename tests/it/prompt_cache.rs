@@ -120,12 +120,30 @@ fn cached_embeddings_equal_fresh_ones() {
     assert_ne!(std::fs::read(&entries[0]).unwrap(), b"not safetensors");
 }
 
-/// A cache directory that cannot be created (under a file) warns; the prompt is still encoded.
+/// A cache directory that cannot be created (under a file) is refused when the pipeline loads, as
+/// the CPU cache's is: the path is mistyped, and a server would otherwise run without the cache it
+/// was given. One that fails later (replaced by a file here) warns; the prompt is still encoded.
 #[test]
-fn an_unwritable_cache_is_a_warning() {
+fn a_cache_that_cannot_be_made_is_refused_and_one_that_fails_later_warns() {
     let dir = temp_dir("prompt-cache-unwritable");
     std::fs::write(dir.join("file"), b"x").unwrap();
-    let mut p = pipeline(&dir.join("file").join("cache"));
+    let options = PipelineOptions::default()
+        .with_device(Device::Cpu)
+        .with_runtime(RuntimeOptions::default().with_library(ort_library()))
+        .with_prompt_cache_dir(dir.join("file").join("cache"));
+    let error = Pipeline::load(&repo().join("onnx/klein-tiny"), options)
+        .err()
+        .unwrap();
+    assert!(error.is_user_error(), "{error}");
+    assert!(
+        error.to_string().contains("prompt cache directory"),
+        "{error}"
+    );
+
+    let cache = dir.join("cache");
+    let mut p = pipeline(&cache);
+    std::fs::remove_dir(&cache).unwrap();
+    std::fs::write(&cache, b"x").unwrap();
     let embeds = p.encode_prompt("a cat", None).unwrap().embeds;
     assert!(embeds.iter().all(|v| v.is_finite()));
     assert_warned(&mut p, "the prompt cache could not be written");

@@ -37,3 +37,30 @@ fn a_released_transformer_loads_again_and_gives_the_same_images() {
         assert_eq!(kept_loads, usize::from(call == 0), "call {call}");
     }
 }
+
+/// An app that never takes the warnings does not grow them without end: a pipeline keeps the
+/// newest 64 (each call here warns that guidance is ignored by the distilled model), and the first
+/// warning taken says how many older ones were dropped.
+#[test]
+fn warnings_not_taken_are_kept_up_to_a_limit() {
+    let request = Request::new("a red fox in the snow")
+        .with_seed(5)
+        .with_size(16, 16)
+        .with_steps(1)
+        .with_guidance(3.0);
+    let mut pipeline = tiny_pipeline();
+    for _ in 0..66 {
+        pipeline.generate(&request, None).unwrap();
+    }
+    let warnings = pipeline.take_warnings();
+    assert_eq!(warnings.len(), 65, "{:?}", &warnings[..2]);
+    assert!(
+        warnings[0].starts_with("2 earlier warning(s) dropped"),
+        "{}",
+        warnings[0]
+    );
+    assert!(warnings[1..]
+        .iter()
+        .all(|w| w.contains("guidance 3 is ignored")));
+    assert!(pipeline.take_warnings().is_empty());
+}

@@ -38,22 +38,22 @@ pub(crate) struct ServeArgs {
     #[arg(long, default_value = "127.0.0.1", value_parser = parse_host)]
     pub(crate) host: std::net::IpAddr,
     /// TCP port (0: any free port, printed)
-    #[arg(long, default_value_t = 8080)]
+    #[arg(long, default_value_t = 8080, allow_negative_numbers = true, value_parser = whole::<u16>("0 to 65535"))]
     pub(crate) port: u16,
     /// Device of a pipeline: cpu, cuda, cuda:N, coreml or auto; repeat for one pipeline per device (--device cuda:0 --device cuda:1)
     #[arg(long = "device", value_name = "DEVICE", default_value = "cpu")]
     pub(crate) devices: Vec<Device>,
     /// Requests that may wait for a pipeline, 1 to 1024; one more gets 429 with Retry-After
-    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub(crate) queue: u16,
     /// Seconds a request may take, waiting included, 1 to 86400; then it is cancelled (504)
-    #[arg(long, default_value_t = 600, value_parser = clap::value_parser!(u32).range(1..=86400))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 600, value_parser = clap::value_parser!(u32).range(1..=86400))]
     pub(crate) timeout: u32,
     /// Largest request body in MiB (uploaded references, base64 included), 1 to 1024
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub(crate) max_body_mib: u16,
     /// Most pixels one request may ask for, images x width x height (1 to 335544320) [default: 8388608, eight 1024x1024 images]; more gets 400
-    #[arg(long, default_value_t = 8 << 20, hide_default_value = true, value_parser = clap::value_parser!(u64).range(1..=335_544_320))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 8 << 20, hide_default_value = true, value_parser = clap::value_parser!(u64).range(1..=335_544_320))]
     pub(crate) max_pixels: u64,
     /// Bearer token every request but /healthz and /readyz must carry [default: $KLEIN_API_KEY; none: no check]. Prefer the variable: a flag shows in the process list
     #[arg(long, value_name = "KEY")]
@@ -92,13 +92,13 @@ pub(crate) struct GenerateArgs {
     )]
     pub(crate) out_dir: Option<PathBuf>,
     /// Output width in pixels, floored to a multiple of 16: 16 to 4096, and (width/16) x (height/16) plus the references' tokens at most 20480 (2288x2288 fits alone) [default: --image's width, else the first reference's, else the bundle's]
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = whole::<u32>("16 to 4096 pixels"))]
     pub(crate) width: Option<u32>,
     /// Output height in pixels, floored to a multiple of 16: 16 to 4096, within the same token budget as --width [default: --image's height, else the first reference's, else the bundle's]
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = whole::<u32>("16 to 4096 pixels"))]
     pub(crate) height: Option<u32>,
     /// Denoising steps, 1 to 1000 [default: the bundle's, 4 for distilled models]
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = whole::<usize>("1 to 1000"))]
     pub(crate) steps: Option<usize>,
     /// Classifier-free guidance scale, 0 to 100, base (non-distilled) models only [default: the bundle's]
     #[arg(long, allow_negative_numbers = true)]
@@ -107,7 +107,7 @@ pub(crate) struct GenerateArgs {
     #[arg(long, value_name = "TEXT")]
     pub(crate) negative_prompt: Option<String>,
     /// Seed of the initial noise (same seed, same image as diffusers) [default: random, printed]
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = whole::<u64>("0 to 18446744073709551615"))]
     pub(crate) seed: Option<u64>,
     /// Reference image (repeatable, at most 10): one to edit, several to compose
     #[arg(long = "ref", value_name = "IMAGE")]
@@ -119,7 +119,7 @@ pub(crate) struct GenerateArgs {
     #[arg(long, value_name = "IMAGE", requires = "image")]
     pub(crate) mask: Option<PathBuf>,
     /// How much of --image is repainted, above 0 to 1: the share of the steps that run, from the source noised to that level [default: 1.0; diffusers' 0.8 runs the same 4 steps]
-    #[arg(long, requires = "image", value_parser = parse_strength)]
+    #[arg(long, requires = "image", allow_negative_numbers = true, value_parser = parse_strength)]
     pub(crate) strength: Option<f64>,
     /// Inpaint only the mask's region (diffusers' padding_mask_crop): the box around the mask's non-black pixels, grown by PIXELS on each side and to the output's aspect ratio, is generated at the source's processing size, then pasted back into the whole source through the mask; the output has the source's size. The mask must have the source's size. PIXELS: 0 to 4096
     #[arg(long, value_name = "PIXELS", requires = "mask", allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(0..=MAX_SIDE as i64))]
@@ -128,7 +128,7 @@ pub(crate) struct GenerateArgs {
     #[arg(long = "lora", value_name = "FILE[:SCALE]", value_parser = parse_lora)]
     pub(crate) loras: Vec<LoraSpec>,
     /// Images to generate for the prompt (one batch), 1 to 16
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=MAX_BATCH as i64))]
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = clap::value_parser!(u16).range(1..=MAX_BATCH as i64))]
     pub(crate) num_images: u16,
     /// Execution provider: cpu, cuda, cuda:N, coreml or auto
     #[arg(long, default_value = "cpu")]
@@ -137,13 +137,13 @@ pub(crate) struct GenerateArgs {
     #[arg(short, long, default_value = "klein.png")]
     pub(crate) output: PathBuf,
     /// JPEG quality of a .jpg/.jpeg output, 1 to 100 [default: 90]; refused with a lossless output (.png, .webp)
-    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=100))]
+    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(u8).range(1..=100))]
     pub(crate) quality: Option<u8>,
     /// Write a preview of the image being denoised to this PNG file after every --preview-every steps (1/8 of the output's side, the model's current estimate mapped linearly from the latents; with --num-images N, FILE-1.png ... FILE-N.png; replaced atomically)
     #[arg(long, value_name = "FILE")]
     pub(crate) preview: Option<PathBuf>,
     /// Steps between previews (and one after the last step), 1 to 65535
-    #[arg(long, default_value_t = 1, requires = "preview", value_parser = clap::value_parser!(u16).range(1..))]
+    #[arg(long, default_value_t = 1, requires = "preview", allow_negative_numbers = true, value_parser = clap::value_parser!(u16).range(1..))]
     pub(crate) preview_every: u16,
     /// Print nothing on stderr but errors and warnings
     #[arg(long, short)]
@@ -163,7 +163,7 @@ pub(crate) struct LoadArgs {
     #[arg(long, short = 'm')]
     pub(crate) model: Option<PathBuf>,
     /// Threads per operator, 1 to 1024 [default: ONNX Runtime's choice, one per physical core]
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = whole::<usize>("1 to 1024"))]
     pub(crate) threads: Option<usize>,
     /// Directory of an on-disk prompt-embedding cache
     #[arg(long)]
@@ -177,7 +177,7 @@ pub(crate) struct LoadArgs {
     #[arg(long, value_name = "on|off|auto")]
     pub(crate) vae_tiling: Option<VaeTiling>,
     /// Side of the VAE's tiles in pixels, a multiple of 64 up to 4096 [default: the bundle's, 1024 for FLUX.2], as diffusers' vae.tile_sample_min_size: smaller tiles hold less memory at the cost of more overlap. Turns tiling on unless --vae-tiling is given (refused with --vae-tiling off)
-    #[arg(long, value_name = "PIXELS", value_parser = parse_vae_tile_size)]
+    #[arg(long, value_name = "PIXELS", allow_negative_numbers = true, value_parser = parse_vae_tile_size)]
     pub(crate) vae_tile_size: Option<u32>,
     /// ONNX Runtime shared library [default: $ORT_DYLIB_PATH, else the one set up at build time]
     #[arg(long)]
@@ -275,6 +275,18 @@ fn parse_strength(text: &str) -> Result<f64, String> {
     let strength: f64 = text.parse().map_err(|e| format!("{e}"))?;
     klein::stages::inpaint::check_strength(strength).map_err(|e| e.to_string())?;
     Ok(strength)
+}
+
+/// A whole number of type `T` for an option whose values are `valid` (its help's words): text that
+/// is not one (a negative number, a fraction, more than `T` holds) is refused naming them; the
+/// range itself is checked where the option is used.
+fn whole<T: std::str::FromStr>(
+    valid: &'static str,
+) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static {
+    move |text| {
+        text.parse()
+            .map_err(|_| format!("{text} is not a whole number in range: use {valid}"))
+    }
 }
 
 /// `--vae-tile-size`: a multiple of 64 up to the largest side, checked before anything is read.

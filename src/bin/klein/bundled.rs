@@ -4,9 +4,10 @@
 //! (checked against their manifest at every load, with the verification stamp).
 use std::path::PathBuf;
 
-use anyhow::Context;
 use klein::bundle::default_cache_dir;
 use klein::fsutil::{sha256_hex, write_atomic};
+
+use crate::UsageError;
 
 macro_rules! bundled {
     ($($name:literal),* $(,)?) => {
@@ -35,8 +36,14 @@ pub(crate) fn bundled_model() -> anyhow::Result<PathBuf> {
         .join(&sha256_hex(manifest)[..16]);
     let complete = std::fs::read(dir.join("manifest.json")).is_ok_and(|m| m == manifest);
     if !complete {
-        std::fs::create_dir_all(&dir)
-            .with_context(|| format!("creating {} for the bundled model", dir.display()))?;
+        std::fs::create_dir_all(&dir).map_err(|e| {
+            UsageError(format!(
+                "cannot create {} for the bundled model ({e}): the cache directory ($KLEIN_CACHE_DIR, \
+                 else $XDG_CACHE_HOME/klein, else ~/.cache/klein) must be a directory klein can write; \
+                 set KLEIN_CACHE_DIR to one, or give a bundle with -m",
+                dir.display()
+            ))
+        })?;
         for (name, bytes) in FILES {
             write_atomic(&dir.join(name), bytes)?;
         }

@@ -93,10 +93,15 @@ pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>> {
         }
     };
     let file = std::fs::File::open(path).map_err(io_error("open image file"))?;
-    let size = file
+    let metadata = file
         .metadata()
-        .map_err(io_error("read image file metadata"))?
-        .len();
+        .map_err(io_error("read image file metadata"))?;
+    if metadata.is_dir() {
+        return Err(image_error(path)(
+            "this is a directory: give an image file (PNG, JPEG or WebP)".to_string(),
+        ));
+    }
+    let size = metadata.len();
     let too_large = |size: String| {
         image_error(path)(format!(
             "the file ({size} bytes) is larger than this runtime decodes (at most {} MiB); \
@@ -110,7 +115,7 @@ pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>> {
     let mut bytes = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
     file.take(MAX_DECODE_FILE_BYTES + 1)
         .read_to_end(&mut bytes)
-        .map_err(io_error("read reference image"))?;
+        .map_err(io_error("read image file"))?;
     if bytes.len() as u64 > MAX_DECODE_FILE_BYTES {
         return Err(too_large(format!("more than {MAX_DECODE_FILE_BYTES}")));
     }
