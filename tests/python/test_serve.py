@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -493,6 +494,11 @@ BAD_NATIVE = [
     ({"prompt": "x", "format": "bmp"}, "format"),
     ({"prompt": "x", "quality": 50}, "quality"),  # a JPEG quality for a PNG
     ({"prompt": "x", "format": "webp", "quality": 50}, "quality"),
+    (
+        {"prompt": "x", "image": {"data": "AAAA"}, "mask": {"data": "AAAA"}, "padding_mask_crop": 99999},
+        "padding_mask_crop",
+    ),
+    ({"prompt": "x", "refs": [{"data": "data:image/png;base64,AAAA"}]}, "refs[0].data"),
 ]
 
 
@@ -539,6 +545,11 @@ def test_bad_edit_requests(server: Server, repo: Path):
     two = [("prompt", (None, "x")), image, ("mask", ("m.png", rgba.getvalue())), ("mask", ("n.png", rgba.getvalue()))]
     err = error_of(httpx.post(url, files=two, timeout=60), 400)
     assert (err["param"], err["message"]) == ("mask", "give one mask"), err
+    # A text field twice is refused, as in JSON, not the last value taken; a bad number gets its range.
+    err = error_of(httpx.post(url, files=[("prompt", (None, "x")), ("prompt", (None, "y")), image], timeout=60), 400)
+    assert err["param"] == "prompt" and "duplicate" in err["message"], err
+    err = error_of(httpx.post(url, files=[("prompt", (None, "x")), ("steps", (None, "-1")), image], timeout=60), 400)
+    assert err["param"] == "steps" and "1 to 1000" in err["message"], err
     # Not multipart at all: the message says what the route takes and where JSON goes.
     err = error_of(httpx.post(url, json={"prompt": "x"}), 400)
     assert err["type"] == "invalid_request_error"
@@ -546,10 +557,32 @@ def test_bad_edit_requests(server: Server, repo: Path):
     assert "/v1/klein/generate" in err["message"], err
 
 
+def test_inpainting_size_errors_name_the_size_field_and_wrapped_base64_is_taken(server: Server, repo: Path):
+    png = (repo / "tests" / "fixtures" / "reference" / "gray.png").read_bytes()
+    source = {"data": base64.b64encode(png).decode()}
+    body = {"prompt": "x", "image": source, "width": 512, "height": 512, "strength": 0.5, "steps": 1}
+    err = error_of(httpx.post(f"{server.url}/v1/klein/generate", json=body, timeout=60), 400)
+    assert err["param"] == "width" and "source image's size" in err["message"], err
+    parts = [("prompt", (None, "x")), ("image", ("a.png", png)), ("strength", (None, "0.5"))]
+    parts.append(("size", (None, "512x512")))
+    err = error_of(httpx.post(f"{server.url}/v1/images/edits", files=parts, timeout=60), 400)
+    assert err["param"] == "size", err
+    wrapped = base64.encodebytes(png).decode()  # MIME: 76 columns
+    assert "\n" in wrapped
+    ok = httpx.post(
+        f"{server.url}/v1/klein/generate",
+        json={"prompt": "x", "refs": [{"data": wrapped}], "steps": 1, "width": 64, "height": 64},
+        timeout=120,
+    )
+    assert ok.status_code == 200, ok.text
+
+
 def test_messages_name_json_types_not_rust_ones(server: Server):
     url = f"{server.url}/v1/images/generations"
     err = error_of(httpx.post(url, json={"prompt": "x", "n": -1}, timeout=60), 400)
-    assert err["param"] == "n" and "whole number" in err["message"], err
+    assert err["param"] == "n" and "whole number" in err["message"] and "1 to 16" in err["message"], err
+    err = error_of(httpx.post(url, json={"prompt": "x", "seed": 2**64}, timeout=60), 400)
+    assert err["param"] == "seed" and "18446744073709551615" in err["message"], err
     assert "u64" not in err["message"] and "line 1 column" not in err["message"], err
     err = error_of(httpx.post(url, json={"prompt": "x", "response_format": "bogus"}, timeout=60), 400)
     assert "give b64_json" in err["message"] and "link" not in err["message"], err
@@ -675,13 +708,49 @@ def test_sigterm_finishes_accepted_work_and_refuses_new(klein_bin: Path, tiny_bu
         time.sleep(0.05)
     s.process.send_signal(signal.SIGTERM)
     time.sleep(0.3)
-    with pytest.raises(httpx.ConnectError):
-        httpx.post(f"{s.url}/v1/klein/generate", json={"prompt": "too late"}, timeout=5)
+    # Draining: still answering, not ready, no new work.
+    ready = httpx.get(f"{s.url}/readyz", timeout=5)
+    assert ready.status_code == 503 and ready.json()["status"] == "draining", ready.text
+    late = error_of(httpx.post(f"{s.url}/v1/klein/generate", json={"prompt": "too late"}, timeout=5), 503)
+    assert "shutting down" in late["message"], late
     t.join(timeout=120)
     assert results and results[0].status_code == 200, results
     assert results[0].json()["steps"] == 150
     assert s.process.wait(timeout=60) == 0
     assert "finishing accepted requests" in "".join(s.log)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{s.url}/healthz", timeout=5)
+
+
+def _reply(url: str, data: bytes, wait: float) -> tuple[bytes, float]:
+    """What the server sends back on a raw connection given `data`, within `wait` s (b"": it
+    closed the connection), and after how many seconds."""
+    host, port = url.removeprefix("http://").split(":")
+    start = time.monotonic()
+    with socket.create_connection((host, int(port))) as connection:
+        connection.sendall(data)
+        connection.settimeout(wait)
+        return connection.recv(4096), time.monotonic() - start
+
+
+def test_clients_that_overstate_or_stall_hold_no_connection(klein_bin: Path, tiny_bundle: Path):
+    """A body declared over --max-body-mib is refused before it is sent (also to a client that asks
+    `Expect: 100-continue`); a body that stops coming gets 408 at --timeout; a request head that
+    never ends is dropped after 30 s."""
+    s = Server(klein_bin, tiny_bundle, "--timeout", "2", "--max-body-mib", "1")
+    try:
+        head = b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        for expect in (b"", b"Expect: 100-continue\r\n"):
+            reply, seconds = _reply(s.url, head + expect + b"Content-Length: 999999999999\r\n\r\n{}", 10)
+            assert reply.startswith(b"HTTP/1.1 413") and b"--max-body-mib" in reply and seconds < 2, reply
+        reply, seconds = _reply(s.url, head + b'Content-Length: 100\r\n\r\n{"pro', 10)
+        assert reply.startswith(b"HTTP/1.1 408") and b"klein serve --timeout" in reply, reply
+        assert 1.5 < seconds < 5, seconds
+        reply, seconds = _reply(s.url, b"GET /healthz HTTP/1.1\r\nHost: x\r\n", 45)
+        assert reply == b"" and 25 < seconds < 40, (reply, seconds)
+        assert httpx.get(f"{s.url}/healthz").status_code == 200
+    finally:
+        assert s.stop() == 0
 
 
 def test_bad_command_lines_exit_2(klein_bin: Path, tiny_bundle: Path, tmp_path: Path):

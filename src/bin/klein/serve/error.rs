@@ -18,6 +18,8 @@ pub(crate) enum ErrorKind {
     MethodNotAllowed,
     /// A body over `--max-body-mib` (413).
     TooLarge,
+    /// A body that did not all arrive within `--timeout` (408).
+    SlowBody,
     /// The queue is full (429, with Retry-After).
     QueueFull,
     /// Cancelled by `DELETE /v1/klein/jobs/{id}` (409).
@@ -38,6 +40,7 @@ impl ErrorKind {
             ErrorKind::NotFound => "not_found_error",
             ErrorKind::MethodNotAllowed => "method_not_allowed",
             ErrorKind::TooLarge => "payload_too_large",
+            ErrorKind::SlowBody => "request_timeout",
             ErrorKind::QueueFull => "queue_full",
             ErrorKind::Cancelled => "cancelled",
             ErrorKind::Timeout => "timeout",
@@ -53,6 +56,7 @@ impl ErrorKind {
             ErrorKind::NotFound => StatusCode::NOT_FOUND,
             ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorKind::SlowBody => StatusCode::REQUEST_TIMEOUT,
             ErrorKind::QueueFull => StatusCode::TOO_MANY_REQUESTS,
             ErrorKind::Cancelled => StatusCode::CONFLICT,
             ErrorKind::Timeout => StatusCode::GATEWAY_TIMEOUT,

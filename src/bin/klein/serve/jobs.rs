@@ -51,6 +51,9 @@ pub(crate) struct JobSpec {
     pub(crate) prompt: String,
     pub(crate) width: Option<u32>,
     pub(crate) height: Option<u32>,
+    /// The request field(s) that set `width` and `height`: `size` (OpenAI) or `None` where each
+    /// is its own field (`width`, `height`).
+    pub(crate) size_field: Option<&'static str>,
     pub(crate) steps: Option<usize>,
     pub(crate) guidance: Option<f64>,
     pub(crate) negative_prompt: Option<String>,

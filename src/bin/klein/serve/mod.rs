@@ -1,9 +1,9 @@
 //! `klein serve`: the model behind HTTP. One pipeline per `--device`, each on its own thread
 //! ([`worker`]), a bounded queue in front of them ([`jobs`]); axum on tokio for HTTP: the OpenAI
 //! images API ([`openai`]), klein's own routes with progress as server-sent events ([`native`]),
-//! health, readiness and Prometheus metrics ([`metrics`]). Binds 127.0.0.1 unless told
-//! otherwise; an optional bearer token; SIGTERM or Ctrl-C stop taking work, finish what was
-//! accepted, and exit.
+//! health, readiness and Prometheus metrics ([`metrics`]); its own accept loop ([`listen`]).
+//! Binds 127.0.0.1 unless told otherwise; an optional bearer token; SIGTERM or Ctrl-C stop taking
+//! work, finish what was accepted, and exit.
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,6 +17,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
+use futures_util::StreamExt;
 use klein::pipeline::Pipeline;
 use serde::de::DeserializeOwned;
 use sha2::{Digest, Sha256};
@@ -31,6 +32,7 @@ use worker::Shared;
 
 mod error;
 mod jobs;
+mod listen;
 mod metrics;
 mod native;
 mod openai;
@@ -47,6 +49,8 @@ pub(crate) struct AppState {
     /// sha256 of the bearer token, when one is required.
     api_key: Option<[u8; 32]>,
     timeout: Duration,
+    /// `--max-body-mib` in bytes.
+    max_body: usize,
     model_name: String,
     /// A distilled model: no guidance, so no negative prompt.
     distilled: bool,
@@ -112,6 +116,7 @@ pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
             loras,
             api_key: api_key.as_deref().map(digest),
             timeout: Duration::from_secs(args.timeout.into()),
+            max_body: usize::from(args.max_body_mib) << 20,
             model_name,
             distilled,
             draining: AtomicBool::new(false),
@@ -153,27 +158,29 @@ pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 }
             );
         }
-        let app = router(state.clone(), usize::from(args.max_body_mib) << 20);
-        let shutdown_state = state.clone();
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                shutdown_signal().await;
-                eprintln!("klein serve: shutting down: finishing accepted requests");
-                shutdown_state.draining.store(true, Ordering::SeqCst);
-                shutdown_state.queue.close();
-            })
-            .await
-            .context("serving HTTP")?;
-        state.queue.close();
-        for thread in threads {
-            let _ = thread.join();
-        }
+        let app = router(state.clone());
+        // Until every accepted job is answered the server still answers: `/readyz` 503, new work
+        // 503 (see `listen`).
+        let drained = async move {
+            shutdown_signal().await;
+            eprintln!("klein serve: shutting down: finishing accepted requests, refusing new ones");
+            state.draining.store(true, Ordering::SeqCst);
+            state.queue.close();
+            let workers = tokio::task::spawn_blocking(move || {
+                for thread in threads {
+                    let _ = thread.join();
+                }
+            });
+            let _ = workers.await;
+        };
+        listen::serve(listener, app, drained).await;
         eprintln!("klein serve: stopped");
         Ok(())
     })
 }
 
-fn router(state: Arc<AppState>, max_body: usize) -> Router {
+fn router(state: Arc<AppState>) -> Router {
+    let max_body = state.max_body;
     let protected = Router::new()
         .route("/v1/images/generations", post(openai::generations))
         .route("/v1/images/edits", post(openai::edits))
@@ -184,6 +191,7 @@ fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(retrieve_model))
         .route("/metrics", get(render_metrics))
+        .route_layer(middleware::from_fn_with_state(state.clone(), read_body))
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
     Router::new()
         .route("/healthz", get(|| async { Json(serde_json::json!({ "status": "ok" })) }))
@@ -399,6 +407,47 @@ fn timed_out(timeout: std::time::Duration) -> ApiError {
     )
 }
 
+/// The request's body, read whole before its handler runs (after the bearer token is checked):
+/// refused at once when its declared length is over `--max-body-mib` (before a client that sent
+/// `Expect: 100-continue` is told to go on), and when it has not all arrived within `--timeout`
+/// (a client that stalls holds no connection longer than a request may take).
+async fn read_body(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    let (parts, body) = request.into_parts();
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|length| length > state.max_body as u64) {
+        return too_large().into_response();
+    }
+    let mut stream = body.into_data_stream();
+    let mut bytes = Vec::new();
+    let read = async {
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| {
+                ApiError::new(ErrorKind::InvalidRequest, format!("request body: {e}"))
+            })?;
+            if bytes.len() + chunk.len() > state.max_body {
+                return Err(too_large());
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        Ok(())
+    };
+    match tokio::time::timeout(state.timeout, read).await {
+        Err(_) => ApiError::new(
+            ErrorKind::SlowBody,
+            format!(
+                "the request body did not arrive within the server's timeout ({} s, klein serve --timeout)",
+                state.timeout.as_secs()
+            ),
+        )
+        .into_response(),
+        Ok(Err(error)) => error.into_response(),
+        Ok(Ok(())) => next.run(Request::from_parts(parts, bytes.into())).await,
+    }
+}
+
 /// A body over `--max-body-mib`.
 fn too_large() -> ApiError {
     ApiError::new(
@@ -455,15 +504,35 @@ fn field_error(error: serde_path_to_error::Error<serde_json::Error>) -> ApiError
     } else {
         Some(path.clone())
     };
-    let text = if param.as_deref() == Some(path.as_str()) {
+    let mut text = if param.as_deref() == Some(path.as_str()) {
         format!("{path}: {message}")
     } else {
         message
     };
+    if let Some(valid) = param.as_deref().and_then(valid_numbers) {
+        text = format!("{text} ({valid})");
+    }
     ApiError {
         param,
         ..ApiError::new(ErrorKind::InvalidRequest, text)
     }
+}
+
+/// The values a numeric field takes, as a client should read them (the bounds are the CLI's).
+pub(crate) fn valid_numbers(field: &str) -> Option<String> {
+    use klein::limits::{MAX_BATCH, MAX_GUIDANCE, MAX_SIDE, MAX_STEPS, MIN_SIDE};
+    Some(match field {
+        "width" | "height" => format!("{MIN_SIDE} to {MAX_SIDE} pixels"),
+        "steps" => format!("a whole number, 1 to {MAX_STEPS}"),
+        "n" | "num_images" => format!("a whole number, 1 to {MAX_BATCH}"),
+        "seed" => format!("a whole number, 0 to {}", u64::MAX),
+        "guidance" => format!("a number, 0 to {MAX_GUIDANCE}"),
+        "strength" => "a number above 0, at most 1".to_string(),
+        "padding_mask_crop" => format!("a whole number of pixels, 0 to {MAX_SIDE}"),
+        "output_compression" | "quality" => "a whole number, 1 to 100".to_string(),
+        "preview_every" => "a whole number of steps, 1 or more".to_string(),
+        _ => return None,
+    })
 }
 
 /// A deserialisation message as a client should read it: the server's type names (`struct

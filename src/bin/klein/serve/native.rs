@@ -85,6 +85,18 @@ fn spec_from(state: &AppState, body: NativeBody) -> Result<(JobSpec, ImageFormat
         .enumerate()
         .map(|(i, r)| upload(r, &format!("refs[{i}]"), format!("image-{i}")))
         .collect::<Result<Vec<_>, ApiError>>()?;
+    if let Some(padding) = body
+        .padding_mask_crop
+        .filter(|&p| p > klein::limits::MAX_SIDE)
+    {
+        return Err(ApiError::field(
+            "padding_mask_crop",
+            format!(
+                "padding_mask_crop {padding}: give {}",
+                super::valid_numbers("padding_mask_crop").unwrap_or_default()
+            ),
+        ));
+    }
     if body.padding_mask_crop.is_some() && body.image.is_some() && body.mask.is_none() {
         return Err(ApiError::field(
             "padding_mask_crop",
@@ -127,6 +139,7 @@ fn spec_from(state: &AppState, body: NativeBody) -> Result<(JobSpec, ImageFormat
         prompt: body.prompt,
         width: body.width,
         height: body.height,
+        size_field: None,
         steps: check_steps(body.steps)?,
         guidance: check_guidance(body.guidance)?,
         negative_prompt: check_negative_prompt(state, body.negative_prompt)?,
@@ -155,7 +168,22 @@ fn spec_from(state: &AppState, body: NativeBody) -> Result<(JobSpec, ImageFormat
 /// A base64 file of the body; `field` names it in errors, `default_label` when it has no name.
 fn upload(body: RefBody, field: &str, default_label: String) -> Result<Upload, ApiError> {
     let b64 = base64::engine::general_purpose::STANDARD;
-    let bytes = b64.decode(body.data.trim()).map_err(|e| {
+    if body.data.starts_with("data:") {
+        return Err(ApiError::field(
+            &format!("{field}.data"),
+            format!(
+                "{field}.data is a data URL: give only the base64 text after its comma (the image's \
+                 name, if any, goes in {field}.name)"
+            ),
+        ));
+    }
+    // Base64 wrapped in lines (MIME's 76 columns) is taken as the same text unwrapped.
+    let text: String = body
+        .data
+        .chars()
+        .filter(|c| !c.is_ascii_whitespace())
+        .collect();
+    let bytes = b64.decode(text).map_err(|e| {
         ApiError::field(
             &format!("{field}.data"),
             format!("{field}.data is not base64: {e}"),
@@ -308,7 +336,10 @@ pub(crate) async fn cancel(
     } else {
         Err(ApiError::new(
             ErrorKind::NotFound,
-            format!("no queued or running request has id {id}"),
+            format!(
+                "no queued or running request has id {}",
+                id.chars().take(64).collect::<String>()
+            ),
         ))
     }
 }

@@ -75,6 +75,7 @@ fn spec_from(
         prompt: body.prompt,
         width,
         height,
+        size_field: Some("size"),
         steps: check_steps(body.steps)?,
         guidance: check_guidance(body.guidance)?,
         negative_prompt: check_negative_prompt(state, body.negative_prompt)?,
@@ -215,6 +216,9 @@ pub(crate) async fn edits(
                 });
             }
             "strength" => {
+                if strength.is_some() {
+                    return Err(ApiError::field("strength", "duplicate field `strength`"));
+                }
                 let value = field.text().await.map_err(multipart_error)?;
                 let parsed = value.trim().parse::<f64>().map_err(|_| {
                     ApiError::field("strength", format!("strength `{value}`: give a number"))
@@ -223,6 +227,10 @@ pub(crate) async fn edits(
             }
             "loras" | "loras[]" => loras.push(field.text().await.map_err(multipart_error)?),
             text if TEXT_FIELDS.contains(&text) => {
+                // As the JSON routes: a second value is refused, not the last one taken.
+                if body.contains_key(text) {
+                    return Err(ApiError::field(text, format!("duplicate field `{text}`")));
+                }
                 let value = field.text().await.map_err(multipart_error)?;
                 body.insert(name.clone(), form_value(&name, value)?);
             }
@@ -266,14 +274,30 @@ fn form_value(name: &str, value: String) -> Result<serde_json::Value, ApiError> 
             .trim()
             .parse::<u64>()
             .map(serde_json::Value::from)
-            .map_err(|_| ApiError::field(name, format!("{name} `{value}`: give a whole number"))),
+            .map_err(|_| {
+                ApiError::field(
+                    name,
+                    format!(
+                        "{name} `{value}`: give {}",
+                        super::valid_numbers(name).unwrap_or_default()
+                    ),
+                )
+            }),
         "guidance" => value
             .trim()
             .parse::<f64>()
             .ok()
             .and_then(serde_json::Number::from_f64)
             .map(serde_json::Value::Number)
-            .ok_or_else(|| ApiError::field(name, format!("{name} `{value}`: give a number"))),
+            .ok_or_else(|| {
+                ApiError::field(
+                    name,
+                    format!(
+                        "{name} `{value}`: give {}",
+                        super::valid_numbers(name).unwrap_or_default()
+                    ),
+                )
+            }),
         _ => Ok(serde_json::Value::String(value)),
     }
 }

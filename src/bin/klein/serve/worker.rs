@@ -92,6 +92,18 @@ fn cancelled() -> ApiError {
     ApiError::new(ErrorKind::Cancelled, "cancelled before it finished")
 }
 
+/// The request field of a size the pipeline refused (`width 128 was given, but inpainting...`):
+/// `size_field` where one field sets both, else `width` or `height` as the message names it.
+fn size_param(error: &klein::KleinError, size_field: Option<&'static str>) -> Option<&'static str> {
+    let klein::KleinError::Request(message) = error else {
+        return None;
+    };
+    let named = ["width", "height"]
+        .into_iter()
+        .find(|field| message.starts_with(&format!("{field} ")))?;
+    Some(size_field.unwrap_or(named))
+}
+
 /// The source image and mask of an inpainting job, decoded for `pipeline`.
 fn load_inpaint(pipeline: &Pipeline, upload: &InpaintUpload) -> Result<Inpaint, ApiError> {
     let strength = upload.strength.unwrap_or(DEFAULT_STRENGTH);
@@ -213,7 +225,7 @@ fn run_job(
         .generate(&request, Some(&mut on_progress))
         .map_err(|e| match e {
             klein::KleinError::Cancelled => cancelled(),
-            e => ApiError::from_klein(&e, None),
+            e => ApiError::from_klein(&e, size_param(&e, spec.size_field)),
         })?;
     let labels: Vec<String> = spec.references.iter().map(|u| u.label.clone()).collect();
     let mut metadata = pipeline.image_metadata(&generation, &spec.prompt, &labels, bundle_hash);
