@@ -104,6 +104,28 @@ _NATIVE_PARAMS = {
 }
 _U32 = 2**32
 _U64 = 2**64
+# The argument a native error is about when klein's message names it first (after "invalid
+# request: "), for the errors that come without one: klein's own request checks.
+_MESSAGE_PARAMS = {
+    "width ": "width",
+    "height ": "height",
+    "strength ": "strength",
+    "a negative prompt ": "negative_prompt",
+    "padding_mask_crop ": "padding_mask_crop",
+    "mask crop padding ": "padding_mask_crop",
+    "vae_tiling ": "vae_tiling",
+    "VAE tile size ": "vae_tile_size",
+    "unknown device ": "device",
+}
+
+
+def _named(error: KleinError, default: str | None = None) -> KleinError:
+    """``error`` with ``param`` set where klein left it None: the argument its message names
+    first (``_MESSAGE_PARAMS``), else ``default``."""
+    if getattr(error, "param", None) is None:
+        text = str(error).removeprefix("invalid request: ")
+        error.param = next((p for start, p in _MESSAGE_PARAMS.items() if text.startswith(start)), default)
+    return error
 
 
 class KleinWarning(UserWarning):
@@ -191,10 +213,9 @@ def _count(
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise _invalid(f"{name} must be an integer, not {type(value).__name__}", name)
-    if bounds is not None and not bounds[0] <= int(value) <= bounds[1]:
-        raise _invalid(f"{name} is {int(value)}: it must be between {bounds[0]} and {bounds[1]}", name)
-    if not 0 <= int(value) < limit:
-        raise _invalid(f"{name} is {int(value)}: it is out of range", name)
+    low, high = bounds if bounds is not None else (0, limit - 1)
+    if not low <= int(value) <= high:
+        raise _invalid(f"{name} is {int(value)}: it must be between {low} and {high}", name)
     return int(value)
 
 
@@ -214,15 +235,18 @@ def _text(name: str, value: Any, *, optional: bool = False) -> str | None:
     return value
 
 
-def _number(name: str, value: Any, bounds: tuple[float, float] | None = None) -> float | None:
-    """A number argument; with ``bounds``, finite and within them."""
+def _number(name: str, value: Any, bounds: tuple[float, float] | None = None, param: str | None = None) -> float | None:
+    """A number argument; with ``bounds``, finite and within them. Errors name ``param`` (default:
+    ``name``)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise _invalid(f"{name} must be a number, not {type(value).__name__}", name)
+        raise _invalid(f"{name} must be a number, not {type(value).__name__}", param or name)
     number = float(value)
     if bounds is not None and not (math.isfinite(number) and bounds[0] <= number <= bounds[1]):
-        raise _invalid(f"{name} is {number}: it must be a number between {bounds[0]:g} and {bounds[1]:g}", name)
+        raise _invalid(
+            f"{name} is {number}: it must be a number between {bounds[0]:g} and {bounds[1]:g}", param or name
+        )
     return number
 
 
@@ -234,14 +258,15 @@ def _seed(generator: Any) -> int:
         return secrets.randbits(63)
     if isinstance(generator, (list, tuple)):
         if len(generator) != 1:
-            raise InvalidInputError(
-                f"invalid request: generator: {len(generator)} generators given; klein takes one "
-                "(the noise of all num_images_per_prompt images comes from one seed)"
+            raise _invalid(
+                f"generator: {len(generator)} generators given; klein takes one "
+                "(the noise of all num_images_per_prompt images comes from one seed)",
+                "generator",
             )
         generator = generator[0]
     if hasattr(generator, "initial_seed") and not isinstance(generator, (int, np.integer)):
         generator = generator.initial_seed()
-    seed = _count("generator (seed)", generator, optional=False, limit=_U64)
+    seed = _count("generator", generator, optional=False, limit=_U64)
     assert seed is not None
     return seed
 
@@ -300,6 +325,9 @@ def _vae_tiling(tiling: Any, tile_size: Any) -> str:
         return "on" if tiling else "off"
     if not isinstance(tiling, str):
         raise _invalid(f"vae_tiling must be 'auto', 'on' or 'off', not {type(tiling).__name__}", "vae_tiling")
+    if tiling == "off" and tile_size is not None:
+        # As `klein generate`: a tile size asks for tiles.
+        raise _invalid("vae_tile_size does not apply with vae_tiling='off'; leave one of them out", "vae_tile_size")
     return tiling
 
 
@@ -308,7 +336,7 @@ def _preview_callback(preview: Any) -> Callable[[int, int, list[tuple[bytes, int
     if preview is None:
         return None
     if not callable(preview):
-        raise InvalidInputError("invalid request: preview must be callable(step, total, images)")
+        raise _invalid("preview must be callable(step, total, images)", "preview")
 
     def native(step: int, total: int, images: list[tuple[bytes, int, int]]) -> Any:
         return preview(step, total, [Image.frombytes("RGB", (w, h), raw) for raw, w, h in images])
@@ -336,7 +364,7 @@ def _loras(loras: Any) -> list[str | tuple[str, float]]:
         elif isinstance(lora, os.PathLike):
             specs.append((os.fsdecode(lora), 1.0))
         elif isinstance(lora, tuple) and len(lora) == 2 and isinstance(lora[0], (str, os.PathLike)):
-            scale = _number(f"loras[{index}] scale", lora[1])
+            scale = _number(f"loras[{index}] scale", lora[1], param="loras")
             assert scale is not None
             specs.append((os.fsdecode(lora[0]), scale))
         else:
@@ -390,20 +418,23 @@ class Pipeline:
                 f"model must be a bundle directory's path (str or os.PathLike), not {type(model).__name__}", "model"
             )
         if not isinstance(device, str):
-            raise InvalidInputError(f"invalid request: device must be a string, not {type(device).__name__}")
-        self._native = _klein.Pipeline(
-            os.fsdecode(model),
-            device=device,
-            threads=_count("threads", threads, bounds=(1, MAX_THREADS)),
-            loras=_loras(loras),
-            verify_hashes=bool(verify_hashes),
-            keep_text_encoder=bool(keep_text_encoder),
-            release_transformer=bool(release_transformer),
-            vae_tiling=_vae_tiling(vae_tiling, vae_tile_size),
-            vae_tile_size=_count("vae_tile_size", vae_tile_size),
-            cpu_cache=_path("cpu_cache", cpu_cache),
-            ort_lib=os.fsdecode(find_ort_library(_path("ort_lib", ort_lib))),
-        )
+            raise _invalid(f"device must be a string, not {type(device).__name__}", "device")
+        arguments = {
+            "device": device,
+            "threads": _count("threads", threads, bounds=(1, MAX_THREADS)),
+            "loras": _loras(loras),
+            "verify_hashes": bool(verify_hashes),
+            "keep_text_encoder": bool(keep_text_encoder),
+            "release_transformer": bool(release_transformer),
+            "vae_tiling": _vae_tiling(vae_tiling, vae_tile_size),
+            "vae_tile_size": _count("vae_tile_size", vae_tile_size, bounds=(64, MAX_SIDE)),
+            "cpu_cache": _path("cpu_cache", cpu_cache),
+            "ort_lib": os.fsdecode(find_ort_library(_path("ort_lib", ort_lib))),
+        }
+        try:
+            self._native = _klein.Pipeline(os.fsdecode(model), **arguments)
+        except InvalidInputError as error:
+            raise _named(error, "loras" if "LoRA" in str(error) else None) from None
 
     def __call__(
         self,
@@ -490,7 +521,10 @@ class Pipeline:
         refused, as by ``klein generate``. The other arguments are ``__call__``'s."""
         sources, masks = _references(image), _references(mask_image, "mask_image")
         if len(sources) != 1 or len(masks) > 1:
-            raise InvalidInputError("invalid request: inpaint takes one source image and at most one mask_image")
+            raise _invalid(
+                "inpaint takes one source image and at most one mask_image",
+                "image" if len(sources) != 1 else "mask_image",
+            )
         return self._run(
             prompt,
             references=_references(image_reference, "image_reference"),
@@ -538,11 +572,9 @@ class Pipeline:
     ) -> KleinPipelineOutput | tuple[Any]:
         _text("prompt", prompt)
         if output_type not in _OUTPUT_TYPES:
-            raise InvalidInputError(
-                f"invalid request: output_type {output_type!r}: use one of {', '.join(_OUTPUT_TYPES)}"
-            )
+            raise _invalid(f"output_type {output_type!r}: use one of {', '.join(_OUTPUT_TYPES)}", "output_type")
         if callback is not None and not callable(callback):
-            raise InvalidInputError("invalid request: callback must be callable(step, total)")
+            raise _invalid("callback must be callable(step, total)", "callback")
         count = _count("num_images_per_prompt", num_images_per_prompt, optional=False, bounds=(1, MAX_BATCH))
         arguments = {
             "references": references,
@@ -556,7 +588,9 @@ class Pipeline:
             "num_images": count,
             "png": output_type == "png",
             "callback": callback,
-            "preview_every": _count("preview_every", preview_every, optional=False) if preview else None,
+            "preview_every": _count("preview_every", preview_every, optional=False, bounds=(1, 65535))
+            if preview
+            else None,
             "preview": _preview_callback(preview),
         }
         try:
@@ -565,7 +599,7 @@ class Pipeline:
             # An input's error names the native argument (``source``, ``mask``, ``references``,
             # ``steps``...): as the caller's argument (``params``, else ``_NATIVE_PARAMS``).
             error.param = params.get(error.param, _NATIVE_PARAMS.get(error.param, error.param))
-            raise
+            raise _named(error) from None
         for message in generation.warnings:
             warnings.warn(message, KleinWarning, stacklevel=3)
         if generation.prompt_truncated:
@@ -602,7 +636,10 @@ class Pipeline:
     def set_loras(self, loras: Sequence[LoraInput] | None) -> None:
         """Applies ``loras`` in place of the current ones (empty or None: none). Only the
         transformer reloads; a LoRA that does not fit the bundle raises and changes nothing."""
-        self._native.set_loras(_loras(loras))
+        try:
+            self._native.set_loras(_loras(loras))
+        except InvalidInputError as error:
+            raise _named(error, "loras") from None
 
     @property
     def loras(self) -> list[tuple[Path, float]]:

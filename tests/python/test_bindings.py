@@ -266,6 +266,9 @@ def test_invalid_input(pipe, tiny_bundle, tmp_path):
         pipe("a fox", image=Image.new("RGB", (0, 0)), width=64, height=64)
     with pytest.raises(klein.InvalidInputError, match="num_inference_steps"):
         pipe("a fox", width=64, height=64, num_inference_steps=-1)
+    # Out of range says the range.
+    with pytest.raises(klein.InvalidInputError, match="generator is -1: it must be between 0 and 18446744073709551615"):
+        pipe("a fox", width=64, height=64, generator=-1)
     with pytest.raises(klein.InvalidInputError, match="output_type"):
         pipe("a fox", output_type="latent")
     with pytest.raises(klein.InvalidInputError, match=r"image\[1\]"):
@@ -302,6 +305,22 @@ def test_invalid_input(pipe, tiny_bundle, tmp_path):
         (lambda: pipe.inpaint("a fox", image=synthetic(), image_reference=[synthetic()] * 11), "image_reference"),
         (lambda: pipe("a" * (klein.MAX_PROMPT_BYTES + 1)), "prompt"),
         (lambda: pipe("a fox", negative_prompt="a" * (klein.MAX_PROMPT_BYTES + 1)), "negative_prompt"),
+        # Errors of klein's own checks, named by the argument their message is about.
+        (lambda: pipe.set_loras([("nothing.safetensors", 0.5)]), "loras"),
+        (lambda: pipe.set_loras([("x.safetensors", "a")]), "loras"),
+        (lambda: pipe("a fox", generator=-1), "generator"),
+        (lambda: pipe("a fox", generator=[1, 2]), "generator"),
+        (lambda: pipe.inpaint("a fox", image=synthetic(), strength=0), "strength"),
+        (lambda: pipe("a fox", width=64, height=64, negative_prompt="blurry"), "negative_prompt"),
+        (lambda: pipe("a fox", output_type="pt"), "output_type"),
+        (lambda: pipe("a fox", callback=5), "callback"),
+        (lambda: pipe.inpaint("a fox", image=synthetic(), width=128), "width"),
+        (lambda: pipe.inpaint("a fox", image=synthetic(), padding_mask_crop=8), "padding_mask_crop"),
+        (lambda: pipe.inpaint("a fox", image=[synthetic(), synthetic()]), "image"),
+        (lambda: klein.Pipeline(tiny_bundle, vae_tiling="maybe"), "vae_tiling"),
+        (lambda: klein.Pipeline(tiny_bundle, vae_tile_size=100), "vae_tile_size"),
+        (lambda: klein.Pipeline(tiny_bundle, device="tpu"), "device"),
+        (lambda: klein.Pipeline(tiny_bundle, vae_tiling="off", vae_tile_size=512), "vae_tile_size"),
     ]:
         with pytest.raises(klein.InvalidInputError) as error:
             call()
