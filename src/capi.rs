@@ -35,11 +35,11 @@ use std::ptr;
 use std::slice;
 
 use crate::error::KleinError;
-use crate::limits::MAX_LORAS;
+use crate::limits::{MAX_LORAS, MAX_SIDE};
 use crate::pipeline::request::check_reference_count;
 use crate::pipeline::{Inpaint, LoraSpec, Pipeline, PipelineOptions, Progress, Request, VaeTiling};
 use crate::runtime::{CoreMlOptions, CudaOptions, RuntimeOptions};
-use crate::stages::inpaint::DEFAULT_STRENGTH;
+use crate::stages::inpaint::{check_strength, DEFAULT_STRENGTH};
 
 /// The result of every call.
 #[repr(i32)]
@@ -76,8 +76,9 @@ pub struct KleinOptions {
     /// Threads inside one operator; 0: ONNX Runtime's default.
     pub threads: u32,
     /// Path of the ONNX Runtime shared library; NULL: `ORT_DYLIB_PATH`, then the path baked in at
-    /// build time (`KLEIN_ORT_DYLIB`), then next to the executable, then `.ort/` in the current
-    /// directory (where `scripts/setup-ort.sh` installs it).
+    /// build time (`KLEIN_ORT_DYLIB`), then next to the executable, then `.ort/` two folders above
+    /// the executable's (`<repo>/target/release/app` finds `<repo>/.ort/`, where
+    /// `scripts/setup-ort.sh` installs it). An app outside the repository should pass it.
     pub ort_library: *const c_char,
     /// CoreML: `"all"`, `"cpu-gpu"`, `"cpu-ane"` (Neural Engine) or `"cpu"`; NULL: `"all"`.
     pub coreml_units: *const c_char,
@@ -705,6 +706,15 @@ unsafe fn to_request(
     // Every number before any reference file is read.
     result.check_bounds()?;
     check_reference_count(reference_count)?;
+    if strength != 0.0 {
+        check_strength(strength)?;
+    }
+    if mask_crop_padding > MAX_SIDE {
+        return Err(KleinError::Request(format!(
+            "request.mask_crop_padding {mask_crop_padding}: give 0 to {MAX_SIDE} pixels"
+        ))
+        .into());
+    }
     let paths = match (reference_paths.is_null(), reference_count) {
         (_, 0) => &[][..],
         (true, count) => {

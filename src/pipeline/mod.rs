@@ -568,10 +568,11 @@ impl Pipeline {
     /// bundle's default; floored to the latent multiple (16), as the reference pipeline does.
     /// With a mask crop ([`MaskCrop`]): the whole source's size, which the result is pasted into.
     pub fn output_size(&self, request: &Request) -> Result<(u32, u32)> {
-        let generated = request::output_size(&self.manifest, request)?;
+        // Every check `generate` makes before its work: a size given is one it would make.
+        let plan = Plan::new(&self.manifest, request)?;
         match request.inpaint.as_ref().and_then(|i| i.crop.as_ref()) {
             Some(crop) => Ok(crop.size()),
-            None => Ok(generated),
+            None => Ok((plan.width, plan.height)),
         }
     }
 

@@ -165,6 +165,10 @@ fn rerun_skips_existing_outputs() {
         "seed read from the PNG"
     );
     assert_eq!(again["totals"]["skipped"], 2);
+    assert_eq!(
+        again["model"], "klein-tiny",
+        "a run that loads nothing still names the model"
+    );
     for (path, (time, bytes)) in [&cat, &dog].into_iter().zip(&before) {
         assert_eq!(modified(path), *time, "{} was rewritten", path.display());
         assert_eq!(&std::fs::read(path).unwrap(), bytes);
@@ -182,6 +186,37 @@ fn rerun_skips_existing_outputs() {
         "same seed, same image"
     );
     assert_eq!(modified(&dog), before[1].0);
+}
+
+/// A line that is not UTF-8 and a line whose output path is a directory fail alone: the lines
+/// around them run.
+#[test]
+fn a_line_not_in_utf8_or_whose_output_is_a_folder_fails_alone() {
+    let dir = temp_dir("batch-utf8");
+    let prompts = dir.join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        b"{\"prompt\": \"ok\"}\n{\"prompt\": \"caf\xe9\"}\n{\"prompt\": \"x\", \"name\": \"taken\"}\n{\"prompt\": \"ok2\"}\n",
+    )
+    .unwrap();
+    let out_dir = dir.join("out");
+    std::fs::create_dir_all(out_dir.join("taken.png")).unwrap();
+    let run = batch(&prompts, &out_dir, &FAST);
+    assert_eq!(run.code, Some(2), "{}", run.describe());
+    assert_mentions(
+        &run.stderr,
+        &["line 2", "not UTF-8", "line 3", "taken.png", "not a file"],
+    );
+    assert_eq!(
+        statuses(&summary(&out_dir)),
+        [
+            ("0001", "ok"),
+            ("0002", "error"),
+            ("taken", "error"),
+            ("0004", "ok")
+        ]
+        .map(|(n, s)| (n.into(), s.into()))
+    );
 }
 
 /// Invalid JSON, a missing prompt, an unknown key, a missing reference and zero steps are each

@@ -704,6 +704,34 @@ fn c_requests_inpaint_as_the_rust_api() {
     let (status, message) = call(|m| unsafe { generate_into(pipeline, &too_strong, &mut rgba, m) });
     assert_eq!(status, KLEIN_ERROR_USER, "{message}");
     assert_mentions(&message, &["strength 1.5 must be above 0 and at most 1"]);
+    // Numbers before files: the strength is refused before a missing source is looked for; so
+    // is a crop padding past 4096, crop or not.
+    let missing = c"/nonexistent/source.png";
+    for bad in [
+        KleinRequest {
+            image_path: missing.as_ptr(),
+            ..too_strong
+        },
+        KleinRequest {
+            image_path: missing.as_ptr(),
+            mask_crop_padding: 5000,
+            ..request
+        },
+    ] {
+        let (status, message) = call(|m| unsafe { generate_into(pipeline, &bad, &mut rgba, m) });
+        assert_eq!(status, KLEIN_ERROR_USER, "{message}");
+        assert!(!message.contains("nonexistent"), "{message}");
+    }
+    // `klein_output_size` refuses what `klein_generate` refuses: a size other than the source's.
+    let other_size = KleinRequest {
+        width: 96,
+        height: 96,
+        ..request
+    };
+    let (status, message) =
+        call(|m| unsafe { klein_output_size(pipeline, &other_size, &mut width, &mut height, m) });
+    assert_eq!(status, KLEIN_ERROR_USER, "{message}");
+    assert_mentions(&message, &["width 96 was given", "source image's size"]);
 
     // `mask_crop`: a mask of the source's size; the output is the whole source (72x52).
     let full_mask = dir.join("full-mask.png");
@@ -759,7 +787,7 @@ fn c_requests_inpaint_as_the_rust_api() {
     };
     let (status, message) = call(|m| unsafe { generate_into(pipeline, &wide, &mut rgba, m) });
     assert_eq!(status, KLEIN_ERROR_USER, "{message}");
-    assert_mentions(&message, &["mask crop padding 4097", "0 to 4096"]);
+    assert_mentions(&message, &["mask_crop_padding 4097", "0 to 4096"]);
     unsafe { klein_pipeline_free(pipeline) };
 }
 

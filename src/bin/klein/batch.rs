@@ -149,7 +149,7 @@ impl BatchRun<'_> {
 
 /// The text of the prompts file, refused past [`MAX_BATCH_FILE_BYTES`]: unread where its size is
 /// known, else (a pipe, a device) once that much has been read.
-fn read_prompts(prompts: &Path) -> anyhow::Result<String> {
+fn read_prompts(prompts: &Path) -> anyhow::Result<Vec<u8>> {
     let too_large = |size: String| {
         UsageError(format!(
             "--prompts {} is {size} bytes: at most {MAX_BATCH_FILE_BYTES} are read; split it",
@@ -166,19 +166,16 @@ fn read_prompts(prompts: &Path) -> anyhow::Result<String> {
             prompts.display()
         ))
     };
-    let mut text = String::new();
+    let mut text = Vec::new();
     std::fs::File::open(prompts)
-        .and_then(|file| {
-            file.take(MAX_BATCH_FILE_BYTES + 1)
-                .read_to_string(&mut text)
-        })
+        .and_then(|file| file.take(MAX_BATCH_FILE_BYTES + 1).read_to_end(&mut text))
         .map_err(unreadable)?;
     if text.len() as u64 > MAX_BATCH_FILE_BYTES {
         return Err(too_large(format!("more than {MAX_BATCH_FILE_BYTES}")).into());
     }
     // A byte-order mark, as some Windows editors write one, is not part of the first line.
-    if text.starts_with('\u{feff}') {
-        text.drain(..'\u{feff}'.len_utf8());
+    if text.starts_with("\u{feff}".as_bytes()) {
+        text.drain(.."\u{feff}".len());
     }
     Ok(text)
 }
@@ -195,7 +192,10 @@ pub(crate) fn generate_batch(
     // checked when it runs, and a bad one is reported in the summary.
     crate::command_line_request(args, "").check_bounds()?;
     let text = read_prompts(prompts)?;
-    let lines = text.lines().filter(|l| !l.trim().is_empty()).count();
+    let lines = text
+        .split(|&b| b == b'\n')
+        .filter(|l| !l.trim_ascii().is_empty())
+        .count();
     if lines > MAX_BATCH_LINES {
         return Err(UsageError(format!(
             "--prompts {} has {lines} lines: at most {MAX_BATCH_LINES} run in one batch; split it",
@@ -236,7 +236,7 @@ fn run_batch(
     args: &GenerateArgs,
     prompts: &Path,
     out_dir: &Path,
-    text: &str,
+    text: &[u8],
     started: Instant,
 ) -> anyhow::Result<ExitCode> {
     crate::outputs::check_writable(
@@ -263,7 +263,13 @@ fn run_batch(
         ))
         .into());
     }
-    if !to_run.is_empty() {
+    if to_run.is_empty() {
+        // No line loads the pipeline (all done or refused): the summary still names the model.
+        run.model = default_model(args.load.model.clone())
+            .ok()
+            .and_then(|bundle| klein::bundle::Manifest::load(&bundle).ok())
+            .map(|manifest| manifest.model.name);
+    } else {
         run.run_lines(args, to_run, &reporter)?;
     }
     run.finish(&reporter)
@@ -274,7 +280,7 @@ type ToRun = Vec<(usize, BatchLine, PathBuf)>;
 
 impl BatchRun<'_> {
     /// 1. Every line: refused, skipped (its output exists) or to run (returned).
-    fn sort_lines(&mut self, text: &str, base: &Path, reporter: &Reporter) -> ToRun {
+    fn sort_lines(&mut self, text: &[u8], base: &Path, reporter: &Reporter) -> ToRun {
         let (prompts, out_dir) = (self.prompts, self.out_dir);
         let mut to_run: Vec<(usize, BatchLine, PathBuf)> = Vec::new();
         for parsed in parse_batch(text, base) {
@@ -300,6 +306,30 @@ impl BatchRun<'_> {
                 }
                 Ok(line) => {
                     let output = out_dir.join(format!("{}.png", line.name));
+                    if output.exists() && !output.is_file() {
+                        // Not a finished output (those are files, written whole): the line fails.
+                        let message = format!(
+                            "{} exists and is not a file; remove it or give the line another name",
+                            output.display()
+                        );
+                        eprintln!(
+                            "klein: error: {}: line {}: {message}",
+                            prompts.display(),
+                            line.line
+                        );
+                        self.records.push(LineRecord {
+                            line: line.line,
+                            name: line.name.clone(),
+                            output: None,
+                            prompt: Some(line.prompt.clone()),
+                            seed: line.seed,
+                            status: Status::Error,
+                            message: Some(message),
+                            error_kind: Some("user"),
+                            seconds: 0.0,
+                        });
+                        continue;
+                    }
                     let skipped = output.exists();
                     if skipped {
                         reporter.say(format!(

@@ -95,22 +95,39 @@ pub(crate) fn default_name(line: usize) -> String {
 /// which reference paths are resolved. Output names must be plain file names and unique: a line
 /// whose name an earlier line already has (by default or explicitly) is an error.
 pub(crate) fn parse_batch(
-    text: &str,
+    text: &[u8],
     base_dir: &Path,
 ) -> Vec<std::result::Result<BatchLine, LineError>> {
     let mut used: HashMap<String, usize> = HashMap::new();
     let mut parsed = Vec::new();
-    for (index, raw) in text.lines().enumerate() {
+    for (index, raw) in text.split(|&b| b == b'\n').enumerate() {
         let line = index + 1;
-        if raw.trim().is_empty() {
-            continue;
-        }
         let fail = |name: String, prompt: Option<String>, message: String| LineError {
             line,
             name,
             prompt,
             message,
         };
+        let raw = raw.strip_suffix(b"\r").unwrap_or(raw);
+        // A line that is not UTF-8 is that line's error, as invalid JSON is.
+        let raw = match std::str::from_utf8(raw) {
+            Ok(raw) => raw,
+            Err(e) => {
+                parsed.push(Err(fail(
+                    default_name(line),
+                    None,
+                    format!(
+                        "not UTF-8 text (byte {} of the line); save the file as UTF-8",
+                        e.valid_up_to() + 1
+                    ),
+                )));
+                used.entry(name_key(&default_name(line))).or_insert(line);
+                continue;
+            }
+        };
+        if raw.trim().is_empty() {
+            continue;
+        }
         let json: LineJson = match serde_json::from_str(raw) {
             Ok(json) => json,
             Err(e) => {
@@ -197,6 +214,13 @@ fn check_name(name: &str) -> std::result::Result<(), String> {
     if name.is_empty() || name == "." || name == ".." {
         return Err(format!("`{name}` is not a file name"));
     }
+    // File systems take names of at most 255 bytes, `.png` included.
+    if name.len() > 251 {
+        return Err(format!(
+            "the name is {} bytes long; a file name is at most 251 bytes before `.png`",
+            name.len()
+        ));
+    }
     let stem = name.split('.').next().unwrap_or(name).trim_end();
     if WINDOWS_RESERVED.contains(&stem.to_ascii_lowercase().as_str()) {
         return Err(format!(
@@ -229,7 +253,7 @@ mod tests {
     #[test]
     fn lines_parse_with_defaults_and_resolved_refs() {
         let text = "{\"prompt\": \"a\"}\n\n{\"prompt\": \"b\", \"seed\": 3, \"refs\": [\"r.png\", \"/abs/s.png\"], \"name\": \"bee\"}\n";
-        let parsed = parse_batch(text, Path::new("dir"));
+        let parsed = parse_batch(text.as_bytes(), Path::new("dir"));
         assert_eq!(parsed.len(), 2, "the blank line is skipped: {parsed:?}");
         let first = parsed[0].as_ref().unwrap();
         assert_eq!(
@@ -263,9 +287,16 @@ mod tests {
             "{\"prompt\": \"x\", \"name\": \"end.\"}",
         ]
         .join("\n");
-        let parsed = parse_batch(&text, Path::new("."));
+        // Line 12: `café` in Latin-1 (é is the one byte 0xE9), not UTF-8; line 13: a long name.
+        let mut bytes = text.into_bytes();
+        bytes.extend_from_slice(b"\n{\"prompt\": \"caf\xe9\"}\n");
+        let long_name = "n".repeat(300);
+        bytes.extend_from_slice(
+            format!("{{\"prompt\": \"x\", \"name\": \"{long_name}\"}}").as_bytes(),
+        );
+        let parsed = parse_batch(&bytes, Path::new("."));
         let errors: Vec<&LineError> = parsed.iter().filter_map(|p| p.as_ref().err()).collect();
-        assert_eq!(errors.len(), 10, "{parsed:?}");
+        assert_eq!(errors.len(), 12, "{parsed:?}");
         let expect = [
             (1, "0001", "invalid JSON"),
             (2, "0002", "missing field `prompt`"),
@@ -277,6 +308,8 @@ mod tests {
             (9, "CON", "device name on Windows"),
             (10, "nul.tar", "device name on Windows"),
             (11, "end.", "ends with a dot"),
+            (12, "0012", "not UTF-8 text (byte 16 of the line)"),
+            (13, long_name.as_str(), "300 bytes long"),
         ];
         for (error, (line, name, needle)) in errors.iter().zip(expect) {
             assert_eq!((error.line, error.name.as_str()), (line, name), "{error:?}");

@@ -92,15 +92,17 @@ fn cancelled() -> ApiError {
     ApiError::new(ErrorKind::Cancelled, "cancelled before it finished")
 }
 
-/// The request field of a size the pipeline refused (`width 128 was given, but inpainting...`):
-/// `size_field` where one field sets both, else `width` or `height` as the message names it.
+/// The request field of a size the pipeline refused (`width 128 was given, but inpainting...`,
+/// `... image tokens (...)`): `size_field` where one field sets both, else `width` or `height` as
+/// the message names it (`width` for the token budget).
 fn size_param(error: &klein::KleinError, size_field: Option<&'static str>) -> Option<&'static str> {
     let klein::KleinError::Request(message) = error else {
         return None;
     };
     let named = ["width", "height"]
         .into_iter()
-        .find(|field| message.starts_with(&format!("{field} ")))?;
+        .find(|field| message.starts_with(&format!("{field} ")))
+        .or_else(|| message.contains(" image tokens (").then_some("width"))?;
     Some(size_field.unwrap_or(named))
 }
 
@@ -185,7 +187,7 @@ fn run_job(
     // The size is known once the references are: `auto` takes the first one's.
     let (width, height) = pipeline
         .output_size(&request)
-        .map_err(|e| ApiError::from_klein(&e, Some("size")))?;
+        .map_err(|e| ApiError::from_klein(&e, size_param(&e, spec.size_field)))?;
     let pixels = u64::from(width) * u64::from(height) * spec.num_images as u64;
     if pixels > max_pixels {
         return Err(ApiError::field(
