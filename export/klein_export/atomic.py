@@ -3,6 +3,7 @@
 import os
 import shutil
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -42,9 +43,19 @@ def check_output(out, force, inputs=(), replaceable=lambda d: (d / "manifest.jso
         path = Path(path).resolve()
         if resolved == path or resolved in path.parents:
             raise error(f"{out}: the output would replace {what} {path}; give another --out")
+        if path in resolved.parents and path.is_dir():
+            raise error(f"{out}: the output would be written inside {what} {path}; give an --out outside it")
     above = next((p for p in [out, *out.parents] if p.exists()), None)
     if above is not None and above != out and not above.is_dir():
         raise error(f"{out}: {above} is a file, not a directory; give an --out in a directory")
+    # The output is written beside `out` first: the nearest folder that exists must take a new one.
+    holder = next((p for p in resolved.parents if p.exists()), Path("/"))
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".klein-probe-", dir=holder))
+    except OSError as e:
+        raise error(
+            f"{out}: cannot write in {holder} ({e.strerror or e}); give an --out in a directory you can write"
+        ) from None
     if not out.exists():
         return
     if not out.is_dir():
@@ -62,12 +73,19 @@ def check_output(out, force, inputs=(), replaceable=lambda d: (d / "manifest.jso
 def atomic_directory(out):
     """Yields an empty temporary directory beside `out`; when the block completes it replaces `out`,
     and when it raises it is removed, so `out` is never half-written."""
+    from .errors import KleinExportError
+
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(out)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_partials(out)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise KleinExportError(
+            f"{out}: cannot write there ({e.strerror or e}); give an --out in a directory you can write"
+        ) from None
     try:
         yield tmp
         _readable_files(tmp)

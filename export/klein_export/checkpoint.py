@@ -4,6 +4,7 @@ Every architecture number comes from the checkpoint's own config files. Componen
 a time so that a caller can export and free each before the next (the 4B does not fit otherwise).
 """
 
+import json
 from pathlib import Path
 
 import torch
@@ -31,6 +32,60 @@ EXPECTED_CLASSES = {
     "scheduler": ("FlowMatchEulerDiscreteScheduler",),
     "tokenizer": ("Qwen2Tokenizer", "Qwen2TokenizerFast"),
 }
+
+
+# The sizes of each component's config.json that the export and diffusers read: positive whole
+# numbers, or (a list) lists of them. A string or a fraction there fails deep inside torch.
+CONFIG_SIZES = {
+    "text_encoder": (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "vocab_size",
+    ),
+    "transformer": (
+        "attention_head_dim",
+        "num_attention_heads",
+        "num_layers",
+        "num_single_layers",
+        "joint_attention_dim",
+        "in_channels",
+        "patch_size",
+        "timestep_guidance_channels",
+        ["axes_dims_rope"],
+    ),
+    "vae": (
+        "in_channels",
+        "out_channels",
+        "latent_channels",
+        "layers_per_block",
+        "norm_num_groups",
+        ["block_out_channels"],
+        ["patch_size"],
+    ),
+}
+
+
+def _check_sizes(path: Path, config: dict, keys) -> None:
+    """CheckpointError naming the first of `keys` (a name, or `[name]` for a list) present in
+    `config` whose value is not a positive whole number (a list of them)."""
+
+    def size(value):
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    for key in keys:
+        listed = isinstance(key, list)
+        name = key[0] if listed else key
+        if name not in config:
+            continue
+        value = config[name]
+        ok = (isinstance(value, list) and value and all(map(size, value))) if listed else size(value)
+        if not ok:
+            want = "a list of positive whole numbers" if listed else "a positive whole number"
+            raise CheckpointError(f"{path}: {name} is {json.dumps(value)}; it must be {want}")
 
 
 def _read_json(path: Path) -> dict:
@@ -92,6 +147,19 @@ class Checkpoint:
         self.text_encoder_config = _read_json(self.root / "text_encoder" / "config.json")
         self.transformer_config = _read_json(self.root / "transformer" / "config.json")
         self.vae_config = _read_json(self.root / "vae" / "config.json")
+        for component, config in (
+            ("text_encoder", self.text_encoder_config),
+            ("transformer", self.transformer_config),
+            ("vae", self.vae_config),
+        ):
+            _check_sizes(self.root / component / "config.json", config, CONFIG_SIZES[component])
+        rope, head = self.transformer_config.get("axes_dims_rope"), self.transformer_config.get("attention_head_dim")
+        if isinstance(rope, list) and isinstance(head, int) and sum(rope) != head:
+            raise CheckpointError(
+                f"{self.root / 'transformer' / 'config.json'}: axes_dims_rope {rope} sums to {sum(rope)}, but "
+                f"attention_head_dim is {head}: the rotary embedding covers a whole head (diffusers' forward "
+                "fails otherwise)"
+            )
         self.scheduler_config = _read_json(self.root / "scheduler" / "scheduler_config.json")
         for component in ("text_encoder", "transformer", "vae"):
             weights = weight_files(self.root / component)

@@ -119,10 +119,17 @@ def _check_file(path):
     try:
         with safe_open(str(path), "pt") as f:
             keys, metadata = list(f.keys()), f.metadata() or {}
-            floats = [k for k in keys if f.get_slice(k).get_dtype() in _FLOATS]
-            bad = [k for k in floats if not torch.isfinite(f.get_tensor(k)).all()]
+            dtypes = {k: f.get_slice(k).get_dtype() for k in keys}
+            other = sorted(k for k, dtype in dtypes.items() if dtype not in _FLOATS)
+            bad = [k for k, dtype in dtypes.items() if dtype in _FLOATS and not torch.isfinite(f.get_tensor(k)).all()]
     except (SafetensorError, OSError) as e:
         raise LoraError(f"{path}: not a safetensors file ({e}); klein reads LoRAs saved as .safetensors") from None
+    if other:
+        kinds = sorted({dtypes[k] for k in other})
+        raise LoraError(
+            f"{path}: {first_names(other)} {'is' if len(other) == 1 else 'are'} {', '.join(kinds)}: LoRA weights "
+            "are F32, F16 or BF16 (as the runtime reads them)"
+        )
     text = sorted(k for k in keys if k.startswith(TEXT_ENCODER_PREFIXES))
     if text:
         raise LoraError(
@@ -144,8 +151,8 @@ def _check_file(path):
         raise LoraError(f"{path}: {first_names(bad)} {verb} non-finite values (NaN or infinity)")
 
 
-# safetensors' names of the floating-point types a LoRA's factors may have.
-_FLOATS = ("F16", "BF16", "F32", "F64")
+# safetensors' names of the types a LoRA's tensors may have: the runtime's (src/stages/lora).
+_FLOATS = ("F16", "BF16", "F32")
 
 
 def _check_complete(state_dict, path):
@@ -154,12 +161,25 @@ def _check_complete(state_dict, path):
     if not state_dict:
         raise LoraError(f"{path}: the file holds no LoRA weights")
     factors = {}
-    for key in state_dict:
+    for key, tensor in state_dict.items():
         module, factor = _split(key)
-        factors.setdefault(module, set()).add(factor.removesuffix(".weight"))
+        factors.setdefault(module, {})[factor.removesuffix(".weight")] = tensor
     for module, names in sorted(factors.items()):
         if ("lora_A" in names) != ("lora_B" in names):
             raise LoraError(f"{path}: {module} has only one of lora_A and lora_B; the file is incomplete")
+        if "lora_A" in names:
+            shapes = [tuple(names[n].shape) for n in ("lora_A", "lora_B")]
+            # 2-D, or a 1x1 convolution's [r, in, 1, 1], as the runtime reads them.
+            if any(len(shape) not in (2, 4) or shape[2:] not in ((), (1, 1)) for shape in shapes):
+                raise LoraError(
+                    f"{path}: {module}'s lora_A and lora_B are {shapes[0]} and {shapes[1]}: a linear layer's "
+                    "factors are 2-D"
+                )
+            if shapes[0][0] != shapes[1][1]:
+                raise LoraError(
+                    f"{path}: {module}'s lora_A is {shapes[0]} and lora_B {shapes[1]}: their ranks "
+                    f"({shapes[0][0]} and {shapes[1][1]}) differ; the file is not a LoRA of one rank per layer"
+                )
 
 
 def _split(key):

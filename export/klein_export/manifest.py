@@ -182,6 +182,13 @@ def read_manifest(bundle_dir) -> dict:
     missing = [key for key in ("model", "graphs", "latents") if not isinstance(manifest.get(key), dict)]
     if missing:
         raise BundleError(f"{path}: no {', '.join(missing)} section (not a manifest written by klein-export)")
+    foreign = "(not a manifest written by klein-export)"
+    for name, graph in manifest["graphs"].items():
+        if not (isinstance(graph, dict) and isinstance(graph.get("file"), str)):
+            raise BundleError(f"{path}: graphs.{name} must be an object with a `file` name {foreign}")
+        scheme = graph.get("quantization")
+        if scheme is not None and not (isinstance(scheme, dict) and isinstance(scheme.get("bits"), int)):
+            raise BundleError(f"{path}: graphs.{name}.quantization must be an object with `bits` {foreign}")
     return manifest
 
 

@@ -31,7 +31,7 @@ def parse_buckets(text: str, multiple: int) -> list:
     buckets = []
     for item in (s.strip() for s in text.split(",")):
         parts = item.lower().split("x")
-        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
             raise StaticShapesError(f"--static-shapes: `{item}` is not WIDTHxHEIGHT (e.g. 1024x1024,768x1024)")
         w, h = int(parts[0]), int(parts[1])
         for side in (w, h):

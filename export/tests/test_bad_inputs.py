@@ -225,3 +225,69 @@ def test_weights_the_files_lack_are_named_not_made_up(tiny_checkpoint, tmp_path,
     err = _run(args, capsys)
     assert f"{ckpt / 'transformer'}: its safetensors files lack" in err
     assert not out.exists()
+
+
+def test_lora_factors_the_runtime_cannot_read_are_refused_before_any_export(tiny_checkpoint, tmp_path, capsys):
+    """Integer or float64 weights, ranks that differ within a pair, factors that are not 2-D: each
+    refused as the runtime refuses it, from the file alone (no export starts)."""
+    import torch
+    from safetensors.torch import save_file
+
+    a, b = (f"transformer.transformer_blocks.0.attn.to_q.lora_{x}.weight" for x in "AB")
+    cases = {
+        "int": ({a: torch.ones(4, 64, dtype=torch.int32), b: torch.ones(64, 4, dtype=torch.int32)}, "are I32"),
+        "f64": ({a: torch.ones(4, 64, dtype=torch.float64), b: torch.ones(64, 4, dtype=torch.float64)}, "are F64"),
+        "ranks": ({a: torch.ones(4, 64), b: torch.ones(64, 3)}, "their ranks (4 and 3) differ"),
+        "three_d": ({a: torch.ones(4, 64, 1), b: torch.ones(64, 4, 1)}, "factors are 2-D"),
+    }
+    convert = ["convert", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "out", "--lora"]
+    for name, (tensors, needle) in cases.items():
+        lora = tmp_path / f"{name}.safetensors"
+        save_file(tensors, lora)
+        err = _run(convert + [lora], capsys)
+        assert f"{lora}: " in err and needle in err, err
+        assert "text_encoder" not in err  # refused before the first export
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "config, key, value, needle",
+    [
+        ("text_encoder", "num_hidden_layers", "28", 'num_hidden_layers is "28"; it must be a positive whole number'),
+        ("transformer", "num_attention_heads", 2.5, "num_attention_heads is 2.5"),
+        ("vae", "block_out_channels", 32, "block_out_channels is 32; it must be a list of positive whole numbers"),
+        ("transformer", "axes_dims_rope", [8, 8], "axes_dims_rope [8, 8] sums to 16, but attention_head_dim is 32"),
+    ],
+)
+def test_a_config_value_of_the_wrong_type_is_named(tiny_checkpoint, tmp_path, capsys, config, key, value, needle):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    path = ckpt / config / "config.json"
+    data = json.loads(path.read_text())
+    data[key] = value
+    path.write_text(json.dumps(data))
+    err = _run(["convert", "--checkpoint", ckpt, "--out", tmp_path / "out"], capsys)
+    assert f"{path}: {needle}" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_output_inside_the_input_or_unwritable_is_refused(bundle_copy, tmp_path, capsys):
+    err = _run(["quantize", "--bundle", bundle_copy, "--out", bundle_copy / "q", "--quantize", "int8"], capsys)
+    assert "would be written inside the input bundle" in err, err
+    assert not (bundle_copy / "q").exists()
+    assert sorted(p.name for p in bundle_copy.iterdir() if p.name.startswith(".")) == []
+    err = _run(["quantize", "--bundle", bundle_copy, "--out", "/proc/klein-q", "--quantize", "int8"], capsys)
+    assert "/proc/klein-q: cannot write in /proc" in err, err
+
+
+def test_a_graph_entry_of_the_wrong_shape_is_named(bundle_copy, tmp_path, capsys):
+    path = bundle_copy / "manifest.json"
+    original = json.loads(path.read_text())
+    for graphs, needle in [
+        ({"transformer": "transformer.onnx"}, "graphs.transformer must be an object with a `file` name"),
+        ({"transformer": {**original["graphs"]["transformer"], "quantization": {}}}, "graphs.transformer.quantization"),
+    ]:
+        path.write_text(json.dumps({**original, "graphs": {**original["graphs"], **graphs}}))
+        err = _run(["quantize", "--bundle", bundle_copy, "--out", tmp_path / "q", "--quantize", "int8"], capsys)
+        assert f"{path}: {needle}" in err, err
+    assert not (tmp_path / "q").exists()

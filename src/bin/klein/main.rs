@@ -118,7 +118,11 @@ pub(crate) fn load_inpaint(
     let Some(image) = image else {
         if mask.is_some() || strength.is_some() {
             return Err(
-                UsageError("a mask and a strength need a source image (--image)".into()).into(),
+                UsageError(
+                    "a mask or a strength needs a source image (--image; in a --prompts line, \"image\")"
+                        .into(),
+                )
+                .into(),
             );
         }
         return Ok(None);
