@@ -74,6 +74,32 @@ def add_preview(checkpoint, bundle) -> dict:
     manifest = read_manifest(bundle)
     ckpt = Checkpoint(checkpoint)
     check_bundle_of(manifest, bundle, ckpt)
-    manifest["preview"] = fit_preview(ckpt.load_vae())
+    vae = ckpt.load_vae()
+    _check_decoder_of(bundle / manifest["graphs"]["vae_decoder"]["file"], vae, ckpt.root)
+    manifest["preview"] = fit_preview(vae)
     write_manifest(manifest, bundle)
     return manifest["preview"]
+
+
+def _check_decoder_of(graph, vae, root):
+    """BundleError unless the decoder graph at `graph` holds `vae`'s output convolution (float32,
+    or its float16 rounding): checkpoints of one size differ only in their weights, and a map
+    fitted on another VAE would colour every preview wrongly. That convolution stays float in
+    every precision (`--method static` leaves it so)."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from .errors import BundleError
+
+    want = vae.decoder.conv_out.weight.detach().float().numpy()
+    rounded = want.astype(np.float16).astype(np.float32)
+    for tensor in onnx.load(str(graph)).graph.initializer:
+        if tuple(tensor.dims) == want.shape:
+            value = numpy_helper.to_array(tensor).astype(np.float32)
+            if np.array_equal(value, want) or np.array_equal(value, rounded):
+                return
+    raise BundleError(
+        f"{graph}: its weights are not those of the VAE of {root} (the output convolution differs): "
+        "the bundle was exported from another checkpoint; give that one"
+    )

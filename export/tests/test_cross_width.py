@@ -204,7 +204,7 @@ def test_a_reference_bundle_that_is_not_fp32_is_refused(tiny_bundle, tmp_path):
     """`verify --bundle FP32 --against INT8` (the operands swapped) said only "PSNR ... FAIL"."""
     manifest = json.loads((tiny_bundle / "manifest.json").read_text())
     manifest["graphs"]["transformer"].update(precision="fp16")
-    manifest["graphs"]["text_encoder"].update(quantization={"method": "dynamic"})
+    manifest["graphs"]["text_encoder"].update(quantization={"method": "dynamic", "bits": 8})
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     expected = r"not an fp32 bundle \(text_encoder fp32 quantized, transformer fp16\): .*the other way round"
     with pytest.raises(BundleError, match=expected):

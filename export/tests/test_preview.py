@@ -11,6 +11,7 @@ from klein_export.checkpoint import Checkpoint
 from klein_export.cli import main
 from klein_export.manifest import read_manifest, write_manifest
 from klein_export.preview import _images, fit_preview
+from klein_export.tiny import build_tiny
 
 
 def test_convert_writes_the_map_and_preview_adds_the_same(tiny_checkpoint, tiny_bundle, tmp_path):
@@ -22,6 +23,10 @@ def test_convert_writes_the_map_and_preview_adds_the_same(tiny_checkpoint, tiny_
     manifest = read_manifest(old)
     del manifest["preview"]
     write_manifest(manifest, old)
+    # Another checkpoint of the same size (another seed): refused, the manifest left as it was.
+    other = build_tiny(tmp_path / "other", seed=1)
+    assert main(["preview", "--checkpoint", str(other), "--bundle", str(old)]) == 2
+    assert "preview" not in read_manifest(old)
     assert main(["preview", "--checkpoint", str(tiny_checkpoint), "--bundle", str(old)]) == 0
     assert read_manifest(old)["preview"] == preview
 
