@@ -245,8 +245,17 @@ def _check_shapes(transformer, state_dict, path):
 
 
 def _check_modules(transformer, state_dict, path):
-    """Every key names a module of `transformer` (diffusers only warns about the others and goes on)."""
-    modules = {name for name, _ in transformer.named_modules()}
+    """Every key names a linear layer of `transformer` (diffusers only warns about keys of no module
+    and goes on; PEFT fails on a norm's only when the model loads, after the text encoder's export;
+    the runtime applies LoRAs to linear layers only)."""
+    import torch
+
+    # A layer an earlier LoRA of the same merge made a PEFT layer holds its linear as `base_layer`.
+    modules = {
+        name
+        for name, module in transformer.named_modules()
+        if isinstance(getattr(module, "base_layer", module), torch.nn.Linear)
+    }
     fused = {"to_qkv": "to_q", "to_added_qkv": "add_q_proj"}  # LoKr on fused QKV: diffusers fuses the model first
     unknown = []
     for key in state_dict:
@@ -259,6 +268,6 @@ def _check_modules(transformer, state_dict, path):
             unknown.append(key)
     if unknown:
         raise LoraError(
-            f"{path}: {len(unknown)} keys match no layer of this transformer, e.g. {', '.join(sorted(unknown)[:3])} "
-            "(a LoRA for another model or size?)"
+            f"{path}: {len(unknown)} keys match no linear layer of this transformer, e.g. "
+            f"{', '.join(sorted(unknown)[:3])} (a LoRA for another model or size?)"
         )

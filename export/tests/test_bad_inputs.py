@@ -228,8 +228,8 @@ def test_weights_the_files_lack_are_named_not_made_up(tiny_checkpoint, tmp_path,
 
 
 def test_lora_factors_the_runtime_cannot_read_are_refused_before_any_export(tiny_checkpoint, tmp_path, capsys):
-    """Integer or float64 weights, ranks that differ within a pair, factors that are not 2-D: each
-    refused as the runtime refuses it, from the file alone (no export starts)."""
+    """Integer or float64 weights, ranks that differ within a pair, factors that are not 2-D, a
+    norm's factors: each refused as the runtime refuses it, from the file alone (no export starts)."""
     import torch
     from safetensors.torch import save_file
 
@@ -239,6 +239,13 @@ def test_lora_factors_the_runtime_cannot_read_are_refused_before_any_export(tiny
         "f64": ({a: torch.ones(4, 64, dtype=torch.float64), b: torch.ones(64, 4, dtype=torch.float64)}, "are F64"),
         "ranks": ({a: torch.ones(4, 64), b: torch.ones(64, 3)}, "their ranks (4 and 3) differ"),
         "three_d": ({a: torch.ones(4, 64, 1), b: torch.ones(64, 4, 1)}, "factors are 2-D"),
+        "norm": (
+            {
+                "transformer.transformer_blocks.0.attn.norm_q.lora_A.weight": torch.ones(4, 32),
+                "transformer.transformer_blocks.0.attn.norm_q.lora_B.weight": torch.ones(32, 4),
+            },
+            "match no linear layer",
+        ),
     }
     convert = ["convert", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "out", "--lora"]
     for name, (tensors, needle) in cases.items():
