@@ -94,31 +94,41 @@ fn saved_graphs_make_the_same_image() {
     );
 }
 
+/// The transformer's saved graph under `cache`.
+fn saved_transformer(cache: &Path) -> PathBuf {
+    saved_graphs(cache)
+        .into_iter()
+        .find(|g| g.ends_with("transformer.onnx"))
+        .unwrap()
+}
+
+/// After the transformer's entry was damaged: the next run makes `first`'s image with a warning
+/// that mentions `needle` (the entry saved again), and the run after it uses the new entry quietly.
+fn assert_saved_again(cache: &Path, first: &[u8], needle: &str) {
+    let (second, warnings) = generate(Some(cache));
+    assert_eq!(first, second, "the damaged entry was used");
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("transformer") && w.contains(needle)),
+        "{warnings:?}"
+    );
+    let (third, warnings) = generate(Some(cache));
+    assert_eq!(first, third);
+    assert!(warnings.is_empty(), "{warnings:?}");
+}
+
 #[test]
 fn a_damaged_entry_is_saved_again_with_a_warning() {
     let cache = temp_dir("cpu-cache-damaged");
     let (first, _) = generate(Some(&cache));
-    let transformer = saved_graphs(&cache)
-        .into_iter()
-        .find(|g| g.ends_with("transformer.onnx"))
-        .unwrap();
+    let transformer = saved_transformer(&cache);
     std::fs::write(&transformer, b"not a graph").unwrap();
-
-    let (second, warnings) = generate(Some(&cache));
-    assert_eq!(first, second);
-    assert!(
-        warnings
-            .iter()
-            .any(|w| w.contains("transformer") && w.contains("saved again")),
-        "{warnings:?}"
-    );
+    assert_saved_again(&cache, &first, "saved again");
     assert!(
         std::fs::metadata(&transformer).unwrap().len() > 1000,
         "the entry was saved again"
     );
-    let (third, warnings) = generate(Some(&cache));
-    assert_eq!(first, third);
-    assert!(warnings.is_empty(), "{warnings:?}");
 }
 
 /// Weights rewritten in place, same size (zeroed): ONNX Runtime would load them without a word and
@@ -128,25 +138,10 @@ fn a_damaged_entry_is_saved_again_with_a_warning() {
 fn an_entry_whose_weights_changed_is_saved_again() {
     let cache = temp_dir("cpu-cache-zeroed");
     let (first, _) = generate(Some(&cache));
-    let weights = saved_graphs(&cache)
-        .into_iter()
-        .find(|g| g.ends_with("transformer.onnx"))
-        .unwrap()
-        .with_extension("onnx.data");
+    let weights = saved_transformer(&cache).with_extension("onnx.data");
     let size = std::fs::metadata(&weights).unwrap().len();
     std::fs::write(&weights, vec![0u8; usize::try_from(size).unwrap()]).unwrap();
-
-    let (second, warnings) = generate(Some(&cache));
-    assert_eq!(first, second, "the zeroed weights were used");
-    assert!(
-        warnings
-            .iter()
-            .any(|w| w.contains("transformer") && w.contains("not as it was saved")),
-        "{warnings:?}"
-    );
-    let (third, warnings) = generate(Some(&cache));
-    assert_eq!(first, third);
-    assert!(warnings.is_empty(), "{warnings:?}");
+    assert_saved_again(&cache, &first, "not as it was saved");
 }
 
 #[test]
