@@ -33,7 +33,7 @@ from .lora_map import lora_targets
 from .lora_merge import check_loras, merge_loras
 from .manifest import build_manifest, bundle_files, write_manifest
 from .onnx_export import export_graph
-from .ort_fusions import fuse_for_ort, fuse_transformer, group_norms_as_layer_norms
+from .ort_fusions import fuse_for_ort, fuse_transformer, fuse_vae
 from .precision import check_precision, to_float16
 from .preview import fit_preview
 from .quantize import QuantizationConfig, quantize_bundle
@@ -176,10 +176,10 @@ def _export_transformer(ckpt, out, precision, loras, fused=True):
 
 
 def _export_vae(ckpt, out, precision, loras, fused=True):
-    """`fused`: group norms as LayerNormalization (ort_fusions.group_norms_as_layer_norms); off for
-    CoreML's static-shape bundles, as the other graphs' rewrites."""
+    """`fused`: group norms as LayerNormalization and the decoder's upsamplers as phase convolutions
+    (ort_fusions.fuse_vae); off for CoreML's static-shape bundles, as the other graphs' rewrites."""
     vae = ckpt.load_vae()
-    fuse = group_norms_as_layer_norms if fused else None
+    fuse = fuse_vae if fused else None
     scheme = _to_precision(vae, "vae", precision)  # one module behind both graphs
     enc_scheme = _scheme_json(scheme, ("encoder.", "quant_conv"))
     dec_scheme = _scheme_json(scheme, ("decoder.", "post_quant_conv"))

@@ -9,6 +9,7 @@ from onnxscript.rewriter.ort_fusions import optimize_for_ort
 from onnxscript.rewriter.ort_fusions.rms_normalization import fuse_rms_normalization
 
 from .real_keys import attend_to_real_keys_only
+from .upsample_convs import upsamplers_as_phase_convs
 
 
 def fuse_for_ort(model) -> dict:
@@ -117,6 +118,12 @@ def fuse_rms_norms(model) -> dict:
     count = fuse_rms_normalization(model)
     RemoveUnusedNodesPass()(model)  # the replaced chains' constants
     return {"rms_normalization": count} if count else {}
+
+
+def fuse_vae(model) -> dict:
+    """The VAE graphs' rewrites: group norms as LayerNormalization (below) and the decoder's
+    upsamplers as four 2x2 convolutions at the lower resolution (upsample_convs.py)."""
+    return {**group_norms_as_layer_norms(model), **upsamplers_as_phase_convs(model)}
 
 
 def group_norms_as_layer_norms(model) -> dict:

@@ -23,12 +23,14 @@ transformer step in 2.39 s against 4.85 s with MatMulNBits at accuracy level 4, 
 
 `--method static` (int8 only) is for the VAE decoder, a convolution network, and nothing else: ONNX
 Runtime's `quantize_static` writes QuantizeLinear/DequantizeLinear pairs around every `Conv` but the
-RGB output conv (QDQ format; STATIC_MIN_OUT_CHANNELS), int8 weights per output channel (symmetric) and
-uint8 activations per tensor with ranges measured (MinMax) on calibration latents, and ONNX Runtime's
-CPU provider fuses each pair into an integer convolution (`QLinearConv`). The calibration latents are
-what the decoder will see: the bundle's own text-to-image latents for CALIBRATION_PROMPTS and the
-bundle's VAE encoder's latents of synthetic images (edits and img2img), at CALIBRATION_SIZE. A wide
-decode at 512x512: 5.15 s against 13.93 s in fp32 (README, "Performance"). The VAE encoder is never
+RGB output conv (QDQ format; STATIC_MIN_OUT_CHANNELS) and around the upsamplers' phase interleaves
+(Concat, DepthToSpace: upsample_convs.py), int8 weights per output channel (symmetric) and uint8
+activations per tensor with ranges measured (MinMax) on calibration latents, and ONNX Runtime's CPU
+provider fuses each pair into an integer convolution (`QLinearConv`) and interleaves in uint8. The
+calibration latents are what the decoder will see: the bundle's own text-to-image latents for
+CALIBRATION_PROMPTS and the bundle's VAE encoder's latents of synthetic images (edits and img2img),
+at CALIBRATION_SIZE. A wide decode at 512x512: 5.15 s against 13.93 s in fp32 (README,
+"Performance"). The VAE encoder is never
 quantized (its error would move every reference and source image), and MatMulNBits/dynamic never touch
 the VAE (no MatMul worth it)."""
 
@@ -69,6 +71,7 @@ CALIBRATION_SIZE = 256
 # 1.2 GB, 0.92 s for 7 GFLOP) where the float Conv works in blocks (0.15 s), and its error goes
 # straight into the pixels.
 STATIC_MIN_OUT_CHANNELS = 16
+INTERLEAVE_OPS = ("Concat", "DepthToSpace")  # an upsampler's phases, interleaved (upsample_convs.py)
 DEFAULT_BLOCK_SIZE = 32
 VAE_NAMES = ("vae", "vae_encoder", "vae_decoder")
 LEFT_IN_FLOAT = (
@@ -340,10 +343,29 @@ def _narrow_convs(model: onnx.ModelProto) -> list:
     ]
 
 
+def _not_interleaves(model: onnx.ModelProto) -> list:
+    """Names of the Concat and DepthToSpace nodes that do not interleave an upsampler's phase
+    convolutions (upsample_convs.py: Concat of Convs -> DepthToSpace), which `--method static`
+    leaves alone."""
+    made_by = {o: n for n in model.graph.node for o in n.output}
+    interleaves = set()
+    for node in model.graph.node:
+        concat = made_by.get(node.input[0]) if node.op_type == "DepthToSpace" else None
+        if concat is not None and concat.op_type == "Concat" and all(_made_by_conv(made_by, i) for i in concat.input):
+            interleaves.update((node.name, concat.name))
+    return [n.name for n in model.graph.node if n.op_type in INTERLEAVE_OPS and n.name not in interleaves]
+
+
+def _made_by_conv(made_by: dict, name: str) -> bool:
+    return name in made_by and made_by[name].op_type == "Conv"
+
+
 def _static_convs(path: Path, latents: list, reduce_range=False) -> onnx.ModelProto:
     """The graph at `path` with QuantizeLinear/DequantizeLinear around every Conv but the narrow ones
-    (`_narrow_convs`): int8 weights per output channel (symmetric; codes in [-64, 64] with
-    `reduce_range`), uint8 activations per tensor, ranges the MinMax of `latents`' activations."""
+    (`_narrow_convs`) and around the upsamplers' interleaves (`_not_interleaves`: ONNX Runtime then
+    concatenates and interleaves the phases in uint8, a quarter of the bytes): int8 weights per
+    output channel (symmetric; codes in [-64, 64] with `reduce_range`), uint8 activations per
+    tensor, ranges the MinMax of `latents`' activations."""
     import tempfile
 
     from onnxruntime.quantization import (
@@ -365,6 +387,7 @@ def _static_convs(path: Path, latents: list, reduce_range=False) -> onnx.ModelPr
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)
+    structure = load_structure(path)
     try:
         with tempfile.TemporaryDirectory(dir=path.parent, prefix=".static-") as tmp:
             out = Path(tmp) / path.name
@@ -373,8 +396,8 @@ def _static_convs(path: Path, latents: list, reduce_range=False) -> onnx.ModelPr
                 str(out),
                 Reader(),
                 quant_format=QuantFormat.QDQ,
-                op_types_to_quantize=["Conv"],
-                nodes_to_exclude=_narrow_convs(load_structure(path)),
+                op_types_to_quantize=["Conv", *INTERLEAVE_OPS],
+                nodes_to_exclude=_narrow_convs(structure) + _not_interleaves(structure),
                 per_channel=True,
                 reduce_range=reduce_range,
                 activation_type=QuantType.QUInt8,
@@ -416,6 +439,24 @@ def _quantized_convs(model: onnx.ModelProto) -> int:
     return count
 
 
+def _integer_nodes(model: onnx.ModelProto) -> list:
+    """The nodes `--method static` runs on integers: every tensor input (at least one; constants
+    aside) a DequantizeLinear's output and every output read by QuantizeLinear only."""
+    made_by = {o: n.op_type for n in model.graph.node for o in n.output}
+    read_by = {}
+    for node in model.graph.node:
+        for name in node.input:
+            read_by.setdefault(name, []).append(node.op_type)
+    constants = {i.name for i in model.graph.initializer}
+    return [
+        n
+        for n in model.graph.node
+        if n.op_type not in ("QuantizeLinear", "DequantizeLinear")
+        and {made_by.get(i) for i in n.input if i and i not in constants} == {"DequantizeLinear"}
+        and all(op == "QuantizeLinear" for o in n.output for op in read_by.get(o, []))
+    ]
+
+
 def quantize_graph(path: Path, config: QuantizationConfig, calibration=None) -> dict:
     """Quantizes the graph at `path` in place; returns the scheme written to its metadata and the manifest.
     `calibration`: the decoder inputs `--method static` measures ranges on (`calibration_latents`)."""
@@ -431,12 +472,13 @@ def quantize_graph(path: Path, config: QuantizationConfig, calibration=None) -> 
             "block_size": None,
             "symmetric": True,
             "accuracy_level": None,
-            "op_types": ["Conv"],
+            "op_types": sorted({n.op_type for n in _integer_nodes(model)}),
             "algorithm": "MinMax calibration",
             "quantized_nodes": _quantized_convs(model),
             "float_nodes": _float_nodes(model, int8_convs=True),
-            "left_in_float": "the RGB output convolution, the mid-block attention, group norms, SiLU, upsampling, "
-            "the latent denormalisation",
+            "left_in_float": "the RGB output convolution, the mid-block attention, group norms, SiLU, "
+            + ("upsampling (Resize), " if any(n.op_type == "Resize" for n in model.graph.node) else "")
+            + "the latent denormalisation",
             "quantizer": f"onnxruntime {ort_version} quantize_static (QDQ)",
             "granularity": f"{_weights_granularity(config)}; activations: uint8 per tensor, ranges calibrated",
             "calibration": f"{len(CALIBRATION_PROMPTS)} text-to-image latents of this bundle and "

@@ -67,6 +67,9 @@ FLOAT16_OPS = {"Cast", "MatMul", "Gemm", "Conv", "Gather", "Add"}
 # value are cast, flattened to [B, S, H*D] and back (Shape, Slice... of their shapes are int64).
 ATTENTION_OPS = {"MultiHeadAttention", "Reshape", "Shape"}
 ROW_SLICES = {"Slice"}
+# The decoder's upsamplers' four float16 phase convolutions are concatenated and interleaved in float16
+# (upsample_convs.py; the float32 Resize before them becomes a Cast of the source).
+INTERLEAVE_OPS = {"Concat", "DepthToSpace"}
 
 
 @pytest.fixture
@@ -128,6 +131,7 @@ def test_fp16_manifest_and_metadata(fp16_bundle, tiny_bundle):
             "klein.format_version": str(FORMAT_VERSION),
         }
     assert {c for c in COMPONENTS if "float16_ops" in manifest["graphs"][c]["precision_scheme"]} == {"transformer"}
+    assert manifest["graphs"]["vae_decoder"]["fusions"]["upsamplers_as_phase_convs"] == 3  # through the Casts
     kept = manifest["graphs"]["transformer"]["precision_scheme"]["kept_float32"]
     assert {name.split(".")[1] for name in kept} == set(KEEP_FLOAT32["transformer"]), kept
 
@@ -149,6 +153,7 @@ def test_fp16_graphs_keep_norms_and_modulation_in_float32(fp16_bundle):
         # exact: real_keys.py), one per layer.
         slices = ROW_SLICES if component == "text_encoder" else set()
         allowed = FLOAT16_OPS | slices | (ATTENTION_OPS if component == "transformer" else set())
+        allowed |= INTERLEAVE_OPS if component == "vae_decoder" else set()
         assert set(half) <= allowed, f"{component}: float16 reaches {set(half) - allowed}"
         users = {}
         for node in model.graph.node:
@@ -345,8 +350,9 @@ def test_dynamic_refuses_what_it_cannot_do(tiny_bundle, tmp_path, capsys):
 def test_static_manifest_and_graphs(bundles, tiny_bundle):
     """`--method static`: every Conv of the VAE decoder but the RGB output conv takes its weight from a
     DequantizeLinear of int8 codes with one scale per output channel, and its input through a uint8
-    QuantizeLinear/DequantizeLinear pair; ONNX Runtime's CPU provider fuses them into QLinearConv. The
-    output conv stays float. The other graphs are the fp32 bundle's."""
+    QuantizeLinear/DequantizeLinear pair; ONNX Runtime's CPU provider fuses them into QLinearConv, and
+    the upsamplers' phases are concatenated and interleaved on uint8. The output conv stays float. The
+    other graphs are the fp32 bundle's."""
     import onnxruntime as ort
 
     bundle = bundles["int8-static"]
@@ -360,7 +366,7 @@ def test_static_manifest_and_graphs(bundles, tiny_bundle):
         "method": "QDQ",
         "bits": 8,
         "symmetric": True,
-        "op_types": ["Conv"],
+        "op_types": ["Concat", "Conv", "DepthToSpace"],
     }
     assert "calibrat" in q["granularity"] and "256x256" in q["calibration"]
     assert json.loads(_metadata(bundle / spec["file"])["klein.quantization"]) == q
@@ -386,10 +392,21 @@ def test_static_manifest_and_graphs(bundles, tiny_bundle):
     opts.optimized_model_filepath = str(bundle / "optimized.onnx.tmp")
     try:
         ort.InferenceSession(str(bundle / spec["file"]), opts, providers=["CPUExecutionProvider"])
-        ops = collections.Counter(n.op_type for n in onnx.load(opts.optimized_model_filepath).graph.node)
+        optimized = onnx.load(opts.optimized_model_filepath).graph.node
     finally:
         Path(opts.optimized_model_filepath).unlink(missing_ok=True)
+    ops = collections.Counter(n.op_type for n in optimized)
     assert (ops["QLinearConv"], ops["Conv"]) == (q["quantized_nodes"], 1), ops
+    # The upsamplers' phases (upsample_convs.py) are concatenated and interleaved on uint8.
+    upsamplers = manifest["graphs"]["vae_decoder"]["fusions"]["upsamplers_as_phase_convs"]
+    assert upsamplers == 3 and (ops["QLinearConcat"], ops["DepthToSpace"], ops["Resize"]) == (3, 3, 0), ops
+    made_by = {o: n for n in optimized for o in n.output}
+
+    def source(name):  # the node making `name`, past the layout Transposes ONNX Runtime adds
+        node = made_by[name]
+        return source(node.input[0]) if node.op_type == "Transpose" else node.op_type
+
+    assert [source(n.input[0]) for n in optimized if n.op_type == "DepthToSpace"] == ["QLinearConcat"] * 3
 
 
 def test_quantization_takes_the_components_its_method_covers(tiny_checkpoint, tiny_bundle, tmp_path, capsys):
