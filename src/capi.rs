@@ -410,7 +410,7 @@ pub unsafe extern "C" fn klein_set_loras(
             .ok_or_else(|| Failure::invalid("pipeline is NULL"))?
             .pipeline;
         if count > MAX_LORAS {
-            return Err(Failure::from(KleinError::Request(format!(
+            return Err(Failure::from(KleinError::request(format!(
                 "{count} LoRAs; at most {MAX_LORAS} can be applied at once"
             ))));
         }
@@ -628,7 +628,7 @@ unsafe fn pipeline_options(options: &KleinOptions) -> Result<PipelineOptions, Fa
     if let Some(tiling) = unsafe { optional_str(vae_tiling, "options.vae_tiling") }? {
         let tiling = tiling
             .parse::<VaeTiling>()
-            .map_err(|e| KleinError::Request(format!("options.vae_tiling {e}")))?;
+            .map_err(|e| KleinError::request(format!("options.vae_tiling {e}")))?;
         result = result.with_vae_tiling(tiling);
     }
     if vae_tile_size != 0 {
@@ -710,7 +710,7 @@ unsafe fn to_request(
         check_strength(strength)?;
     }
     if mask_crop_padding > MAX_SIDE {
-        return Err(KleinError::Request(format!(
+        return Err(KleinError::request(format!(
             "request.mask_crop_padding {mask_crop_padding}: give 0 to {MAX_SIDE} pixels"
         ))
         .into());
@@ -733,9 +733,8 @@ unsafe fn to_request(
     }
     result.inpaint = if image_path.is_null() {
         if !mask_path.is_null() || strength != 0.0 || mask_crop != 0 {
-            return Err(KleinError::Request(
-                "request.mask_path, request.strength and request.mask_crop need request.image_path"
-                    .into(),
+            return Err(KleinError::request(
+                "request.mask_path, request.strength and request.mask_crop need request.image_path",
             )
             .into());
         }
@@ -761,9 +760,8 @@ unsafe fn to_request(
                 Some(pipeline.load_cropped(image, mask, mask_crop_padding, strength)?)
             }
             (None, true) => {
-                return Err(KleinError::Request(
-                    "request.mask_crop needs request.mask_path: it crops to the mask's region"
-                        .into(),
+                return Err(KleinError::request(
+                    "request.mask_crop needs request.mask_path: it crops to the mask's region",
                 )
                 .into())
             }
@@ -840,7 +838,7 @@ mod tests {
     fn errors_map_to_statuses() {
         let cases = [
             (KleinError::Cancelled, KLEIN_CANCELLED),
-            (KleinError::Request("steps is 0".into()), KLEIN_ERROR_USER),
+            (KleinError::request("steps is 0"), KLEIN_ERROR_USER),
             (
                 KleinError::Inference {
                     stage: "decode",

@@ -23,9 +23,14 @@ pub enum KleinError {
     /// A LoRA file that cannot be read, or does not fit the bundle.
     #[error("LoRA {path}: {reason}")]
     Lora { path: PathBuf, reason: String },
-    /// A generation request that cannot be satisfied (size, steps, references...).
-    #[error("invalid request: {0}")]
-    Request(String),
+    /// A generation request that cannot be satisfied (size, steps, references...). `param`: the
+    /// request's field the message is about (`width`, `strength`, ...), where it is one field,
+    /// so that an API can name it without reading the message ([`KleinError::param`]).
+    #[error("invalid request: {message}")]
+    Request {
+        message: String,
+        param: Option<&'static str>,
+    },
     /// The ONNX Runtime library could not be found or loaded.
     #[error("ONNX Runtime library: {0}")]
     RuntimeLibrary(String),
@@ -50,6 +55,41 @@ pub enum KleinError {
 }
 
 impl KleinError {
+    /// A [`KleinError::Request`] about no single field.
+    pub fn request(message: impl Into<String>) -> Self {
+        KleinError::Request {
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    /// A [`KleinError::Request`] about the request's field `param`.
+    pub fn request_about(param: &'static str, message: impl Into<String>) -> Self {
+        KleinError::Request {
+            message: message.into(),
+            param: Some(param),
+        }
+    }
+
+    /// This error about the request's field `param`, if it is a [`KleinError::Request`] (other
+    /// errors are returned unchanged).
+    pub fn about(self, param: &'static str) -> Self {
+        match self {
+            KleinError::Request { message, .. } => KleinError::request_about(param, message),
+            other => other,
+        }
+    }
+
+    /// The field of the request or of the pipeline's options an error is about, if it is one:
+    /// a [`KleinError::Request`]'s `param`, and `loras` for every [`KleinError::Lora`].
+    pub fn param(&self) -> Option<&'static str> {
+        match self {
+            KleinError::Request { param, .. } => *param,
+            KleinError::Lora { .. } => Some("loras"),
+            _ => None,
+        }
+    }
+
     /// True when the error comes from what the user gave (files, options), not from the runtime.
     /// The CLI exits with code 2 for these.
     pub fn is_user_error(&self) -> bool {

@@ -104,27 +104,12 @@ _NATIVE_PARAMS = {
 }
 _U32 = 2**32
 _U64 = 2**64
-# The argument a native error is about when klein's message names it first (after "invalid
-# request: "), for the errors that come without one: klein's own request checks.
-_MESSAGE_PARAMS = {
-    "width ": "width",
-    "height ": "height",
-    "strength ": "strength",
-    "a negative prompt ": "negative_prompt",
-    "padding_mask_crop ": "padding_mask_crop",
-    "mask crop padding ": "padding_mask_crop",
-    "vae_tiling ": "vae_tiling",
-    "VAE tile size ": "vae_tile_size",
-    "unknown device ": "device",
-}
 
 
 def _named(error: KleinError, default: str | None = None) -> KleinError:
-    """``error`` with ``param`` set where klein left it None: the argument its message names
-    first (``_MESSAGE_PARAMS``), else ``default``."""
+    """``error`` with ``param`` set to ``default`` where klein named no argument."""
     if getattr(error, "param", None) is None:
-        text = str(error).removeprefix("invalid request: ")
-        error.param = next((p for start, p in _MESSAGE_PARAMS.items() if text.startswith(start)), default)
+        error.param = default
     return error
 
 
@@ -434,7 +419,7 @@ class Pipeline:
         try:
             self._native = _klein.Pipeline(os.fsdecode(model), **arguments)
         except InvalidInputError as error:
-            raise _named(error, "loras" if "LoRA" in str(error) else None) from None
+            raise error from None  # klein names the argument (``param``): a LoRA's is ``loras``
 
     def __call__(
         self,
@@ -599,7 +584,7 @@ class Pipeline:
             # An input's error names the native argument (``source``, ``mask``, ``references``,
             # ``steps``...): as the caller's argument (``params``, else ``_NATIVE_PARAMS``).
             error.param = params.get(error.param, _NATIVE_PARAMS.get(error.param, error.param))
-            raise _named(error) from None
+            raise error from None
         for message in generation.warnings:
             warnings.warn(message, KleinWarning, stacklevel=3)
         if generation.prompt_truncated:

@@ -106,17 +106,25 @@ fn to_py_err(py: Python<'_>, error: &KleinError) -> PyErr {
         e if e.is_user_error() => &classes.invalid_input,
         _ => &classes.base,
     };
-    PyErr::from_type(class.bind(py).clone(), chain(error))
+    let raised = PyErr::from_type(class.bind(py).clone(), chain(error));
+    match error.param() {
+        Some(param) => named(py, raised, param),
+        None => raised,
+    }
 }
 
 /// `error` as [`to_py_err`] makes it, naming `param`, the native argument it comes from (the
 /// Python side renames it to its own argument's name).
 fn input_err(py: Python<'_>, error: &KleinError, param: &str) -> PyErr {
-    let raised = to_py_err(py, error);
-    if let Err(failed) = raised.value(py).setattr("param", param) {
-        return failed;
+    named(py, to_py_err(py, error), param)
+}
+
+/// `raised` with its `param` attribute set to `param`.
+fn named(py: Python<'_>, raised: PyErr, param: &str) -> PyErr {
+    match raised.value(py).setattr("param", param) {
+        Ok(()) => raised,
+        Err(failed) => failed,
     }
-    raised
 }
 
 /// The pipeline, whatever a panic elsewhere left (klein does not panic on input).
@@ -378,10 +386,9 @@ impl PyPipeline {
     /// itself forever.
     fn locked(&self) -> klein::Result<MutexGuard<'_, Pipeline>> {
         if *lock(&self.generating_on) == Some(std::thread::current().id()) {
-            return Err(KleinError::Request(
+            return Err(KleinError::request(
                 "this pipeline is running the generation whose callback or preview made this call; \
-                 use another klein.Pipeline there, or call after the generation returns"
-                    .into(),
+                 use another klein.Pipeline there, or call after the generation returns",
             ));
         }
         Ok(lock(&self.pipeline))
@@ -518,7 +525,10 @@ impl PyPipeline {
     ) -> PyResult<Self> {
         let device = Device::from_str(device).map_err(|e| to_py_err(py, &e))?;
         let vae_tiling = VaeTiling::from_str(vae_tiling).map_err(|message| {
-            to_py_err(py, &KleinError::Request(format!("vae_tiling {message}")))
+            to_py_err(
+                py,
+                &KleinError::request_about("vae_tiling", format!("vae_tiling {message}")),
+            )
         })?;
         let loras: Vec<LoraSpec> = loras.into_iter().map(LoraArg::spec).collect();
         let mut runtime = RuntimeOptions::default();
@@ -606,8 +616,9 @@ impl PyPipeline {
         if mask_crop.is_some() && mask.is_none() {
             return Err(to_py_err(
                 py,
-                &KleinError::Request(
-                    "padding_mask_crop needs a mask_image: it crops to the mask's region".into(),
+                &KleinError::request_about(
+                    "padding_mask_crop",
+                    "padding_mask_crop needs a mask_image: it crops to the mask's region",
                 ),
             ));
         }
@@ -622,7 +633,7 @@ impl PyPipeline {
             None if mask.is_some() || strength.is_some() => {
                 return Err(to_py_err(
                     py,
-                    &KleinError::Request("a mask and a strength need a source image".into()),
+                    &KleinError::request("a mask and a strength need a source image"),
                 ))
             }
             None => None,
@@ -637,9 +648,7 @@ impl PyPipeline {
         request.negative_prompt = negative_prompt;
         request.preview_every = preview.as_ref().and(preview_every.or(Some(1)));
         // Every number given, before a file is read or a graph loaded.
-        request
-            .check_fields()
-            .map_err(|(field, e)| input_err(py, &e, field))?;
+        request.check_bounds().map_err(|e| to_py_err(py, &e))?;
         klein::pipeline::request::check_reference_count(references.len())
             .map_err(|e| input_err(py, &e, "references"))?;
         let references: Vec<Reference> = references.into_iter().map(Reference::from).collect();

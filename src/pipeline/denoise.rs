@@ -8,11 +8,11 @@ use ndarray::{concatenate, s, Array1, Array2, Array3, ArrayD, Axis, Ix3};
 use super::inpaint::Blend;
 use super::progress::{notify, timed, Progress, ProgressFn, Stage, StepPreview};
 use super::prompts::PromptEmbeds;
-use super::request::{check_token_budget, no_preview_map, request_error};
+use super::request::{check_token_budget, no_preview_map};
 use super::{internal, Pipeline};
 use crate::bundle::kv::{self, kv_shape};
 use crate::bundle::Component;
-use crate::error::Result;
+use crate::error::{KleinError, Result};
 use crate::runtime::{Outputs, TensorInput};
 use crate::stages::latents::{prepare_latent_ids, prepare_text_ids};
 use crate::stages::output::RgbImage;
@@ -107,7 +107,7 @@ impl Pipeline {
         check_token_budget(image_tokens, references.ids.nrows(), references.count)?;
         if let Some(shapes) = &self.manifest.static_shapes {
             if batch != shapes.batch || references.count != shapes.refs {
-                return Err(request_error(format!(
+                return Err(KleinError::request(format!(
                     "this bundle has static shapes (for CoreML): {} image(s) per call with {} reference(s), \
                      not {batch} with {}",
                     shapes.batch, shapes.refs, references.count
@@ -169,7 +169,7 @@ impl Pipeline {
             || batch != ctx.text.dim().0
             || step >= ctx.schedule.num_steps()
         {
-            return Err(request_error(format!(
+            return Err(KleinError::request(format!(
                 "step {step} on latents {:?}: the context is for {} images of {} tokens and {} steps",
                 latents.dim(),
                 ctx.text.dim().0,

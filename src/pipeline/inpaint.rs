@@ -102,10 +102,13 @@ impl Pipeline {
             reason,
         };
         if padding > crate::limits::MAX_SIDE {
-            return Err(KleinError::Request(format!(
-                "mask crop padding {padding}: give 0 to {} pixels",
-                crate::limits::MAX_SIDE
-            )));
+            return Err(KleinError::request_about(
+                "padding_mask_crop",
+                format!(
+                    "mask crop padding {padding}: give 0 to {} pixels",
+                    crate::limits::MAX_SIDE
+                ),
+            ));
         }
         let (width, height) = source.dimensions();
         if mask.dimensions() != (width, height) {

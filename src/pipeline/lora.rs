@@ -53,11 +53,14 @@ impl LoraSpec {
     /// The scale is finite and within [`MAX_LORA_SCALE`] (checked before the file is read).
     pub fn check(&self) -> Result<()> {
         if !self.scale.is_finite() || self.scale.abs() > MAX_LORA_SCALE {
-            return Err(KleinError::Request(format!(
-                "LoRA {}: scale {} must be between -{MAX_LORA_SCALE} and {MAX_LORA_SCALE}",
-                self.path.display(),
-                self.scale
-            )));
+            return Err(KleinError::request_about(
+                "loras",
+                format!(
+                    "LoRA {}: scale {} must be between -{MAX_LORA_SCALE} and {MAX_LORA_SCALE}",
+                    self.path.display(),
+                    self.scale
+                ),
+            ));
         }
         Ok(())
     }
@@ -66,10 +69,13 @@ impl LoraSpec {
 /// Checks a list of LoRAs without reading them: how many, and their scales.
 pub fn check_specs(specs: &[LoraSpec]) -> Result<()> {
     if specs.len() > MAX_LORAS {
-        return Err(KleinError::Request(format!(
-            "{} LoRAs; at most {MAX_LORAS} can be applied at once",
-            specs.len()
-        )));
+        return Err(KleinError::request_about(
+            "loras",
+            format!(
+                "{} LoRAs; at most {MAX_LORAS} can be applied at once",
+                specs.len()
+            ),
+        ));
     }
     specs.iter().try_for_each(LoraSpec::check)
 }

@@ -299,7 +299,7 @@ impl Pipeline {
             .as_ref()
             .map(|shapes| shapes.bucket_for_size(width, height))
             .transpose()
-            .map_err(request::request_error)
+            .map_err(KleinError::request)
     }
 
     /// Stage 2: the prompt's embeddings `[1, L, 3*hidden]` (from the cache when enabled).
@@ -629,9 +629,8 @@ impl Pipeline {
         let tiles = self.vae_tiling.applies(width, height, self.vae_tile);
         if tiles && self.manifest.static_shapes.is_some() {
             if self.vae_tiling == VaeTiling::On {
-                return Err(KleinError::Request(
-                    "VAE tiling needs graphs that take any size; this is a static-shape bundle"
-                        .into(),
+                return Err(KleinError::request(
+                    "VAE tiling needs graphs that take any size; this is a static-shape bundle",
                 ));
             }
             return Ok(false);
@@ -840,11 +839,14 @@ fn check_vae_tile(manifest: &Manifest, requested: Option<u32>) -> Result<usize> 
     crate::stages::vae_tiling::check_tile_size(pixels)?;
     let tile = pixels as usize;
     if vae_layout(manifest, tile, true).is_err() || vae_layout(manifest, tile, false).is_err() {
-        return Err(KleinError::Request(format!(
+        return Err(KleinError::request_about(
+            "vae_tile_size",
+            format!(
             "VAE tile size {pixels}: tiles and their strides must fall on whole 2x2 latent patches \
              and 16-pixel blocks of bundle {}",
             manifest.model.name
-        )));
+        ),
+        ));
     }
     Ok(tile)
 }

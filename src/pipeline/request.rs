@@ -207,22 +207,21 @@ impl Request {
     /// Checks the numbers given in this request against [`crate::limits`], without a bundle:
     /// images per prompt, steps, guidance, preview interval, prompt length, reference count and
     /// output sides. Cheap: call it before loading anything ([`super::Pipeline::generate`] calls
-    /// it too). [`Request::check_fields`] also names the field at fault.
+    /// it too). The error names the field of the first number out of bounds
+    /// ([`KleinError::param`]): `num_images`, `steps`, `guidance`, `preview_every`, `prompt`,
+    /// `negative_prompt`, `references` (their count), `width` or `height` (`width` also when the
+    /// two sides together exceed the token budget), so that an API can report it as its own
+    /// argument.
     pub fn check_bounds(&self) -> Result<()> {
-        self.check_fields().map_err(|(_, error)| error)
-    }
-
-    /// [`Request::check_bounds`], naming the field of the first number out of bounds:
-    /// `num_images`, `steps`, `guidance`, `preview_every`, `prompt`, `negative_prompt`,
-    /// `references` (their count), `width` or `height` (`width` also when the two sides together
-    /// exceed the token budget), so that an API can report it as its own argument.
-    pub fn check_fields(&self) -> std::result::Result<(), (&'static str, KleinError)> {
-        let at = |field: &'static str| move |error| (field, error);
+        let at = |field: &'static str| move |error: KleinError| error.about(field);
         if self.num_images == 0 || self.num_images > MAX_BATCH {
-            return Err(at("num_images")(request_error(format!(
-                "num_images is {}: it must be between 1 and {MAX_BATCH}",
-                self.num_images
-            ))));
+            return Err(KleinError::request_about(
+                "num_images",
+                format!(
+                    "num_images is {}: it must be between 1 and {MAX_BATCH}",
+                    self.num_images
+                ),
+            ));
         }
         if let Some(steps) = self.steps {
             check_steps(steps).map_err(at("steps"))?;
@@ -231,9 +230,10 @@ impl Request {
             check_guidance(guidance).map_err(at("guidance"))?;
         }
         if self.preview_every == Some(0) {
-            return Err(at("preview_every")(request_error(
-                "preview_every must be at least 1 step".into(),
-            )));
+            return Err(KleinError::request_about(
+                "preview_every",
+                "preview_every must be at least 1 step",
+            ));
         }
         check_prompt(&self.prompt).map_err(at("prompt"))?;
         if let Some(negative) = &self.negative_prompt {
@@ -242,10 +242,10 @@ impl Request {
         check_reference_count(self.conditioning_images().count()).map_err(at("references"))?;
         for (what, value) in [("width", self.width), ("height", self.height)] {
             if let Some(value) = value.filter(|v| !(MIN_SIDE..=MAX_SIDE).contains(v)) {
-                return Err(at(what)(request_error(format!(
+                return Err(KleinError::request_about(what, format!(
                     "{what} {value} is out of range: it must be between {MIN_SIDE} and {MAX_SIDE} pixels \
                      (and width/16 x height/16 plus the references' tokens at most {MAX_IMAGE_TOKENS})"
-                ))));
+                )));
             }
         }
         // The output's own tokens (one per MIN_SIDE x MIN_SIDE pixels); the references' are
@@ -261,7 +261,7 @@ impl Request {
 /// Between 1 and [`MAX_STEPS`] denoising steps.
 fn check_steps(steps: usize) -> Result<()> {
     if steps == 0 || steps > MAX_STEPS {
-        return Err(request_error(format!(
+        return Err(KleinError::request(format!(
             "steps is {steps}: it must be between 1 and {MAX_STEPS}"
         )));
     }
@@ -271,7 +271,7 @@ fn check_steps(steps: usize) -> Result<()> {
 /// A guidance scale between 0 and [`MAX_GUIDANCE`].
 fn check_guidance(guidance: f64) -> Result<()> {
     if !(0.0..=MAX_GUIDANCE).contains(&guidance) {
-        return Err(request_error(format!(
+        return Err(KleinError::request(format!(
             "guidance {guidance} must be a number between 0 and {MAX_GUIDANCE}"
         )));
     }
@@ -313,7 +313,7 @@ impl Plan {
         }
         let first_step = match &request.inpaint {
             Some(_) if model.kv_cache => {
-                return Err(request_error(format!(
+                return Err(KleinError::request(format!(
                     "{} is a KV bundle (Flux2KleinKVPipeline), which has no inpainting or img2img \
                      (diffusers has no KV inpaint pipeline): use a bundle of a plain checkpoint",
                     model.name
@@ -338,12 +338,12 @@ impl Plan {
                 .collect();
             shapes
                 .bucket_for_request(width, height, &sizes)
-                .map_err(request_error)?;
+                .map_err(KleinError::request)?;
         }
         if let Some(latents) = &request.initial_latents {
             let want = (batch, manifest.latents.channels, lat_h, lat_w);
             if latents.dim() != want {
-                return Err(request_error(format!(
+                return Err(KleinError::request(format!(
                     "initial latents have shape {:?}, expected {want:?}",
                     latents.dim()
                 )));
@@ -356,7 +356,7 @@ impl Plan {
                 manifest.text_encoder.embed_dim,
             );
             if given.embeds.dim() != want {
-                return Err(request_error(format!(
+                return Err(KleinError::request(format!(
                     "prompt embeddings have shape {:?}, expected {want:?} (from Pipeline::encode_prompt of this bundle)",
                     given.embeds.dim()
                 )));
@@ -371,18 +371,21 @@ impl Plan {
             .is_some_and(|n| !n.is_empty())
             && !cfg
         {
-            return Err(request_error(if model.is_distilled {
-                format!(
+            return Err(KleinError::request_about(
+                "negative_prompt",
+                if model.is_distilled {
+                    format!(
                     "a negative prompt needs classifier-free guidance, and {} is a distilled model \
                      (it runs without guidance); use a base model",
                     model.name
                 )
-            } else {
-                format!(
+                } else {
+                    format!(
                     "a negative prompt needs guidance above 1 (it is {guidance}): guidance 1 or \
                      less runs without the negative branch, as in diffusers"
                 )
-            }));
+                },
+            ));
         }
         Ok(Plan {
             batch,
@@ -409,18 +412,21 @@ fn check_inpaint(inpaint: &Inpaint, request: &Request, steps: usize) -> Result<u
         ("height", request.height, source.height),
     ] {
         if given.is_some_and(|g| g != size) {
-            return Err(request_error(format!(
-                "{what} {} was given, but inpainting and img2img make an image of the source \
+            return Err(KleinError::request_about(
+                what,
+                format!(
+                    "{what} {} was given, but inpainting and img2img make an image of the source \
                  image's size ({}x{}); leave the size out or resize the source",
-                given.unwrap_or_default(),
-                source.width,
-                source.height
-            )));
+                    given.unwrap_or_default(),
+                    source.width,
+                    source.height
+                ),
+            ));
         }
     }
     if let Some(mask) = &inpaint.mask {
         if (mask.width, mask.height) != (source.width, source.height) {
-            return Err(request_error(format!(
+            return Err(KleinError::request(format!(
                 "the mask is {}x{} and the source image {}x{}: load the mask for this source \
                  (Pipeline::load_mask resizes it)",
                 mask.width, mask.height, source.width, source.height
@@ -433,7 +439,7 @@ fn check_inpaint(inpaint: &Inpaint, request: &Request, steps: usize) -> Result<u
             .iter()
             .find(|r| (r.width, r.height) != (first.width, first.height))
         {
-            return Err(request_error(format!(
+            return Err(KleinError::request(format!(
                 "with a source image, every reference must have one size after preprocessing \
                  (diffusers' inpaint pipeline crops them all to the first's): {}x{} and {}x{}",
                 first.width, first.height, other.width, other.height
@@ -446,7 +452,7 @@ fn check_inpaint(inpaint: &Inpaint, request: &Request, steps: usize) -> Result<u
 /// A prompt must be at most [`MAX_PROMPT_BYTES`] long.
 pub(crate) fn check_prompt(prompt: &str) -> Result<()> {
     if prompt.len() > MAX_PROMPT_BYTES {
-        return Err(request_error(format!(
+        return Err(KleinError::request(format!(
             "the prompt is {} bytes: at most {MAX_PROMPT_BYTES} are accepted (the text encoder reads \
              only the bundle's first tokenizer.max_sequence_length tokens of it)",
             prompt.len()
@@ -458,7 +464,7 @@ pub(crate) fn check_prompt(prompt: &str) -> Result<()> {
 /// At most [`MAX_REFERENCES`] reference images per request.
 pub fn check_reference_count(count: usize) -> Result<()> {
     if count > MAX_REFERENCES {
-        return Err(request_error(format!(
+        return Err(KleinError::request(format!(
             "{count} reference images: at most {MAX_REFERENCES} per request"
         )));
     }
@@ -469,7 +475,7 @@ pub fn check_reference_count(count: usize) -> Result<()> {
 pub(crate) fn check_session(session: &SessionConfig) -> Result<()> {
     if let Some(threads) = session.intra_threads {
         if threads == 0 || threads > MAX_THREADS {
-            return Err(request_error(format!(
+            return Err(KleinError::request(format!(
                 "threads is {threads}: it must be between 1 and {MAX_THREADS} (leave it unset for \
                  ONNX Runtime's choice, one per physical core)"
             )));
@@ -493,7 +499,7 @@ pub(crate) fn output_size(manifest: &Manifest, request: &Request) -> Result<(u32
     let multiple = manifest.latents.pixel_multiple;
     for (what, value) in [("width", width), ("height", height)] {
         if value < multiple || value > MAX_SIDE {
-            return Err(request_error(format!(
+            return Err(KleinError::request_about(what, format!(
                 "{what} {value} is out of range: it must be between {multiple} and {MAX_SIDE} pixels"
             )));
         }
@@ -509,7 +515,8 @@ pub fn check_token_budget(
 ) -> Result<()> {
     let total = output_tokens + reference_tokens;
     if total > MAX_IMAGE_TOKENS {
-        return Err(request_error(format!(
+        // About `width`: the output's size is the one number that always takes part.
+        return Err(KleinError::request_about("width", format!(
             "{total} image tokens ({output_tokens} for the output + {reference_tokens} for {references} reference(s)): \
              at most {MAX_IMAGE_TOKENS} fit; use fewer or smaller references or a smaller output"
         )));
@@ -519,13 +526,9 @@ pub fn check_token_budget(
 
 /// The error of a preview asked of a bundle without a preview map.
 pub(crate) fn no_preview_map(manifest: &Manifest) -> KleinError {
-    request_error(format!(
+    KleinError::request(format!(
         "bundle {} has no step-preview map (exported before previews existed): add one with \
          `klein-export preview --checkpoint CHECKPOINT --bundle BUNDLE`",
         manifest.model.name
     ))
-}
-
-pub(crate) fn request_error(reason: String) -> KleinError {
-    KleinError::Request(reason)
 }

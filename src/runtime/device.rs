@@ -89,9 +89,10 @@ impl FromStr for Device {
     fn from_str(s: &str) -> Result<Self> {
         let lower = s.trim().to_ascii_lowercase();
         let invalid = || {
-            KleinError::Request(format!(
-                "unknown device `{s}`; use cpu, cuda, cuda:N, coreml or auto"
-            ))
+            KleinError::request_about(
+                "device",
+                format!("unknown device `{s}`; use cpu, cuda, cuda:N, coreml or auto"),
+            )
         };
         match lower.as_str() {
             "cpu" => Ok(Device::Cpu),
@@ -157,7 +158,7 @@ impl FromStr for ConvSearch {
             "heuristic" => Ok(ConvSearch::Heuristic),
             "exhaustive" => Ok(ConvSearch::Exhaustive),
             "default" => Ok(ConvSearch::Default),
-            _ => Err(KleinError::Request(format!(
+            _ => Err(KleinError::request(format!(
                 "unknown cuDNN conv search `{s}`; use heuristic, exhaustive or default"
             ))),
         }
@@ -229,7 +230,7 @@ impl FromStr for ComputeUnits {
             "cpu-gpu" => Ok(ComputeUnits::CpuAndGpu),
             "cpu-ane" => Ok(ComputeUnits::CpuAndNeuralEngine),
             "cpu" => Ok(ComputeUnits::CpuOnly),
-            _ => Err(KleinError::Request(format!(
+            _ => Err(KleinError::request(format!(
                 "unknown CoreML compute units `{s}`; use all, cpu-gpu, cpu-ane (Neural Engine) or cpu"
             ))),
         }

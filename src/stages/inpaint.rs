@@ -16,9 +16,12 @@ pub const DEFAULT_STRENGTH: f64 = 1.0;
 /// A strength in (0, 1], checked without a bundle (NaN refused).
 pub fn check_strength(strength: f64) -> Result<()> {
     if !(strength > 0.0 && strength <= 1.0) {
-        return Err(KleinError::Request(format!(
-            "strength {strength} must be above 0 and at most 1 (1 repaints from pure noise)"
-        )));
+        return Err(KleinError::request_about(
+            "strength",
+            format!(
+                "strength {strength} must be above 0 and at most 1 (1 repaints from pure noise)"
+            ),
+        ));
     }
     Ok(())
 }
@@ -32,9 +35,12 @@ pub fn first_step(steps: usize, strength: f64) -> Result<usize> {
     let init = (total * strength).min(total);
     let start = (total - init).max(0.0) as usize;
     if start >= steps {
-        return Err(KleinError::Request(format!(
-            "strength {strength} with {steps} steps leaves no step to run; raise the strength"
-        )));
+        return Err(KleinError::request_about(
+            "strength",
+            format!(
+                "strength {strength} with {steps} steps leaves no step to run; raise the strength"
+            ),
+        ));
     }
     Ok(start)
 }

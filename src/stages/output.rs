@@ -69,7 +69,7 @@ impl ImageFormat {
                 quality: jpeg_quality,
             }),
             Some("webp") => Ok(ImageFormat::WebP),
-            Some(other) => Err(KleinError::Request(format!(
+            Some(other) => Err(KleinError::request(format!(
                 "output {}: klein writes {OUTPUT_EXTENSIONS} files, not .{other}",
                 path.display()
             ))),

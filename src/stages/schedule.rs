@@ -204,8 +204,8 @@ impl Schedule {
 pub fn schedule(num_steps: usize, mu: f64, config: &ShiftConfig) -> Result<Schedule> {
     config.check()?;
     if num_steps == 0 {
-        return Err(KleinError::Request(
-            "the number of steps must be at least 1".to_string(),
+        return Err(KleinError::request(
+            "the number of steps must be at least 1",
         ));
     }
     let mut sigmas: Vec<f32> = linspace(1.0, 1.0 / num_steps as f64, num_steps)
@@ -427,7 +427,7 @@ mod tests {
         assert!(with(|c| c.shift_terminal = Some(0.0)).is_ok());
         assert!(matches!(
             schedule(0, 2.0, &ShiftConfig::FLUX2_KLEIN),
-            Err(KleinError::Request(_))
+            Err(KleinError::Request { .. })
         ));
     }
 

@@ -130,7 +130,7 @@ impl PromptTokenizer {
         let encoding = self
             .tokenizer
             .encode_fast(text.as_str(), spec.add_special_tokens)
-            .map_err(|e| KleinError::Request(format!("the prompt could not be tokenised: {e}")))?;
+            .map_err(|e| KleinError::request(format!("the prompt could not be tokenised: {e}")))?;
         let max_len = spec.max_sequence_length;
         let ids = encoding.get_ids();
         let truncated = ids.len() > max_len;

@@ -22,7 +22,7 @@ pub const OVERLAP_FACTOR: f64 = 0.25;
 /// 16-pixel blocks. The pipeline checks the bundle's own alignment again when it loads.
 pub fn check_tile_size(pixels: u32) -> Result<()> {
     if pixels == 0 || !pixels.is_multiple_of(64) || pixels > MAX_SIDE {
-        return Err(KleinError::Request(format!(
+        return Err(KleinError::request_about("vae_tile_size", format!(
             "VAE tile size {pixels}: give a multiple of 64 pixels up to {MAX_SIDE} (tiles and their \
              strides must fall on whole 2x2 latent patches and 16-pixel blocks)"
         )));
@@ -82,7 +82,7 @@ impl TileLayout {
             || !self.tile.is_multiple_of(multiple)
             || !self.stride.is_multiple_of(multiple)
         {
-            return Err(KleinError::Request(format!(
+            return Err(KleinError::request(format!(
                 "VAE tiling: the bundle's {what} tiles ({} wide, every {}) are not multiples of \
                  {multiple}; decode without tiling (vae.sample_size in the manifest sets them)",
                 self.tile, self.stride

@@ -205,3 +205,39 @@ fn the_c_api_refuses_numbers_past_their_bounds() {
     );
     unsafe { klein_pipeline_free(pipeline) };
 }
+
+/// `Request::check_bounds` names the field of each number out of bounds in the error itself
+/// (`KleinError::param`), which the Python bindings and the server report as the argument: no
+/// API reads it from the message.
+#[test]
+fn request_errors_name_their_field() {
+    use klein::pipeline::Request;
+    let long = "x".repeat(MAX_PROMPT_BYTES + 1);
+    let base = || Request::new("a fox");
+    let with = |change: &dyn Fn(&mut Request)| {
+        let mut request = base();
+        change(&mut request);
+        request
+    };
+    let cases: Vec<(Request, &str)> = vec![
+        (base().with_num_images(0), "num_images"),
+        (base().with_steps(0), "steps"),
+        (base().with_guidance(f64::NAN), "guidance"),
+        (with(&|r| r.preview_every = Some(0)), "preview_every"),
+        (Request::new(long.as_str()), "prompt"),
+        (
+            base().with_negative_prompt(long.as_str()),
+            "negative_prompt",
+        ),
+        (with(&|r| r.width = Some(MAX_SIDE + 16)), "width"),
+        (with(&|r| r.height = Some(8)), "height"),
+        // Both sides in bounds, their tokens past the budget: the output's size, as `width`.
+        (base().with_size(MAX_SIDE, MAX_SIDE), "width"),
+    ];
+    assert!(MAX_SIDE / 16 * (MAX_SIDE / 16) > MAX_IMAGE_TOKENS as u32);
+    for (request, field) in cases {
+        let error = request.check_bounds().expect_err(field);
+        assert_eq!(error.param(), Some(field), "{error}");
+    }
+    assert_eq!(base().check_bounds().map_err(|e| e.to_string()), Ok(()));
+}

@@ -140,7 +140,7 @@ mod tests {
 
     #[test]
     fn user_errors_are_400_and_runtime_errors_500() {
-        let user = KleinError::Request("width 5000: at most 4096".into());
+        let user = KleinError::request("width 5000: at most 4096");
         let e = ApiError::from_klein(&user, Some("size"));
         assert_eq!(e.kind.status(), StatusCode::BAD_REQUEST);
         assert_eq!(e.param.as_deref(), Some("size"));

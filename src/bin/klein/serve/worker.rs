@@ -92,17 +92,11 @@ fn cancelled() -> ApiError {
     ApiError::new(ErrorKind::Cancelled, "cancelled before it finished")
 }
 
-/// The request field of a size the pipeline refused (`width 128 was given, but inpainting...`,
-/// `... image tokens (...)`): `size_field` where one field sets both, else `width` or `height` as
-/// the message names it (`width` for the token budget).
+/// The request field of a size the pipeline refused (an error about `width` or `height`, the
+/// token budget's included: [`klein::KleinError::param`]): `size_field` where one field sets
+/// both, else the one the error is about.
 fn size_param(error: &klein::KleinError, size_field: Option<&'static str>) -> Option<&'static str> {
-    let klein::KleinError::Request(message) = error else {
-        return None;
-    };
-    let named = ["width", "height"]
-        .into_iter()
-        .find(|field| message.starts_with(&format!("{field} ")))
-        .or_else(|| message.contains(" image tokens (").then_some("width"))?;
+    let named = error.param().filter(|p| matches!(*p, "width" | "height"))?;
     Some(size_field.unwrap_or(named))
 }
 
