@@ -3,6 +3,9 @@ use std::path::PathBuf;
 
 pub type Result<T, E = KleinError> = std::result::Result<T, E>;
 
+/// The [`KleinError::Io`] action of a LoRA file that cannot be read (its error is about `loras`).
+pub const READING_LORA: &str = "reading the LoRA file";
+
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum KleinError {
@@ -81,11 +84,13 @@ impl KleinError {
     }
 
     /// The field of the request or of the pipeline's options an error is about, if it is one:
-    /// a [`KleinError::Request`]'s `param`, and `loras` for every [`KleinError::Lora`].
+    /// a [`KleinError::Request`]'s `param`, and `loras` for every [`KleinError::Lora`] and a
+    /// LoRA file that cannot be read ([`READING_LORA`]).
     pub fn param(&self) -> Option<&'static str> {
         match self {
             KleinError::Request { param, .. } => *param,
             KleinError::Lora { .. } => Some("loras"),
+            KleinError::Io { action, .. } if *action == READING_LORA => Some("loras"),
             _ => None,
         }
     }

@@ -343,21 +343,18 @@ def _narrow_convs(model: onnx.ModelProto) -> list:
     ]
 
 
-def _not_interleaves(model: onnx.ModelProto) -> list:
+def _not_interleaves(model: onnx.ModelProto, float_convs: list) -> list:
     """Names of the Concat and DepthToSpace nodes that do not interleave an upsampler's phase
-    convolutions (upsample_convs.py: Concat of Convs -> DepthToSpace), which `--method static`
-    leaves alone."""
+    convolutions (upsample_convs.py: Concat of Convs -> DepthToSpace) quantized as integers (none of
+    `float_convs`), which `--method static` leaves alone."""
     made_by = {o: n for n in model.graph.node for o in n.output}
+    integer = {o for o, n in made_by.items() if n.op_type == "Conv" and n.name not in float_convs}
     interleaves = set()
     for node in model.graph.node:
         concat = made_by.get(node.input[0]) if node.op_type == "DepthToSpace" else None
-        if concat is not None and concat.op_type == "Concat" and all(_made_by_conv(made_by, i) for i in concat.input):
+        if concat is not None and concat.op_type == "Concat" and set(concat.input) <= integer:
             interleaves.update((node.name, concat.name))
     return [n.name for n in model.graph.node if n.op_type in INTERLEAVE_OPS and n.name not in interleaves]
-
-
-def _made_by_conv(made_by: dict, name: str) -> bool:
-    return name in made_by and made_by[name].op_type == "Conv"
 
 
 def _static_convs(path: Path, latents: list, reduce_range=False) -> onnx.ModelProto:
@@ -388,6 +385,7 @@ def _static_convs(path: Path, latents: list, reduce_range=False) -> onnx.ModelPr
     level = root.level
     root.setLevel(logging.ERROR)
     structure = load_structure(path)
+    narrow = _narrow_convs(structure)
     try:
         with tempfile.TemporaryDirectory(dir=path.parent, prefix=".static-") as tmp:
             out = Path(tmp) / path.name
@@ -397,7 +395,7 @@ def _static_convs(path: Path, latents: list, reduce_range=False) -> onnx.ModelPr
                 Reader(),
                 quant_format=QuantFormat.QDQ,
                 op_types_to_quantize=["Conv", *INTERLEAVE_OPS],
-                nodes_to_exclude=_narrow_convs(structure) + _not_interleaves(structure),
+                nodes_to_exclude=narrow + _not_interleaves(structure, narrow),
                 per_channel=True,
                 reduce_range=reduce_range,
                 activation_type=QuantType.QUInt8,

@@ -113,6 +113,8 @@ def _nearest_2x(resize):
     """True if `resize` copies each pixel of `[N, C, H, W]` to a 2x2 block (nearest, asymmetric,
     floor: output row y reads row floor(y / 2)), by constant scales [1, 1, 2, 2]."""
     attrs = {name: attr.value for name, attr in resize.attributes.items()}
+    if resize.domain not in ("", "ai.onnx") or "axes" in attrs:  # scales for other axes than N, C, H, W
+        return False
     if attrs.get("mode") != "nearest" or attrs.get("coordinate_transformation_mode") != "asymmetric":
         return False
     if attrs.get("nearest_mode", "round_prefer_floor") not in ("floor", "round_prefer_floor"):

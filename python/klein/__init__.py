@@ -419,7 +419,7 @@ class Pipeline:
         try:
             self._native = _klein.Pipeline(os.fsdecode(model), **arguments)
         except InvalidInputError as error:
-            raise error from None  # klein names the argument (``param``): a LoRA's is ``loras``
+            raise error from None  # klein names the argument (``param``): a LoRA file's is ``loras``
 
     def __call__(
         self,

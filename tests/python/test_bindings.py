@@ -307,6 +307,7 @@ def test_invalid_input(pipe, tiny_bundle, tmp_path):
         (lambda: pipe("a fox", negative_prompt="a" * (klein.MAX_PROMPT_BYTES + 1)), "negative_prompt"),
         # Errors of klein's own checks, named by the argument their message is about.
         (lambda: pipe.set_loras([("nothing.safetensors", 0.5)]), "loras"),
+        (lambda: klein.Pipeline(tiny_bundle, loras=[("nothing.safetensors", 0.5)]), "loras"),
         (lambda: pipe.set_loras([("x.safetensors", "a")]), "loras"),
         (lambda: pipe("a fox", generator=-1), "generator"),
         (lambda: pipe("a fox", generator=[1, 2]), "generator"),

@@ -21,7 +21,7 @@ use ndarray::linalg::general_mat_mul;
 use ndarray::{s, Array2, ArrayViewMut2};
 use safetensors::{Dtype, SafeTensors};
 
-use crate::error::{KleinError, Result};
+use crate::error::{KleinError, Result, READING_LORA};
 use crate::limits::MAX_LORA_FILE_BYTES;
 
 mod config;
@@ -166,7 +166,7 @@ pub fn read_lora(path: &Path) -> Result<LoraFile> {
             Some(reason) => fail(reason),
             None => KleinError::Io {
                 path: path.to_path_buf(),
-                action: "reading the LoRA file",
+                action: READING_LORA,
                 source,
             },
         })?
@@ -178,7 +178,7 @@ pub fn read_lora(path: &Path) -> Result<LoraFile> {
     }
     let bytes = std::fs::read(path).map_err(|source| KleinError::Io {
         path: path.to_path_buf(),
-        action: "reading the LoRA file",
+        action: READING_LORA,
         source,
     })?;
     let tensors = SafeTensors::deserialize(&bytes).map_err(|e| {
