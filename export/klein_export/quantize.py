@@ -30,9 +30,8 @@ provider fuses each pair into an integer convolution (`QLinearConv`) and interle
 calibration latents are what the decoder will see: the bundle's own text-to-image latents for
 CALIBRATION_PROMPTS and the bundle's VAE encoder's latents of synthetic images (edits and img2img),
 at CALIBRATION_SIZE. A wide decode at 512x512: 5.15 s against 13.93 s in fp32 (README,
-"Performance"). The VAE encoder is never
-quantized (its error would move every reference and source image), and MatMulNBits/dynamic never touch
-the VAE (no MatMul worth it)."""
+"Performance"). The VAE encoder is never quantized (its error would move every reference and source
+image), and MatMulNBits/dynamic never touch the VAE (no MatMul worth it)."""
 
 import contextlib
 import json

@@ -252,7 +252,7 @@ impl Request {
         // added once their sizes are read.
         if let (Some(width), Some(height)) = (self.width, self.height) {
             let tokens = (width / MIN_SIDE) as usize * (height / MIN_SIDE) as usize;
-            check_token_budget(tokens, 0, 0).map_err(at("width"))?;
+            check_token_budget(tokens, 0, 0)?; // about `width` already
         }
         Ok(())
     }
