@@ -407,6 +407,29 @@ def _static_convs(path: Path, latents: list, reduce_range=False) -> onnx.ModelPr
         root.setLevel(level)
 
 
+def _shapes_of_codes(model: onnx.ModelProto):
+    """Points (in place) every Shape of a dequantized value, directly or through a Reshape, at the
+    uint8 codes instead (through a Reshape of the codes by the same shape). The group norms take
+    the shape of their own input (`ort_fusions.group_norms_as_layer_norms`), and ONNX Runtime gives
+    each consumer of a quantized value its own DequantizeLinear: each such Shape had a float copy
+    of a convolution's output computed for it alone (18 in the decoder; at 1024x1024, 512 MiB each
+    in the last block). A shape is the same whatever the element type: the output is unchanged."""
+    made_by = {o: n for n in model.graph.node for o in n.output}
+    for shape in [n for n in model.graph.node if n.op_type == "Shape"]:
+        reshape = made_by.get(shape.input[0])
+        through = reshape is not None and reshape.op_type == "Reshape"
+        dq = made_by.get(reshape.input[0]) if through else reshape
+        if dq is None or dq.op_type != "DequantizeLinear":
+            continue
+        codes = dq.input[0]
+        if through:  # the codes given the Reshape's shape, for the Shape only
+            codes = f"{reshape.output[0]}_codes"
+            copy = onnx.helper.make_node("Reshape", [dq.input[0], reshape.input[1]], [codes], name=codes)
+            copy.attribute.extend(reshape.attribute)  # allowzero, if set
+            model.graph.node.insert(list(model.graph.node).index(shape), copy)
+        shape.input[0] = codes
+
+
 def _check_code_range(model: onnx.ModelProto, path: Path):
     """Refuses to write a `--reduce-range` graph whose int8 weight codes leave [-64, 64]: the runtime
     trusts the manifest's `reduce_range` and would run such codes on kernels that saturate."""
@@ -462,6 +485,7 @@ def quantize_graph(path: Path, config: QuantizationConfig, calibration=None) -> 
     path = Path(path)
     if config.method == STATIC:
         model = _static_convs(path, calibration, config.reduce_range)
+        _shapes_of_codes(model)
         scheme = {
             "method": STATIC,
             "reduce_range": config.reduce_range,

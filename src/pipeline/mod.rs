@@ -610,8 +610,9 @@ impl Pipeline {
         let bucket = self.bucket_of_size(lat_w as u32 * m, lat_h as u32 * m)?;
         let tiled = self.vae_tiles(lat_w * m as usize, lat_h * m as usize)?;
         let layout = tiled.then(|| self.vae_layout(true)).transpose()?;
-        // The tiles on glibc's usual heap, whose kept memory goes back first (runtime's heap).
-        let _heap = tiled.then(give_back_freed_memory);
+        // The decoder on glibc's usual heap, whose kept memory goes back first (runtime's heap):
+        // the steps' freed activations would otherwise stay under the decoder's own.
+        let _heap = give_back_freed_memory();
         let graph = self.graph(Component::VaeDecoder, bucket, &mut progress)?;
         timed(&mut progress, Stage::Decode, |_| {
             // [B, 3, 16h, 16w]

@@ -17,10 +17,11 @@
 //! Both change the whole process's allocator, so the library never applies them by itself: the
 //! `klein` CLI and server do, at start (they start again with [`start_tunables`]' value set where
 //! the transformer is float and no VAE tiles were asked for, or call [`retain_freed_memory`]).
-//! Where the VAE is tiled (asked for, or auto's above 1024x1024 pixels), a heap kept by
-//! [`retain_freed_memory`] serves the steps and is given back for the tiles
-//! ([`give_back_freed_memory`], which the pipeline holds through tiled VAE passes; kept through
-//! them, it had raised the 1024x1024 peak with 512-pixel tiles from 3.4 GB to 4.1-8.9 GB); a
+//! A heap kept by [`retain_freed_memory`] serves the steps and is given back for the VAE decoder
+//! ([`give_back_freed_memory`], which the pipeline holds through every decode and through tiled
+//! VAE encodes; kept through the decoder, the steps' freed activations stayed under its own:
+//! wide dds at 1024x1024 peaked at 4.50-4.52 GiB instead of 3.78-3.80, and with 512-pixel tiles
+//! at 4.1-8.9 GB instead of 3.4 GB); a
 //! float transformer started with huge pages keeps it through auto's tiles (wide fp32 at 1536x1536:
 //! decode 8-12% faster, peak 11.3-12.1 against 10.9 GiB, measured while the transformer still had
 //! ONNX Runtime's memory pattern; without it, 4 steps peak at 11.6 GiB and the decode gains
@@ -76,7 +77,7 @@ pub fn retain_freed_memory() -> bool {
 }
 
 /// Whether [`retain_freed_memory`] applied its settings, and how many [`GivenBack`] guards hold
-/// them off (tiled VAE passes; the server may run more than one generation).
+/// them off (VAE decodes and tiled passes; the server may run more than one generation).
 struct Kept {
     applied: bool,
     given_back: usize,
@@ -94,9 +95,10 @@ fn kept() -> MutexGuard<'static, Kept> {
 
 /// Gives the memory that [`retain_freed_memory`] kept back to the system (`malloc_trim`) and lets
 /// glibc serve large blocks with `mmap` again, as by default, until the guard drops; then the heap
-/// is kept again. The pipeline holds it through tiled VAE passes: tiles are there to save memory,
-/// which a heap kept through the denoising and the tiles took back (wide dds at 1536x1536: peaks
-/// of 10.8-17.8 GiB against 9.6 GiB; README, "Heap"), while the steps themselves gain from it.
+/// is kept again. The pipeline holds it through every VAE decode and tiled VAE pass: the steps
+/// gain from the kept heap, but kept through the decoder it holds the steps' freed activations
+/// under the decoder's own (wide dds at 1024x1024: 4.50-4.52 GiB against 3.78-3.80 GiB, the
+/// decode no slower; with 2x2 tiles at 1536x1536, 10.8-17.8 GiB against 9.6 GiB; README, "Heap").
 /// Does nothing where the heap was not kept by [`retain_freed_memory`] (never, in a library
 /// whose application did not call it; nor with `GLIBC_TUNABLES`, whose settings stand).
 pub fn give_back_freed_memory() -> GivenBack {

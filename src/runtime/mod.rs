@@ -6,7 +6,7 @@
 //! `device` turns a [`Device`] and its options into execution providers, `tensor` converts
 //! data in and out, and `graph` builds, binds and runs sessions. [`retain_freed_memory`] keeps
 //! the memory runs free in glibc's heap for the next run ([`give_back_freed_memory`] returns it
-//! for tiled VAE passes), and [`start_tunables`] adds huge pages
+//! for VAE decodes and tiled VAE passes), and [`start_tunables`] adds huge pages
 //! for a process that starts again (the CLI and server use both).
 //!
 //! # Finding the ONNX Runtime library

@@ -72,14 +72,13 @@ fn start_again(tunables: &str) {
 }
 
 /// Whether `command` keeps freed activations mapped for the next step and image
-/// (runtime/heap.rs): every generation and the server. Where the VAE is tiled (asked for, or
-/// auto's above 1024x1024 pixels) the pipeline gives the heap back before the tiles and keeps it
-/// again after them (`give_back_freed_memory`), so the steps keep their gain and the tiles their
-/// memory: wide dds at 1536x1536 (auto's tiles), denoising 3-9% faster at the same peak; at
-/// 1024x1024 with `--vae-tile-size 512`, 3 alternating pairs, denoise 40.1-42.4 s against
-/// 47.5-54.2 s, peak 2.89 against 2.88 GiB, images byte-equal (README, "Heap"). Before the give-back
-/// the kept heap took the tiles' memory back (4.1-8.9 GB peaks against 3.4 GB), so asked-for tiles
-/// left glibc alone.
+/// (runtime/heap.rs): every generation and the server. The pipeline gives the heap back before
+/// each VAE decode (whole or tiled) and keeps it again after it (`give_back_freed_memory`), so
+/// the steps keep their gain and the decoder its memory: wide dds at 1536x1536 (auto's tiles),
+/// denoising 3-9% faster at the same peak; at 1024x1024 with `--vae-tile-size 512`, 3 alternating
+/// pairs, denoise 40.1-42.4 s against 47.5-54.2 s, peak 2.89 against 2.88 GiB, images byte-equal
+/// (README, "Heap"). Kept through the decoder, the heap took its memory back: 4.1-8.9 GB peaks
+/// against 3.4 GB with those tiles, 4.50-4.52 GiB against 3.78-3.80 GiB decoded whole.
 fn keeps_heap(command: &Command) -> bool {
     load_args(command).is_some()
 }
