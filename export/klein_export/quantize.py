@@ -412,8 +412,8 @@ def _shapes_of_codes(model: onnx.ModelProto):
     uint8 codes instead (through a Reshape of the codes by the same shape). The group norms take
     the shape of their own input (`ort_fusions.group_norms_as_layer_norms`), and ONNX Runtime gives
     each consumer of a quantized value its own DequantizeLinear: each such Shape had a float copy
-    of a convolution's output computed for it alone (18 in the decoder; at 1024x1024, 512 MiB each
-    in the last block). A shape is the same whatever the element type: the output is unchanged."""
+    of a convolution's output computed for it alone (18 in the decoder; at 1024x1024, up to 1 GiB
+    each). A shape is the same whatever the element type: the output is unchanged."""
     made_by = {o: n for n in model.graph.node for o in n.output}
     for shape in [n for n in model.graph.node if n.op_type == "Shape"]:
         reshape = made_by.get(shape.input[0])
