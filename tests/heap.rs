@@ -1,9 +1,9 @@
-//! `klein::runtime::retain_freed_memory`: a freed large block is reused without the kernel faulting
-//! its pages in again; `give_back_freed_memory` (VAE decodes, tiled passes) returns the kept memory and maps
-//! large blocks afresh until its guard drops, then the heap is kept again; a VAE decode runs with it
-//! given back. It runs on the main thread, as the CLI's generations do (glibc's heaps for
-//! other threads serve blocks over 64 MB by `mmap` regardless), so this test has no harness: its
-//! own process, `main` (Cargo.toml: `harness = false`).
+//! `klein::runtime::retain_freed_memory`: a freed large block is reused without the kernel
+//! faulting its pages in again; `give_back_freed_memory` (VAE decodes, tiled passes) returns the
+//! kept memory and maps large blocks afresh until its guard drops, then the heap is kept again; a
+//! VAE decode runs with it given back. It runs on the main thread, as the CLI's generations do
+//! (glibc's heaps for other threads serve blocks over 64 MB by `mmap` regardless), so this test
+//! has no harness: its own process, `main` (Cargo.toml: `harness = false`).
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn main() {
@@ -99,12 +99,22 @@ fn main() {
         .filter(|p| !p.is_empty())
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| repo.join(".ort/libonnxruntime.so.1.31.1"));
+    assert!(
+        library.is_file(),
+        "{} is missing: run scripts/setup-ort.sh first, or set ORT_DYLIB_PATH",
+        library.display()
+    );
     let options = klein::pipeline::PipelineOptions::default()
         .with_device(klein::runtime::Device::Cpu)
         .with_runtime(klein::runtime::RuntimeOptions::default().with_library(library))
+        .with_threads(1)
         .with_verify_hashes(false);
     let mut pipeline = klein::pipeline::Pipeline::load(&repo.join("onnx/klein-tiny"), options)
         .expect("the tiny bundle loads");
+    // Every graph loaded and the tokenizer parsed first, so that nothing else grows meanwhile.
+    pipeline
+        .load_all_graphs()
+        .expect("the tiny bundle's graphs load");
     let latents = ndarray::Array3::<f32>::zeros((1, 16 * 16, 128)); // [1, h*w, 128]: 256x256 pixels
     drop(std::hint::black_box(vec![1u8; 512 << 20]));
     let before = rss_mib();
@@ -124,8 +134,14 @@ fn main() {
         before >= at_decode + 400,
         "a decode with 512 MB free in the kept heap: resident {before} MiB -> {at_decode} MiB as it started"
     );
+    faults_of_a_large_block();
+    let after_decode = faults_of_a_large_block();
+    assert!(
+        after_decode < 200 && after_decode * 4 < default,
+        "{after_decode} page faults after the decode: the heap should be kept again"
+    );
     println!(
-        "heap: the VAE decode started with {} MiB given back",
+        "heap: the VAE decode started with {} MiB given back; {after_decode} page faults after it",
         before - at_decode
     );
 }

@@ -136,9 +136,9 @@ def group_norms_as_layer_norms(model) -> dict:
     as LayerNormalization"). The rewrite: Reshape `x` to `[N, G, C/G * H, W]` (constant shape: 0
     copies N and W), LayerNormalization over the last two axes (axis 2) with a scale of ones as
     large as one group (`Expand`, 1/G of the tensor), and Reshape back to `[N, C, H, W]` with the
-    constant `[0, C, -1, 0]`. Without `Shape(x)`, a statically quantized decoder no longer
-    dequantizes each convolution's output once more only for its shape (ONNX Runtime gives each
-    consumer of a quantized value its own DequantizeLinear)."""
+    constant `[0, C, -1, 0]`. The scale's `Shape` reads the regrouped input; in a statically
+    quantized decoder it reads the codes instead (`quantize._shapes_of_codes`: ONNX Runtime gives
+    each consumer of a quantized value its own DequantizeLinear)."""
     ones = None
     count = 0
     for norm in list(model.graph):

@@ -422,11 +422,13 @@ def _shapes_of_codes(model: onnx.ModelProto):
         if dq is None or dq.op_type != "DequantizeLinear":
             continue
         codes = dq.input[0]
-        if through:  # the codes given the Reshape's shape, for the Shape only
+        if through:  # the codes given the Reshape's shape (one such Reshape for all its Shapes)
             codes = f"{reshape.output[0]}_codes"
-            copy = onnx.helper.make_node("Reshape", [dq.input[0], reshape.input[1]], [codes], name=codes)
-            copy.attribute.extend(reshape.attribute)  # allowzero, if set
-            model.graph.node.insert(list(model.graph.node).index(shape), copy)
+            if codes not in made_by:
+                copy = onnx.helper.make_node("Reshape", [dq.input[0], reshape.input[1]], [codes], name=codes)
+                copy.attribute.extend(reshape.attribute)  # allowzero, if set
+                model.graph.node.insert(list(model.graph.node).index(shape), copy)
+                made_by[codes] = copy
         shape.input[0] = codes
 
 

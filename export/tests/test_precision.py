@@ -415,11 +415,12 @@ def test_static_manifest_and_graphs(bundles, tiny_bundle):
             read_by[name].add(node.op_type)
     only_shaped = [n.name for n in optimized if n.op_type == "DequantizeLinear" and read_by[n.output[0]] == {"Shape"}]
     assert not only_shaped, only_shaped
-    made_by = {o: n for n in model.graph.node for o in n.output}
-    shapes = [n for n in model.graph.node if n.op_type == "Shape" and n.input[0] in made_by]
-    read = [made_by[n.input[0]] for n in shapes]
-    read = [made_by.get(r.input[0], r) if r.op_type == "Reshape" else r for r in read]
+    made_in_file = {o: n for n in model.graph.node for o in n.output}
+    shapes = [n for n in model.graph.node if n.op_type == "Shape" and n.input[0] in made_in_file]
+    read = [made_in_file[n.input[0]] for n in shapes]
+    read = [made_in_file.get(r.input[0], r) if r.op_type == "Reshape" else r for r in read]
     assert shapes and "DequantizeLinear" not in {r.op_type for r in read}, collections.Counter(r.op_type for r in read)
+    onnx.checker.check_model(model, full_check=True)  # the Reshapes added for the Shapes included
 
 
 def test_quantization_takes_the_components_its_method_covers(tiny_checkpoint, tiny_bundle, tmp_path, capsys):

@@ -5,8 +5,8 @@
 //! activations then come from `malloc`, and glibc serves every block over 32 MB with a fresh
 //! `mmap`, which the kernel faults in and zeroes page by page, and unmaps again when it is freed:
 //! every step pays for its memory anew. [`retain_freed_memory`] makes glibc serve those blocks from
-//! its heap and never give the heap back, so later steps and the VAE decoder reuse pages that are
-//! already mapped. Measured on the wide checkpoint, int8 bundle, 2 threads, AMX host (README,
+//! its heap and never give the heap back, so later steps reuse pages that are already mapped
+//! (the VAE decoder runs with the heap given back, below). Measured on the wide checkpoint, int8 bundle, 2 threads, AMX host (README,
 //! "Heap: freed memory kept"): 512x512 end to end 14.9 -> 13.8 s, peak RSS 3.04 -> 3.06 GB;
 //! 1024x1024 52.8 -> 47.0 s, peak 6.36 -> 6.56 GB; with 512-pixel VAE tiles 55.5 -> 49.8 s, but
 //! 3.55 -> 4.62 GB.
@@ -21,11 +21,11 @@
 //! ([`give_back_freed_memory`], which the pipeline holds through every decode and through tiled
 //! VAE encodes; kept through the decoder, the steps' freed activations stayed under its own:
 //! wide dds at 1024x1024 peaked at 4.50-4.52 GiB instead of 3.78-3.80, and with 512-pixel tiles
-//! at 4.1-8.9 GB instead of 3.4 GB); a
-//! float transformer started with huge pages keeps it through auto's tiles (wide fp32 at 1536x1536:
-//! decode 8-12% faster, peak 11.3-12.1 against 10.9 GiB, measured while the transformer still had
-//! ONNX Runtime's memory pattern; without it, 4 steps peak at 11.6 GiB and the decode gains
-//! less). A process
+//! at 4.1-8.9 GB instead of 3.4 GB). A float transformer started with huge pages keeps the heap
+//! through every decode, auto's tiles included (the give-back cannot undo `GLIBC_TUNABLES`; wide
+//! fp32 at 1536x1536: decode 8-12% faster, peak 11.3-12.1 against 10.9 GiB, measured while the
+//! transformer still had ONNX Runtime's memory pattern; without it, 4 steps peak at 11.6 GiB and
+//! the decode gains less). A process
 //! started with `GLIBC_TUNABLES` set keeps glibc's settings as the user tuned them (that is also
 //! the way to opt out: `GLIBC_TUNABLES=glibc.malloc.hugetlb=0`). Elsewhere (macOS, Windows, musl)
 //! both do nothing.

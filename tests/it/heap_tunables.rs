@@ -1,8 +1,8 @@
 //! The CLI's heap (src/bin/klein/heap.rs): a generation of a float transformer starts klein again
 //! with glibc's huge pages (and its heap kept) where the kernel gives huge pages on request, at
 //! sizes where auto tiles too (where the kernel does not, the heap alone is kept, at those sizes
-//! too); one with VAE tiles asked for keeps the heap alone (the pipeline gives it back for the
-//! tiles), a `GLIBC_TUNABLES` the user set stays as it is, and the image does not depend on any of
+//! too); one with VAE tiles asked for keeps the heap alone (the pipeline gives it back for each
+//! decode), a `GLIBC_TUNABLES` the user set stays as it is, and the image does not depend on any of
 //! it.
 use std::ffi::OsStr;
 
@@ -55,7 +55,7 @@ fn generations_start_with_huge_pages_unless_the_user_tuned_glibc() {
     let glibc = cfg!(all(target_os = "linux", target_env = "gnu"));
     let huge_pages = glibc && (mode.contains("[always]") || mode.contains("[madvise]"));
     // Asked-for tiles save memory: no huge pages (they would keep the heap through the tiles), the
-    // heap kept with mallopt, which the pipeline gives back for the tiles.
+    // heap kept with mallopt, which the pipeline gives back for each decode.
     let kept_alone = if glibc {
         "freed memory kept (mallopt)"
     } else {
@@ -68,7 +68,7 @@ fn generations_start_with_huge_pages_unless_the_user_tuned_glibc() {
         assert_eq!(default, expected);
         assert_eq!(auto_tiled, expected, "auto's tiles keep huge pages");
     } else {
-        // Kept through the steps; the pipeline gives it back for the tiles (tests/heap.rs).
+        // Kept through the steps; the pipeline gives it back for each decode (tests/heap.rs).
         assert_eq!(default, kept_alone);
         assert_eq!(auto_tiled, kept_alone);
     }

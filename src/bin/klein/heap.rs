@@ -1,6 +1,6 @@
 //! glibc's heap for a command (Linux, glibc; library side: `klein::runtime`'s heap settings):
-//! freed memory kept for the next step and image, with transparent huge pages for float
-//! transformers.
+//! freed memory kept for the next step (given back for each VAE decode), with transparent huge
+//! pages for float transformers.
 use std::sync::OnceLock;
 
 use klein::bundle::Manifest;
@@ -71,9 +71,8 @@ fn start_again(tunables: &str) {
     let _ = tunables;
 }
 
-/// Whether `command` keeps freed activations mapped for the next step and image
-/// (runtime/heap.rs): every generation and the server. The pipeline gives the heap back before
-/// each VAE decode (whole or tiled) and keeps it again after it (`give_back_freed_memory`), so
+/// Whether `command` keeps freed activations mapped for the next step (runtime/heap.rs): every
+/// generation and the server. The pipeline gives the heap back before each VAE decode (whole or tiled) and keeps it again after it (`give_back_freed_memory`), so
 /// the steps keep their gain and the decoder its memory: wide dds at 1536x1536 (auto's tiles),
 /// denoising 3-9% faster at the same peak; at 1024x1024 with `--vae-tile-size 512`, 3 alternating
 /// pairs, denoise 40.1-42.4 s against 47.5-54.2 s, peak 2.89 against 2.88 GiB, images byte-equal
@@ -84,7 +83,7 @@ fn keeps_heap(command: &Command) -> bool {
 }
 
 /// Whether a float transformer's generation starts with huge pages (and the heap kept through
-/// the tiles: a process started with `GLIBC_TUNABLES` is not given back): every generation and
+/// every decode, tiled or whole: a process started with `GLIBC_TUNABLES` is not given back): every generation and
 /// the server without VAE tiles asked for, auto's tiles included. There its steps and decode
 /// still gained (wide fp32 at 1536x1536, 2 steps, 2 alternating pairs: decode 136.6 and 138.5 s
 /// against 147.8 and 157.7 s, denoise 126.6 and 101.3 s against 124.9 and 148.8 s) for a higher
