@@ -5,6 +5,10 @@
 //! (glibc's heaps for other threads serve blocks over 64 MB by `mmap` regardless), so this test
 //! has no harness: its own process, `main` (Cargo.toml: `harness = false`).
 
+#[path = "it/util.rs"]
+#[allow(dead_code)] // the integration tests' helpers, of which this test needs one
+mod util;
+
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn main() {
     /// Minor page faults of this thread so far (`/proc/thread-self/stat`, field 10).
@@ -39,12 +43,21 @@ fn main() {
     std::env::remove_var("GLIBC_TUNABLES");
     assert!(klein::runtime::retain_freed_memory());
 
-    faults_of_a_large_block(); // grows the heap once
-    let again = faults_of_a_large_block();
-    assert!(
-        again < 200 && again * 4 < default,
-        "{again} page faults for a block the heap already holds, {default} for a new mapping"
-    );
+    // The page faults of a large block once a first one has set the heap (or mapping) up.
+    let settled_faults = || {
+        faults_of_a_large_block();
+        faults_of_a_large_block()
+    };
+    // Asserts that a large block took `faults` page faults: few, from a kept heap.
+    let assert_kept = |faults: u64, when: &str| {
+        assert!(
+            faults < 200 && faults * 4 < default,
+            "{faults} page faults {when}: the heap should be kept ({default} for a new mapping)"
+        );
+    };
+
+    let again = settled_faults(); // the first grows the heap once
+    assert_kept(again, "for a block the heap already holds");
     println!("heap: a freed 64 MB block came back with {again} page faults ({default} for a new mapping)");
 
     /// This process's resident memory in MiB (`/proc/self/status`, `VmRSS` in kB).
@@ -73,19 +86,14 @@ fn main() {
         "giving back a heap holding 256 MB free: resident {kept} MiB -> {trimmed} MiB"
     );
     // Until the guard drops, each large block is a new mapping again (glibc's default).
-    faults_of_a_large_block();
-    let given = faults_of_a_large_block();
+    let given = settled_faults();
     assert!(
         given * 2 > default,
         "{given} page faults for a large block with the heap given back, {default} by default"
     );
     drop(given_back);
-    faults_of_a_large_block();
-    let kept_again = faults_of_a_large_block();
-    assert!(
-        kept_again < 200 && kept_again * 4 < default,
-        "{kept_again} page faults once the guard dropped: the heap should be kept again"
-    );
+    let kept_again = settled_faults();
+    assert_kept(kept_again, "once the guard dropped");
     println!(
         "heap: given back {} MiB; a large block then took {given} page faults, {kept_again} once kept again",
         kept - trimmed
@@ -94,23 +102,7 @@ fn main() {
     // A VAE decode, whole as well as tiled, runs with the kept heap given back: the steps' freed
     // activations would otherwise stay resident under the decoder's (wide dds, 1024x1024: 4.5
     // against 3.8 GiB). Here 512 MB freed into the heap are gone when the tiny decoder starts.
-    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let library = std::env::var_os(klein::runtime::ORT_DYLIB_ENV)
-        .filter(|p| !p.is_empty())
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| repo.join(".ort/libonnxruntime.so.1.31.1"));
-    assert!(
-        library.is_file(),
-        "{} is missing: run scripts/setup-ort.sh first, or set ORT_DYLIB_PATH",
-        library.display()
-    );
-    let options = klein::pipeline::PipelineOptions::default()
-        .with_device(klein::runtime::Device::Cpu)
-        .with_runtime(klein::runtime::RuntimeOptions::default().with_library(library))
-        .with_threads(1)
-        .with_verify_hashes(false);
-    let mut pipeline = klein::pipeline::Pipeline::load(&repo.join("onnx/klein-tiny"), options)
-        .expect("the tiny bundle loads");
+    let mut pipeline = util::tiny_pipeline();
     // Every graph loaded and the tokenizer parsed first, so that nothing else grows meanwhile.
     pipeline
         .load_all_graphs()
@@ -134,12 +126,8 @@ fn main() {
         before >= at_decode + 400,
         "a decode with 512 MB free in the kept heap: resident {before} MiB -> {at_decode} MiB as it started"
     );
-    faults_of_a_large_block();
-    let after_decode = faults_of_a_large_block();
-    assert!(
-        after_decode < 200 && after_decode * 4 < default,
-        "{after_decode} page faults after the decode: the heap should be kept again"
-    );
+    let after_decode = settled_faults();
+    assert_kept(after_decode, "after the decode");
     println!(
         "heap: the VAE decode started with {} MiB given back; {after_decode} page faults after it",
         before - at_decode
