@@ -539,11 +539,12 @@ impl Pipeline {
         let (tokens, grids) = timed(&mut progress, Stage::EncodeReferences, |_| {
             let mut packed = Vec::with_capacity(references.len());
             let mut grids = Vec::with_capacity(references.len());
-            for (reference, &tiled) in references.iter().zip(&tiled) {
-                // [1, 128, h, w]
+            for (index, (reference, &tiled)) in references.iter().zip(&tiled).enumerate() {
+                // The last one frees the encoder's arena. [1, 128, h, w]:
+                let last = index + 1 == references.len();
                 let latents = match layout.filter(|_| tiled) {
-                    Some(layout) => encode_tiles(graph, reference.pixels.view(), layout)?,
-                    None => encode_image(graph, reference.pixels.view())?,
+                    Some(layout) => encode_tiles(graph, reference.pixels.view(), layout, last)?,
+                    None => encode_image(graph, reference.pixels.view(), last)?,
                 };
                 grids.push((latents.dim().2, latents.dim().3));
                 packed.push(pack_latents(latents.view())); // -> [1, h*w, 128]
@@ -618,7 +619,7 @@ impl Pipeline {
             // [B, 3, 16h, 16w]
             let decoded = match layout {
                 Some(layout) => decode_tiles(graph, grid.view(), layout)?,
-                None => decode_latents(graph, grid.view())?,
+                None => decode_latents(graph, grid.view(), true)?,
             };
             Ok(to_rgb_images(decoded.view()))
         })
@@ -853,8 +854,14 @@ fn check_vae_tile(manifest: &Manifest, requested: Option<u32>) -> Result<usize> 
 }
 
 /// The whole image through the VAE encoder: `[1, 3, H, W]` -> `[1, 128, H/16, W/16]`.
-fn encode_image(graph: &mut Graph, pixels: ArrayView4<f32>) -> Result<Array4<f32>> {
-    let mut out = graph.run(&[("image", TensorInput::from(pixels))])?;
+/// `last`: the pass's last run, after which the encoder's arena is freed
+/// ([`Graph::run_then_free_arena`]).
+fn encode_image(graph: &mut Graph, pixels: ArrayView4<f32>, last: bool) -> Result<Array4<f32>> {
+    let inputs = [("image", TensorInput::from(pixels))];
+    let mut out = match last {
+        true => graph.run_then_free_arena(&inputs)?,
+        false => graph.run(&inputs)?,
+    };
     out.take("latents")?
         .into_dimensionality::<Ix4>()
         .map_err(|e| internal("vae latents", e))
@@ -862,24 +869,28 @@ fn encode_image(graph: &mut Graph, pixels: ArrayView4<f32>) -> Result<Array4<f32
 
 /// The image through the encoder in tiles ([`crate::stages::vae_tiling`]): each tile's latents,
 /// unpatchified, are blended and joined as diffusers' `_tiled_encode` joins its tiles' moments,
-/// then patchified again. `[1, 3, H, W]` -> `[1, 128, H/16, W/16]`.
+/// then patchified again. `[1, 3, H, W]` -> `[1, 128, H/16, W/16]`. `last_image`: the pass's last
+/// image, whose last tile frees the encoder's arena.
 fn encode_tiles(
     graph: &mut Graph,
     pixels: ArrayView4<f32>,
     layout: TileLayout,
+    last_image: bool,
 ) -> Result<Array4<f32>> {
     let (_, _, height, width) = pixels.dim();
+    let (rows, columns) = (layout.starts(height), layout.starts(width));
     let mut grid = Vec::new();
-    for i in layout.starts(height) {
+    for &i in &rows {
         let mut row = Vec::new();
-        for j in layout.starts(width) {
+        for &j in &columns {
             let tile = pixels.slice(s![
                 ..,
                 ..,
                 i..(i + layout.tile).min(height),
                 j..(j + layout.tile).min(width)
             ]);
-            row.push(unpatchify(encode_image(graph, tile)?.view())); // [1, 32, th/8, tw/8]
+            let last = last_image && rows.last() == Some(&i) && columns.last() == Some(&j);
+            row.push(unpatchify(encode_image(graph, tile, last)?.view())); // [1, 32, th/8, tw/8]
         }
         grid.push(row);
     }
@@ -887,8 +898,14 @@ fn encode_tiles(
 }
 
 /// The latents through the VAE decoder at once: `[B, 128, h, w]` -> `[B, 3, 16h, 16w]`.
-fn decode_latents(graph: &mut Graph, latents: ArrayView4<f32>) -> Result<Array4<f32>> {
-    let mut out = graph.run(&[("latents", TensorInput::from(latents))])?;
+/// `last`: the pass's last run, after which the decoder's arena is freed
+/// ([`Graph::run_then_free_arena`]).
+fn decode_latents(graph: &mut Graph, latents: ArrayView4<f32>, last: bool) -> Result<Array4<f32>> {
+    let inputs = [("latents", TensorInput::from(latents))];
+    let mut out = match last {
+        true => graph.run_then_free_arena(&inputs)?,
+        false => graph.run(&inputs)?,
+    };
     out.take("image")?
         .into_dimensionality::<Ix4>()
         .map_err(|e| internal("decoded image", e))
@@ -903,13 +920,15 @@ fn decode_tiles(
 ) -> Result<Array4<f32>> {
     let (_, _, h, w) = latents.dim();
     let (zh, zw) = (2 * h, 2 * w); // cells of z
+    let (rows, columns) = (layout.starts(zh), layout.starts(zw));
     let mut grid = Vec::new();
-    for i in layout.starts(zh) {
+    for &i in &rows {
         let mut row = Vec::new();
-        for j in layout.starts(zw) {
+        for &j in &columns {
             let (bottom, right) = ((i + layout.tile).min(zh), (j + layout.tile).min(zw));
             let tile = latents.slice(s![.., .., i / 2..bottom / 2, j / 2..right / 2]);
-            row.push(decode_latents(graph, tile)?);
+            let last = rows.last() == Some(&i) && columns.last() == Some(&j);
+            row.push(decode_latents(graph, tile, last)?);
         }
         grid.push(row);
     }

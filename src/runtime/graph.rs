@@ -9,7 +9,7 @@ use ort::ep::ExecutionProvider;
 use ort::error::ErrorCode;
 use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
 use ort::session::builder::SessionBuilder;
-use ort::session::{IoBinding, Session, SessionInputValue};
+use ort::session::{IoBinding, RunOptions, Session, SessionInputValue};
 
 use super::cpu_cache::{CacheEntry, Saved};
 use super::cpu_features::converts_int8_weights;
@@ -512,6 +512,25 @@ impl Graph {
     /// float32 inputs (converted for float16/bfloat16 ones) and `i64` data to int64 inputs.
     /// Non-contiguous views are copied to standard layout. Returns every output as `f32`.
     pub fn run(&mut self, inputs: &[(&str, TensorInput<'_>)]) -> Result<Outputs> {
+        self.run_with(inputs, false)
+    }
+
+    /// Runs like [`Graph::run`], then, on the CPU, gives the memory that ONNX Runtime's memory
+    /// arena holds free back to the system (`memory.enable_memory_arena_shrinkage`); elsewhere
+    /// the same as [`Graph::run`]. The arena otherwise keeps what the largest run needed for the
+    /// session's life: a pipeline that makes several images keeps its VAE decoder's activations
+    /// under the next image's steps. The pipeline frees it after each VAE pass: batch mode, wide
+    /// dds, 1024x1024, 2 images, peaked at 7.60 GiB instead of 10.91, no slower (README, "Heap").
+    /// The next run allocates its activations anew.
+    pub fn run_then_free_arena(&mut self, inputs: &[(&str, TensorInput<'_>)]) -> Result<Outputs> {
+        self.run_with(inputs, self.device == Device::Cpu)
+    }
+
+    fn run_with(
+        &mut self,
+        inputs: &[(&str, TensorInput<'_>)],
+        free_arena: bool,
+    ) -> Result<Outputs> {
         let prepared = self.prepare(inputs, &[])?;
         let stage = self.name;
         let path = &self.path;
@@ -521,8 +540,15 @@ impl Graph {
             let value = value.tensor(stage, path)?;
             session_inputs.push((Cow::Borrowed(*name), value.into()));
         }
+        let fail = |e: ort::Error| run_error(stage, path, &e);
+        let mut options = RunOptions::new().map_err(fail)?;
+        if free_arena {
+            options
+                .set("memory.enable_memory_arena_shrinkage", "cpu:0")
+                .map_err(fail)?;
+        }
         let results =
-            flushed(|| self.session.run(session_inputs)).map_err(|e| run_error(stage, path, &e))?;
+            flushed(|| self.session.run_with_options(session_inputs, &options)).map_err(fail)?;
         extract_outputs(stage, &results)
     }
 
