@@ -1,9 +1,10 @@
 //! `klein::runtime::retain_freed_memory`: a freed large block is reused without the kernel
 //! faulting its pages in again; `give_back_freed_memory` (VAE decodes, tiled passes) returns the
 //! kept memory and maps large blocks afresh until its guard drops, then the heap is kept again; a
-//! VAE decode runs with it given back, and frees ONNX Runtime's arena when it is done. It runs on the main thread, as the CLI's generations do
-//! (glibc's heaps for other threads serve blocks over 64 MB by `mmap` regardless), so this test
-//! has no harness: its own process, `main` (Cargo.toml: `harness = false`).
+//! VAE decode runs with it given back, and frees ONNX Runtime's arena when it is done. It runs
+//! on the main thread, as the CLI's generations do (glibc's heaps for other threads serve blocks
+//! over 64 MB by `mmap` regardless), so this test has no harness: its own process, `main`
+//! (Cargo.toml: `harness = false`).
 
 #[path = "it/util.rs"]
 #[allow(dead_code)] // the integration tests' helpers, of which this test needs one
@@ -137,11 +138,11 @@ fn main() {
         before - at_decode
     );
 
-    // ONNX Runtime's arena gives back what a VAE pass needed once it is done
-    // (`Graph::run_then_free_arena`); kept, it stayed under the next image's steps. It frees only
-    // regions with nothing in them, and the run's output still holds one when it shrinks: the tiny
-    // decoder at 1024x1024 keeps about half of what it grew by (kept whole without the setting,
-    // and a second run grew it by as much again). The peak: `VmHWM` since `clear_refs` reset it.
+    // ONNX Runtime's arena gives back what a VAE pass needed once it is done, the output written
+    // outside it (`Graph::run_then_free_arena`); kept, it stayed under the next image's steps.
+    // The tiny decoder at 1024x1024: what it grew by against what stays resident after. Without
+    // the setting the second decode grows nothing (the first one's arena is kept); with the
+    // output in the arena, half of it stayed. The peak: `VmHWM` since `clear_refs` reset it.
     let latents = ndarray::Array3::<f32>::zeros((1, 64 * 64, 128)); // 1024x1024 pixels
     drop(
         pipeline
@@ -162,7 +163,7 @@ fn main() {
         "a second 1024x1024 decode grew nothing (resident {before} MiB, peak {peak} MiB): the arena kept the first's memory"
     );
     assert!(
-        after.saturating_sub(before) * 4 < grown * 3,
+        after.saturating_sub(before) * 8 < grown,
         "the decoder's arena kept: resident {before} MiB, {peak} MiB at the decode's peak, {after} MiB after it"
     );
     println!(

@@ -177,7 +177,7 @@ fn default_vae_sample_size() -> usize {
 }
 
 /// `latents`: the packed latent layout.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 pub struct LatentsSpec {
     /// Channels of a packed latent token (`latent_channels * patch_size^2`).
     pub channels: usize,

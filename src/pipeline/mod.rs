@@ -62,6 +62,7 @@ use progress::timed;
 use request::Plan;
 use warnings::Warnings;
 
+use crate::bundle::manifest::LatentsSpec;
 use crate::bundle::support;
 use crate::bundle::{default_cache_dir, Component, Manifest, Verification};
 use crate::error::{KleinError, Result};
@@ -535,13 +536,14 @@ impl Pipeline {
             .then(|| self.vae_layout(false))
             .transpose()?;
         let _heap = layout.is_some().then(give_back_freed_memory);
+        let packing = self.manifest.latents;
         let graph = self.graph(Component::VaeEncoder, bucket, &mut progress)?;
         let (tokens, grids) = timed(&mut progress, Stage::EncodeReferences, |_| {
             let mut packed = Vec::with_capacity(references.len());
             let mut grids = Vec::with_capacity(references.len());
             for (index, (reference, &tiled)) in references.iter().zip(&tiled).enumerate() {
                 // The last one frees the encoder's arena. [1, 128, h, w]:
-                let last = index + 1 == references.len();
+                let last = (index + 1 == references.len()).then_some(&packing);
                 let latents = match layout.filter(|_| tiled) {
                     Some(layout) => encode_tiles(graph, reference.pixels.view(), layout, last)?,
                     None => encode_image(graph, reference.pixels.view(), last)?,
@@ -614,12 +616,13 @@ impl Pipeline {
         // The decoder on glibc's usual heap, whose kept memory goes back first (runtime's heap):
         // the steps' freed activations would otherwise stay under the decoder's own.
         let _heap = give_back_freed_memory();
+        let packing = self.manifest.latents;
         let graph = self.graph(Component::VaeDecoder, bucket, &mut progress)?;
         timed(&mut progress, Stage::Decode, |_| {
             // [B, 3, 16h, 16w]
             let decoded = match layout {
-                Some(layout) => decode_tiles(graph, grid.view(), layout)?,
-                None => decode_latents(graph, grid.view(), true)?,
+                Some(layout) => decode_tiles(graph, grid.view(), layout, &packing)?,
+                None => decode_latents(graph, grid.view(), Some(&packing))?,
             };
             Ok(to_rgb_images(decoded.view()))
         })
@@ -854,13 +857,22 @@ fn check_vae_tile(manifest: &Manifest, requested: Option<u32>) -> Result<usize> 
 }
 
 /// The whole image through the VAE encoder: `[1, 3, H, W]` -> `[1, 128, H/16, W/16]`.
-/// `last`: the pass's last run, after which the encoder's arena is freed
-/// ([`Graph::run_then_free_arena`]).
-fn encode_image(graph: &mut Graph, pixels: ArrayView4<f32>, last: bool) -> Result<Array4<f32>> {
+/// `last`: given for the pass's last run (with the manifest's latent packing, which gives the
+/// output's shape), after which the encoder's arena is freed ([`Graph::run_then_free_arena`]).
+fn encode_image(
+    graph: &mut Graph,
+    pixels: ArrayView4<f32>,
+    last: Option<&LatentsSpec>,
+) -> Result<Array4<f32>> {
     let inputs = [("image", TensorInput::from(pixels))];
+    let (batch, _, height, width) = pixels.dim();
     let mut out = match last {
-        true => graph.run_then_free_arena(&inputs)?,
-        false => graph.run(&inputs)?,
+        Some(packing) => {
+            let m = packing.pixel_multiple as usize;
+            let shape = [batch, packing.channels, height / m, width / m];
+            graph.run_then_free_arena(&inputs, &[("latents", &shape)])?
+        }
+        None => graph.run(&inputs)?,
     };
     out.take("latents")?
         .into_dimensionality::<Ix4>()
@@ -869,13 +881,13 @@ fn encode_image(graph: &mut Graph, pixels: ArrayView4<f32>, last: bool) -> Resul
 
 /// The image through the encoder in tiles ([`crate::stages::vae_tiling`]): each tile's latents,
 /// unpatchified, are blended and joined as diffusers' `_tiled_encode` joins its tiles' moments,
-/// then patchified again. `[1, 3, H, W]` -> `[1, 128, H/16, W/16]`. `last_image`: the pass's last
-/// image, whose last tile frees the encoder's arena.
+/// then patchified again. `[1, 3, H, W]` -> `[1, 128, H/16, W/16]`. `last_image`: given for the
+/// pass's last image, whose last tile frees the encoder's arena (as [`encode_image`]).
 fn encode_tiles(
     graph: &mut Graph,
     pixels: ArrayView4<f32>,
     layout: TileLayout,
-    last_image: bool,
+    last_image: Option<&LatentsSpec>,
 ) -> Result<Array4<f32>> {
     let (_, _, height, width) = pixels.dim();
     let (rows, columns) = (layout.starts(height), layout.starts(width));
@@ -889,7 +901,8 @@ fn encode_tiles(
                 i..(i + layout.tile).min(height),
                 j..(j + layout.tile).min(width)
             ]);
-            let last = last_image && rows.last() == Some(&i) && columns.last() == Some(&j);
+            let last_tile = rows.last() == Some(&i) && columns.last() == Some(&j);
+            let last = last_image.filter(|_| last_tile);
             row.push(unpatchify(encode_image(graph, tile, last)?.view())); // [1, 32, th/8, tw/8]
         }
         grid.push(row);
@@ -898,13 +911,21 @@ fn encode_tiles(
 }
 
 /// The latents through the VAE decoder at once: `[B, 128, h, w]` -> `[B, 3, 16h, 16w]`.
-/// `last`: the pass's last run, after which the decoder's arena is freed
-/// ([`Graph::run_then_free_arena`]).
-fn decode_latents(graph: &mut Graph, latents: ArrayView4<f32>, last: bool) -> Result<Array4<f32>> {
+/// `last`: given for the pass's last run (with the manifest's latent packing, which gives the
+/// output's shape), after which the decoder's arena is freed ([`Graph::run_then_free_arena`]).
+fn decode_latents(
+    graph: &mut Graph,
+    latents: ArrayView4<f32>,
+    last: Option<&LatentsSpec>,
+) -> Result<Array4<f32>> {
     let inputs = [("latents", TensorInput::from(latents))];
+    let (batch, _, h, w) = latents.dim();
     let mut out = match last {
-        true => graph.run_then_free_arena(&inputs)?,
-        false => graph.run(&inputs)?,
+        Some(packing) => {
+            let m = packing.pixel_multiple as usize;
+            graph.run_then_free_arena(&inputs, &[("image", &[batch, 3, m * h, m * w])])?
+        }
+        None => graph.run(&inputs)?,
     };
     out.take("image")?
         .into_dimensionality::<Ix4>()
@@ -917,6 +938,7 @@ fn decode_tiles(
     graph: &mut Graph,
     latents: ArrayView4<f32>,
     layout: TileLayout,
+    packing: &LatentsSpec,
 ) -> Result<Array4<f32>> {
     let (_, _, h, w) = latents.dim();
     let (zh, zw) = (2 * h, 2 * w); // cells of z
@@ -928,7 +950,8 @@ fn decode_tiles(
             let (bottom, right) = ((i + layout.tile).min(zh), (j + layout.tile).min(zw));
             let tile = latents.slice(s![.., .., i / 2..bottom / 2, j / 2..right / 2]);
             let last = rows.last() == Some(&i) && columns.last() == Some(&j);
-            row.push(decode_latents(graph, tile, last)?);
+            // The last tile frees the arena.
+            row.push(decode_latents(graph, tile, last.then_some(packing))?);
         }
         grid.push(row);
     }

@@ -7,9 +7,10 @@ use std::path::{Path, PathBuf};
 use half::{bf16, f16};
 use ort::ep::ExecutionProvider;
 use ort::error::ErrorCode;
-use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
+use ort::memory::{AllocationDevice, Allocator, AllocatorType, MemoryInfo, MemoryType};
 use ort::session::builder::SessionBuilder;
-use ort::session::{IoBinding, RunOptions, Session, SessionInputValue};
+use ort::session::{IoBinding, OutputSelector, RunOptions, Session, SessionInputValue};
+use ort::value::Tensor;
 
 use super::cpu_cache::{CacheEntry, Saved};
 use super::cpu_features::converts_int8_weights;
@@ -39,6 +40,9 @@ pub struct Graph {
     warnings: Vec<String>,
     /// [`Graph::run_with_constants`]'s bound inputs, by key, oldest first.
     bindings: Vec<(u64, IoBinding)>,
+    /// Whether the session runs on the CPU with ONNX Runtime's memory arena, which
+    /// [`Graph::run_then_free_arena`] frees (ONNX Runtime refuses the run where there is none).
+    cpu_arena: bool,
 }
 
 impl fmt::Debug for Graph {
@@ -308,6 +312,7 @@ pub fn load_graph(
         metadata,
         warnings,
         bindings: Vec::new(),
+        cpu_arena: device == Device::Cpu && !no_cpu_arena,
     })
 }
 
@@ -512,24 +517,34 @@ impl Graph {
     /// float32 inputs (converted for float16/bfloat16 ones) and `i64` data to int64 inputs.
     /// Non-contiguous views are copied to standard layout. Returns every output as `f32`.
     pub fn run(&mut self, inputs: &[(&str, TensorInput<'_>)]) -> Result<Outputs> {
-        self.run_with(inputs, false)
+        self.run_with(inputs, None)
     }
 
-    /// Runs like [`Graph::run`], then, on the CPU, gives the memory that ONNX Runtime's memory
-    /// arena holds free back to the system (`memory.enable_memory_arena_shrinkage`); elsewhere
-    /// the same as [`Graph::run`]. The arena otherwise keeps what the largest run needed for the
-    /// session's life: a pipeline that makes several images keeps its VAE decoder's activations
-    /// under the next image's steps. The pipeline frees it after each VAE pass: batch mode, wide
-    /// dds, 1024x1024, 2 images, peaked at 7.60 GiB instead of 10.91, no slower (README, "Heap").
-    /// The next run allocates its activations anew.
-    pub fn run_then_free_arena(&mut self, inputs: &[(&str, TensorInput<'_>)]) -> Result<Outputs> {
-        self.run_with(inputs, self.device == Device::Cpu)
+    /// Runs like [`Graph::run`], then gives the memory that ONNX Runtime's CPU memory arena holds
+    /// back to the system (`memory.enable_memory_arena_shrinkage`); the same as [`Graph::run`]
+    /// where the session has no such arena (another device, or made without it). `outputs` names
+    /// every output with the shape this run gives it: they are written outside the arena, since
+    /// ONNX Runtime frees only regions with nothing left in them (with the output in the arena,
+    /// the tiny decoder at 1024x1024 kept 1 of the 2.1 GiB it grew by). The arena otherwise keeps
+    /// what the largest run needed for the session's life: a pipeline that makes several images
+    /// kept its VAE decoder's activations under the next image's steps. The pipeline frees it
+    /// after each VAE pass (batch mode, wide dds, 2 images at 1024x1024: README, "Heap"). The next
+    /// run allocates its activations anew.
+    pub fn run_then_free_arena(
+        &mut self,
+        inputs: &[(&str, TensorInput<'_>)],
+        outputs: &[(&str, &[usize])],
+    ) -> Result<Outputs> {
+        let free = self.cpu_arena.then_some(outputs);
+        self.run_with(inputs, free)
     }
 
+    /// Runs the graph; with `outside_arena` (every output's name and shape), into outputs made by
+    /// ONNX Runtime's plain CPU allocator, and the arena freed after the run.
     fn run_with(
         &mut self,
         inputs: &[(&str, TensorInput<'_>)],
-        free_arena: bool,
+        outside_arena: Option<&[(&str, &[usize])]>,
     ) -> Result<Outputs> {
         let prepared = self.prepare(inputs, &[])?;
         let stage = self.name;
@@ -541,12 +556,43 @@ impl Graph {
             session_inputs.push((Cow::Borrowed(*name), value.into()));
         }
         let fail = |e: ort::Error| run_error(stage, path, &e);
-        let mut options = RunOptions::new().map_err(fail)?;
-        if free_arena {
-            options
-                .set("memory.enable_memory_arena_shrinkage", "cpu:0")
-                .map_err(fail)?;
+        let Some(outside_arena) = outside_arena else {
+            let results = flushed(|| self.session.run(session_inputs)).map_err(fail)?;
+            return extract_outputs(stage, &results);
+        };
+        let internal = |message: String| KleinError::Inference { stage, message };
+        if outside_arena.len() != self.outputs.len() {
+            let names: Vec<&str> = outside_arena.iter().map(|(name, _)| *name).collect();
+            return Err(internal(format!(
+                "outputs made outside the arena: {names:?}, but the graph has {}",
+                tensor_names(&self.outputs)
+            )));
         }
+        let plain = Allocator::default(); // ONNX Runtime's CPU allocator without an arena
+        let mut selector = OutputSelector::default();
+        for &(name, shape) in outside_arena {
+            let info = self.outputs.iter().find(|o| o.name == name);
+            selector = match info.and_then(|o| o.dtype) {
+                Some(Dtype::Float32) => {
+                    selector.preallocate(name, Tensor::<f32>::new(&plain, shape).map_err(fail)?)
+                }
+                Some(Dtype::Float16) => {
+                    selector.preallocate(name, Tensor::<f16>::new(&plain, shape).map_err(fail)?)
+                }
+                Some(Dtype::Bfloat16) => {
+                    selector.preallocate(name, Tensor::<bf16>::new(&plain, shape).map_err(fail)?)
+                }
+                _ => {
+                    return Err(internal(format!(
+                        "no float output `{name}` to make outside the arena"
+                    )))
+                }
+            };
+        }
+        let mut options = RunOptions::new().map_err(fail)?.with_outputs(selector);
+        options
+            .set("memory.enable_memory_arena_shrinkage", "cpu:0")
+            .map_err(fail)?;
         let results =
             flushed(|| self.session.run_with_options(session_inputs, &options)).map_err(fail)?;
         extract_outputs(stage, &results)
