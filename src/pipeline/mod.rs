@@ -864,19 +864,30 @@ fn encode_image(
     pixels: ArrayView4<f32>,
     last: Option<&LatentsSpec>,
 ) -> Result<Array4<f32>> {
-    let inputs = [("image", TensorInput::from(pixels))];
     let (batch, _, height, width) = pixels.dim();
-    let mut out = match last {
-        Some(packing) => {
-            let m = packing.pixel_multiple as usize;
-            let shape = [batch, packing.channels, height / m, width / m];
-            graph.run_then_free_arena(&inputs, &[("latents", &shape)])?
-        }
+    let shape = last.map(|packing| {
+        let m = packing.pixel_multiple as usize;
+        [batch, packing.channels, height / m, width / m]
+    });
+    run_vae(graph, ("image", pixels), "latents", shape)
+}
+
+/// One run of a VAE graph, `input` (its name and value) to the output named `output`; with
+/// `last_shape` (that output's shape) the pass's last, after which the graph's arena is freed.
+fn run_vae(
+    graph: &mut Graph,
+    (input, value): (&str, ArrayView4<f32>),
+    output: &str,
+    last_shape: Option<[usize; 4]>,
+) -> Result<Array4<f32>> {
+    let inputs = [(input, TensorInput::from(value))];
+    let mut out = match last_shape {
+        Some(shape) => graph.run_then_free_arena(&inputs, &[(output, &shape)])?,
         None => graph.run(&inputs)?,
     };
-    out.take("latents")?
+    out.take(output)?
         .into_dimensionality::<Ix4>()
-        .map_err(|e| internal("vae latents", e))
+        .map_err(|e| internal(output, e))
 }
 
 /// The image through the encoder in tiles ([`crate::stages::vae_tiling`]): each tile's latents,
@@ -918,18 +929,12 @@ fn decode_latents(
     latents: ArrayView4<f32>,
     last: Option<&LatentsSpec>,
 ) -> Result<Array4<f32>> {
-    let inputs = [("latents", TensorInput::from(latents))];
     let (batch, _, h, w) = latents.dim();
-    let mut out = match last {
-        Some(packing) => {
-            let m = packing.pixel_multiple as usize;
-            graph.run_then_free_arena(&inputs, &[("image", &[batch, 3, m * h, m * w])])?
-        }
-        None => graph.run(&inputs)?,
-    };
-    out.take("image")?
-        .into_dimensionality::<Ix4>()
-        .map_err(|e| internal("decoded image", e))
+    let shape = last.map(|packing| {
+        let m = packing.pixel_multiple as usize;
+        [batch, 3, m * h, m * w]
+    });
+    run_vae(graph, ("latents", latents), "image", shape)
 }
 
 /// The latents through the decoder in tiles, as diffusers' `tiled_decode` over `z` (whose tiles
