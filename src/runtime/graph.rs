@@ -535,8 +535,21 @@ impl Graph {
         inputs: &[(&str, TensorInput<'_>)],
         outputs: &[(&str, &[usize])],
     ) -> Result<Outputs> {
-        let free = self.cpu_arena.then_some(outputs);
-        self.run_with(inputs, free)
+        let mut unnamed = self.outputs.iter().map(|o| o.name.as_str());
+        let each_once = outputs.len() == self.outputs.len()
+            && unnamed.all(|name| outputs.iter().filter(|(n, _)| *n == name).count() == 1);
+        if !each_once {
+            let names: Vec<&str> = outputs.iter().map(|(name, _)| *name).collect();
+            return Err(KleinError::Inference {
+                stage: self.name,
+                message: format!(
+                    "outputs to make outside the arena: {names:?}; the graph's are {}",
+                    tensor_names(&self.outputs)
+                ),
+            });
+        }
+        let outside_arena = self.cpu_arena.then_some(outputs);
+        self.run_with(inputs, outside_arena)
     }
 
     /// Runs the graph; with `outside_arena` (every output's name and shape), into outputs made by
@@ -561,13 +574,6 @@ impl Graph {
             return extract_outputs(stage, &results);
         };
         let internal = |message: String| KleinError::Inference { stage, message };
-        if outside_arena.len() != self.outputs.len() {
-            let names: Vec<&str> = outside_arena.iter().map(|(name, _)| *name).collect();
-            return Err(internal(format!(
-                "outputs made outside the arena: {names:?}, but the graph has {}",
-                tensor_names(&self.outputs)
-            )));
-        }
         let plain = Allocator::default(); // ONNX Runtime's CPU allocator without an arena
         let mut selector = OutputSelector::default();
         for &(name, shape) in outside_arena {
@@ -584,7 +590,7 @@ impl Graph {
                 }
                 _ => {
                     return Err(internal(format!(
-                        "no float output `{name}` to make outside the arena"
+                        "output `{name}` is not a float tensor: it cannot be made outside the arena"
                     )))
                 }
             };

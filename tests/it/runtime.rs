@@ -99,6 +99,47 @@ fn float16_graph_takes_and_returns_f32() {
     assert_eq!(y, expected, "expected {expected:?}, got {y:?}");
 }
 
+/// `run_then_free_arena` writes its outputs outside the arena (float32 and float16 graphs, the
+/// values `run` gives) and refuses an output list that does not name each output once.
+#[test]
+fn runs_that_free_the_arena_give_the_same_outputs() {
+    let mut graph = load("affine", &cpu()).unwrap();
+    let x = array![[1.0f32, 2.0, 3.0], [4.0, 5.0, 6.0]];
+    let ids = array![[1i64, 0, -1], [7, 8, 9]];
+    let inputs = [("x", x.view().into()), ("ids", ids.view().into())];
+    let plain = graph.run(&inputs).unwrap().take("y").unwrap();
+    for _ in 0..2 {
+        let freed = graph.run_then_free_arena(&inputs, &[("y", &[2, 3])]);
+        assert_eq!(freed.unwrap().take("y").unwrap(), plain);
+    }
+    for wrong in [
+        &[][..],
+        &[("z", &[2usize, 3][..])][..],
+        &[("y", &[2, 3][..]), ("y", &[2, 3][..])][..],
+    ] {
+        let err = graph.run_then_free_arena(&inputs, wrong).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                KleinError::Inference {
+                    stage: "affine",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert_mentions(
+            &err.to_string(),
+            &["outside the arena", "the graph's are y"],
+        );
+    }
+    let mut half = load("half", &cpu()).unwrap();
+    let x = array![0.5f32, 1.5, -2.0, 1000.0];
+    let y = half.run_then_free_arena(&[("x", x.view().into())], &[("y", &[4])]);
+    let expected = array![1.5f32, 2.5, -1.0, 1001.0].into_dyn();
+    assert_eq!(y.unwrap().take("y").unwrap(), expected);
+}
+
 /// `run_with_constants` binds `ids` once per key (IoBinding) and gives what `run` gives: the
 /// first key's constants stay bound while its later calls pass other ones (ignored), a new key
 /// binds its own, and keys beyond the two kept are bound again.
