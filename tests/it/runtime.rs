@@ -42,6 +42,21 @@ fn bundle_reason(result: klein::Result<()>) -> String {
     }
 }
 
+/// Asserts that `err` is an inference error of the `affine` graph.
+fn assert_affine_inference_error(err: &KleinError) {
+    let affine = matches!(
+        err,
+        KleinError::Inference {
+            stage: "affine",
+            ..
+        }
+    );
+    assert!(
+        affine,
+        "expected an inference error of `affine`, got {err:?}"
+    );
+}
+
 #[test]
 fn affine_graph_runs_and_returns_exact_values() {
     let mut graph = load("affine", &cpu()).unwrap();
@@ -56,16 +71,7 @@ fn affine_graph_runs_and_returns_exact_values() {
     let expected = array![[3.0f32, 4.0, 5.0], [15.0, 18.0, 21.0]].into_dyn();
     assert_eq!(y, expected, "expected {expected:?}, got {y:?}");
     let err = out.take("y").unwrap_err();
-    assert!(
-        matches!(
-            err,
-            KleinError::Inference {
-                stage: "affine",
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    assert_affine_inference_error(&err);
 }
 
 #[test]
@@ -118,16 +124,7 @@ fn runs_that_free_the_arena_give_the_same_outputs() {
         &[("y", &[2, 3][..]), ("y", &[2, 3][..])][..],
     ] {
         let err = graph.run_then_free_arena(&inputs, wrong).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                KleinError::Inference {
-                    stage: "affine",
-                    ..
-                }
-            ),
-            "{err:?}"
-        );
+        assert_affine_inference_error(&err);
         assert_mentions(
             &err.to_string(),
             &["outside the arena", "the graph's are y"],
