@@ -195,7 +195,10 @@ def test_an_interrupted_convert_ends_at_once_and_leaves_nothing(tiny_checkpoint,
     """Ctrl-C while a component exports in its worker process: `klein-export` exits 130 within seconds
     with its one line, no traceback (the worker's included) and no warning, no output, no process
     left. `parent-only` is `timeout -s INT` or `kill -INT PID` (the worker outlived it and the exit
-    hung in 3 of 14 tries); `terminal` signals the whole process group, as a terminal's Ctrl-C."""
+    hung in 3 of 14 tries); `terminal` signals the whole process group, as a terminal's Ctrl-C.
+    The child starts with SIGINT's default action: started from a background job, the test run
+    inherits SIGINT ignored, and so would the child (Python then leaves it ignored, and the
+    export ran to its end; a terminal user has the default)."""
     import os
     import signal
     import subprocess
@@ -204,7 +207,12 @@ def test_an_interrupted_convert_ends_at_once_and_leaves_nothing(tiny_checkpoint,
 
     out = tmp_path / "out"
     command = [sys.executable, "-m", "klein_export.cli", "convert", "--checkpoint", str(tiny_checkpoint)]
-    child = subprocess.Popen(command + ["--out", str(out)], stderr=subprocess.PIPE, start_new_session=True)
+    child = subprocess.Popen(
+        command + ["--out", str(out)],
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     time.sleep(12)  # the worker is exporting the text encoder (about 35 s in all)
     assert child.poll() is None, "the export was still running when interrupted"
     if group:
