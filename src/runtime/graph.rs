@@ -523,7 +523,7 @@ impl Graph {
     /// Runs like [`Graph::run`], then gives the memory that ONNX Runtime's CPU memory arena holds
     /// back to the system (`memory.enable_memory_arena_shrinkage`); the same as [`Graph::run`]
     /// where the session has no such arena (another device, or made without it). `outputs` names
-    /// every output with the shape this run gives it: they are written outside the arena, since
+    /// each output once, with the shape this run gives it: they are written outside the arena, since
     /// ONNX Runtime frees only regions with nothing left in them (with the output in the arena,
     /// the tiny decoder at 1024x1024 kept 1 of the 2.1 GiB it grew by). The arena otherwise keeps
     /// what the largest run needed for the session's life: a pipeline that makes several images
@@ -535,9 +535,9 @@ impl Graph {
         inputs: &[(&str, TensorInput<'_>)],
         outputs: &[(&str, &[usize])],
     ) -> Result<Outputs> {
-        let mut unnamed = self.outputs.iter().map(|o| o.name.as_str());
+        let mut graph_outputs = self.outputs.iter().map(|o| o.name.as_str());
         let each_once = outputs.len() == self.outputs.len()
-            && unnamed.all(|name| outputs.iter().filter(|(n, _)| *n == name).count() == 1);
+            && graph_outputs.all(|name| outputs.iter().filter(|(n, _)| *n == name).count() == 1);
         if !each_once {
             let names: Vec<&str> = outputs.iter().map(|(name, _)| *name).collect();
             return Err(KleinError::Inference {
