@@ -26,12 +26,14 @@ Runtime's `quantize_static` writes QuantizeLinear/DequantizeLinear pairs around 
 RGB output conv (QDQ format; STATIC_MIN_OUT_CHANNELS) and around the upsamplers' phase interleaves
 (Concat, DepthToSpace: upsample_convs.py), int8 weights per output channel (symmetric) and uint8
 activations per tensor with ranges measured (MinMax) on calibration latents, and ONNX Runtime's CPU
-provider fuses each pair into an integer convolution (`QLinearConv`) and interleaves in uint8. The
-calibration latents are what the decoder will see: the bundle's own text-to-image latents for
-CALIBRATION_PROMPTS and the bundle's VAE encoder's latents of synthetic images (edits and img2img),
-at CALIBRATION_SIZE. A wide decode at 512x512: 5.15 s against 13.93 s in fp32 (README,
-"Performance"). The VAE encoder is never quantized (its error would move every reference and source
-image), and MatMulNBits/dynamic never touch the VAE (no MatMul worth it)."""
+provider fuses each pair into an integer convolution (`QLinearConv`) and interleaves in uint8. Each
+group norm with its SiLU is then computed in channel parts concatenated in uint8 (norm_parts.py:
+the same output, less memory). The calibration latents are what the decoder will see: the bundle's
+own text-to-image latents for CALIBRATION_PROMPTS and the bundle's VAE encoder's latents of
+synthetic images (edits and img2img), at CALIBRATION_SIZE. A wide decode at 512x512: 5.15 s
+against 13.93 s in fp32 (README, "Performance"). The VAE encoder is never quantized (its error
+would move every reference and source image), and MatMulNBits/dynamic never touch the VAE (no
+MatMul worth it)."""
 
 import contextlib
 import json
@@ -47,6 +49,7 @@ from .cache_key import stamp_bundle
 from .errors import BundleError, BundleExistsError, QuantizationError
 from .external_data import DataWriter, is_external, load_graph, load_structure, nbytes, read_tensor
 from .manifest import bundle_files, read_manifest, write_manifest
+from .norm_parts import group_norms_in_parts
 from .onnx_export import EXTERNAL_DATA_THRESHOLD
 from .product_splits import cut_float_products, plan_products, product_nodes
 
@@ -488,6 +491,7 @@ def quantize_graph(path: Path, config: QuantizationConfig, calibration=None) -> 
     if config.method == STATIC:
         model = _static_convs(path, calibration, config.reduce_range)
         _shapes_of_codes(model)
+        norms_in_parts = group_norms_in_parts(model)
         scheme = {
             "method": STATIC,
             "reduce_range": config.reduce_range,
@@ -498,6 +502,7 @@ def quantize_graph(path: Path, config: QuantizationConfig, calibration=None) -> 
             "op_types": sorted({n.op_type for n in _integer_nodes(model)}),
             "algorithm": "MinMax calibration",
             "quantized_nodes": _quantized_convs(model),
+            "group_norms_in_parts": norms_in_parts,  # of PARTS channel ranges each (norm_parts.py)
             "float_nodes": _float_nodes(model, int8_convs=True),
             "left_in_float": "the RGB output convolution, the mid-block attention, group norms, SiLU, "
             + ("upsampling (Resize), " if any(n.op_type == "Resize" for n in model.graph.node) else "")

@@ -386,7 +386,18 @@ def test_static_manifest_and_graphs(bundles, tiny_bundle):
         codes, scale = weights[weight_dq.input[0]], weights[weight_dq.input[1]]
         assert codes.dtype == np.int8 and scale.shape == (codes.shape[0],) and (scale > 0).all(), conv.name
         assert weights[input_dq.input[0]].dtype == np.uint8 if input_dq.input[0] in weights else True
-        assert made_by[input_dq.input[0]].op_type == "QuantizeLinear", conv.name
+        # Quantized whole, or (a group norm's SiLU) in channel parts concatenated as uint8 (norm_parts.py).
+        made = made_by[input_dq.input[0]]
+        parts = [made_by[i].op_type for i in made.input] if made.op_type == "Concat" else ["QuantizeLinear"]
+        assert made.op_type in ("QuantizeLinear", "Concat") and set(parts) == {"QuantizeLinear"}, conv.name
+    # Every group norm in parts (each LayerNormalization over a quarter of its groups), the RGB
+    # conv's float input too.
+    fusions = manifest["graphs"]["vae_decoder"]["fusions"]
+    assert q["group_norms_in_parts"] == fusions["group_norms_as_layer_norms"] > 0, q
+    norms = [n for n in model.graph.node if n.op_type == "LayerNormalization"]
+    assert len(norms) == 4 * q["group_norms_in_parts"]
+    assert {int(weights[made_by[n.input[0]].input[1]][1]) for n in norms} == {8 // 4}  # tiny: 8 groups
+    assert made_by[rgb[0].input[0]].op_type == "Concat"
     # What the CPU provider makes of it: integer convolutions.
     opts = ort.SessionOptions()
     opts.optimized_model_filepath = str(bundle / "optimized.onnx.tmp")
@@ -493,7 +504,14 @@ def test_bundle_sizes(tiny_bundle, bundles):
     assert sizes["int4"]["transformer.onnx"] < sizes["int8"]["transformer.onnx"] < sizes["fp32"]["transformer.onnx"]
     assert sizes["fp16"]["transformer.onnx"] < sizes["fp32"]["transformer.onnx"]
     assert sizes["int8"]["vae_decoder.onnx"] == sizes["fp32"]["vae_decoder.onnx"], "the VAE is not quantized"
-    assert sizes["int8-static"]["vae_decoder.onnx"] < sizes["fp32"]["vae_decoder.onnx"] / 2
+    # The static decoder's weights are int8. Its file also holds the group norms' parts (norm_parts.py:
+    # about 10 kB of nodes and constants per norm, 0.2 MB here, where the weights are 1 MB in float;
+    # 0.4% of the wide decoder's file), so the weights' bytes are compared.
+    weights = {
+        name: sum(t.ByteSize() for t in onnx.load(str(bundle / "vae_decoder.onnx")).graph.initializer)
+        for name, bundle in (("fp32", tiny_bundle), ("int8-static", bundles["int8-static"]))
+    }
+    assert weights["int8-static"] < weights["fp32"] / 2, weights
 
 
 def test_bf16_is_refused_with_the_reason(tiny_checkpoint, tmp_path, capsys):
