@@ -610,29 +610,47 @@ mod tests {
         assert!(ok.pixels.iter().all(|&v| v == -1.0));
     }
 
-    /// A unique scratch path for files a test writes.
-    fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("klein-reference-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        dir.join(name)
+    /// A directory of its own for the files one test writes, removed when dropped.
+    struct Scratch(PathBuf);
+
+    impl Scratch {
+        fn new(test: &str) -> Self {
+            let dir = std::env::temp_dir().join(format!(
+                "klein-reference-test-{}-{test}",
+                std::process::id()
+            ));
+            std::fs::create_dir_all(&dir).unwrap();
+            Scratch(dir)
+        }
+
+        fn path(&self, name: &str) -> PathBuf {
+            self.0.join(name)
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
     }
 
     #[test]
     fn unreadable_files_are_refused() {
         let limits = ReferenceLimits::default();
-        let missing = load_reference(&scratch("missing.png"), &limits, MULTIPLE);
+        let scratch = Scratch::new("unreadable");
+        let missing = load_reference(&scratch.path("missing.png"), &limits, MULTIPLE);
         assert!(matches!(missing, Err(KleinError::Io { .. })), "{missing:?}");
 
-        let empty = scratch("empty.png");
+        let empty = scratch.path("empty.png");
         std::fs::write(&empty, b"").unwrap();
         assert!(reason(load_reference(&empty, &limits, MULTIPLE)).contains("empty"));
 
-        let text = scratch("text.png");
+        let text = scratch.path("text.png");
         std::fs::write(&text, b"this is not an image at all").unwrap();
         let err = reason(load_reference(&text, &limits, MULTIPLE));
         assert!(err.contains("not a PNG, JPEG or WebP"), "{err}");
 
-        let truncated = scratch("truncated.png");
+        let truncated = scratch.path("truncated.png");
         let png = std::fs::read(fixture("rgba.png")).unwrap();
         std::fs::write(&truncated, &png[..png.len() / 2]).unwrap();
         let err = reason(load_reference(&truncated, &limits, MULTIPLE));
@@ -660,12 +678,13 @@ mod tests {
     #[test]
     fn absurdly_large_images_are_refused_before_decoding() {
         let limits = ReferenceLimits::default();
+        let scratch = Scratch::new("large");
         for (name, width, height) in [
             ("wide.png", MAX_DECODE_SIDE + 1, 64),
             // within the side limit, but 16384 * 4096 * 8 bytes = 512 MiB
             ("heavy.png", MAX_DECODE_SIDE, 4097),
         ] {
-            let path = scratch(name);
+            let path = scratch.path(name);
             std::fs::write(&path, png_header_only(width, height)).unwrap();
             let err = reason(load_reference(&path, &limits, MULTIPLE));
             assert!(
