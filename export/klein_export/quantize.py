@@ -27,13 +27,13 @@ RGB output conv (QDQ format; STATIC_MIN_OUT_CHANNELS) and around the upsamplers'
 (Concat, DepthToSpace: upsample_convs.py), int8 weights per output channel (symmetric) and uint8
 activations per tensor with ranges measured (MinMax) on calibration latents, and ONNX Runtime's CPU
 provider fuses each pair into an integer convolution (`QLinearConv`) and interleaves in uint8. Each
-group norm with its SiLU is then computed in channel parts concatenated in uint8 (norm_parts.py:
-the same output, less memory). The calibration latents are what the decoder will see: the bundle's
-own text-to-image latents for CALIBRATION_PROMPTS and the bundle's VAE encoder's latents of
-synthetic images (edits and img2img), at CALIBRATION_SIZE. A wide decode at 512x512: 5.15 s
-against 13.93 s in fp32 (README, "Performance"). The VAE encoder is never quantized (its error
-would move every reference and source image), and MatMulNBits/dynamic never touch the VAE (no
-MatMul worth it)."""
+group norm with its SiLU is then computed in channel parts concatenated in uint8 (in float before
+the RGB output conv; norm_parts.py: the same output, less memory). The calibration latents are
+what the decoder will see: the bundle's own text-to-image latents for CALIBRATION_PROMPTS and the
+bundle's VAE encoder's latents of synthetic images (edits and img2img), at CALIBRATION_SIZE. A
+wide decode at 512x512: 5.15 s against 13.93 s in fp32 (README, "Performance"). The VAE encoder is
+never quantized (its error would move every reference and source image), and MatMulNBits/dynamic
+never touch the VAE (no MatMul worth it)."""
 
 import contextlib
 import json

@@ -103,3 +103,23 @@ def test_no_whole_norm_is_left(tmp_path):
     # dequantizes each part, and the whole's DequantizeLinear is gone.
     assert parts_ops["Slice"] - whole_ops["Slice"] == 3 * PARTS
     assert parts_ops["DequantizeLinear"] - whole_ops["DequantizeLinear"] == PARTS - 1
+
+
+def test_a_chain_read_elsewhere_stays_whole(tmp_path):
+    """A chain value read by more than the next node of the chain (here the second norm's shifted
+    output, also a graph output) keeps that chain whole; the others are rewritten and the outputs
+    stay equal."""
+    whole, _, _ = _static(tmp_path)
+    norm = [n for n in whole.graph.node if n.op_type == "LayerNormalization"][1]
+    read_by = {name: n for n in whole.graph.node for name in n.input}
+    shifted = read_by[read_by[read_by[norm.output[0]].output[0]].output[0]].output[0]  # back, Mul, Add
+    whole.graph.output.append(onnx.helper.make_tensor_value_info(shifted, onnx.TensorProto.FLOAT, [None] * 4))
+    parts = onnx.ModelProto()
+    parts.CopyFrom(whole)
+    assert group_norms_in_parts(parts) == 2
+    onnx.checker.check_model(parts, full_check=True)
+    assert norm in parts.graph.node
+    x = np.random.default_rng(0).standard_normal((1, CHANNELS, 16, 16)).astype(np.float32)
+    options = ort.SessionOptions()
+    runs = [ort.InferenceSession(m.SerializeToString(), options).run(None, {"latents": x}) for m in (whole, parts)]
+    assert all(np.array_equal(a, b) for a, b in zip(*runs, strict=True))

@@ -28,6 +28,7 @@ from klein_export.against import component_differences, image_difference
 from klein_export.cli import main
 from klein_export.contract import COMPONENTS
 from klein_export.convert import convert
+from klein_export.norm_parts import PARTS
 from klein_export.precision import (
     FLOAT16_MAX,
     KEEP_FLOAT32,
@@ -395,8 +396,8 @@ def test_static_manifest_and_graphs(bundles, tiny_bundle):
     fusions = manifest["graphs"]["vae_decoder"]["fusions"]
     assert q["group_norms_in_parts"] == fusions["group_norms_as_layer_norms"] > 0, q
     norms = [n for n in model.graph.node if n.op_type == "LayerNormalization"]
-    assert len(norms) == 4 * q["group_norms_in_parts"]
-    assert {int(weights[made_by[n.input[0]].input[1]][1]) for n in norms} == {8 // 4}  # tiny: 8 groups
+    assert len(norms) == PARTS * q["group_norms_in_parts"]
+    assert {int(weights[made_by[n.input[0]].input[1]][1]) for n in norms} == {8 // PARTS}  # tiny: 8 groups
     assert made_by[rgb[0].input[0]].op_type == "Concat"
     # What the CPU provider makes of it: integer convolutions.
     opts = ort.SessionOptions()
