@@ -185,6 +185,21 @@ pub struct LatentsSpec {
     pub pixel_multiple: u32,
 }
 
+impl LatentsSpec {
+    /// The packed latents' shape for `batch` images of `height` x `width` pixels:
+    /// `[B, channels, H/m, W/m]` (`m` = `pixel_multiple`).
+    pub fn latents_shape(&self, batch: usize, height: usize, width: usize) -> [usize; 4] {
+        let m = self.pixel_multiple as usize;
+        [batch, self.channels, height / m, width / m]
+    }
+
+    /// The decoded images' shape for `batch` packed latents of `h` x `w` cells: `[B, 3, m*h, m*w]`.
+    pub fn image_shape(&self, batch: usize, h: usize, w: usize) -> [usize; 4] {
+        let m = self.pixel_multiple as usize;
+        [batch, 3, m * h, m * w]
+    }
+}
+
 /// `references`: limits on reference images and their position-id offsets.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ReferencesSpec {

@@ -582,13 +582,10 @@ impl Pipeline {
     /// Stage 4: the seed's initial noise `[batch, 128, h, w]`, drawn as
     /// `torch.randn(generator=torch.Generator("cpu").manual_seed(seed))`.
     pub fn prepare_latents(&self, seed: u64, batch: usize, width: u32, height: u32) -> Array4<f32> {
-        let m = self.manifest.latents.pixel_multiple as usize;
-        let shape = [
-            batch,
-            self.manifest.latents.channels,
-            height as usize / m,
-            width as usize / m,
-        ];
+        let shape = self
+            .manifest
+            .latents
+            .latents_shape(batch, height as usize, width as usize);
         randn(seed, &shape)
             .into_dimensionality::<Ix4>()
             .unwrap_or_else(|_| unreachable!("randn returns the shape it is given"))
@@ -865,10 +862,7 @@ fn encode_image(
     last: Option<&LatentsSpec>,
 ) -> Result<Array4<f32>> {
     let (batch, _, height, width) = pixels.dim();
-    let shape = last.map(|packing| {
-        let m = packing.pixel_multiple as usize;
-        [batch, packing.channels, height / m, width / m]
-    });
+    let shape = last.map(|packing| packing.latents_shape(batch, height, width));
     run_vae(graph, ("image", pixels), "latents", shape)
 }
 
@@ -930,10 +924,7 @@ fn decode_latents(
     last: Option<&LatentsSpec>,
 ) -> Result<Array4<f32>> {
     let (batch, _, h, w) = latents.dim();
-    let shape = last.map(|packing| {
-        let m = packing.pixel_multiple as usize;
-        [batch, 3, m * h, m * w]
-    });
+    let shape = last.map(|packing| packing.image_shape(batch, h, w));
     run_vae(graph, ("latents", latents), "image", shape)
 }
 
