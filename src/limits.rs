@@ -53,6 +53,11 @@ pub const MAX_DECODE_BYTES: u64 = 512 * 1024 * 1024;
 /// pixels needs more.
 pub const MAX_DECODE_FILE_BYTES: u64 = MAX_DECODE_BYTES;
 
+/// Largest `tokenizer.max_sequence_length` a manifest may give (FLUX.2-klein uses 512): every
+/// prompt is padded to it, the text encoder's attention mask is its square, and the transformer
+/// attends over it beside the image tokens.
+pub const MAX_SEQUENCE_LENGTH: usize = 8192;
+
 /// Largest `references.time_offset_scale` (in size) a manifest may give: reference `i` gets time
 /// coordinate `scale * (i + 1)`, and there are at most `MAX_IMAGE_TOKENS` references (one token
 /// each), so the coordinates fit in the int64 position ids.

@@ -22,7 +22,7 @@ use super::buckets::StaticShapes;
 use super::component::Component;
 use super::lora_targets::{self, LoraTarget};
 use crate::error::{KleinError, Result};
-use crate::limits::{MAX_SIDE, MAX_TIME_OFFSET_SCALE};
+use crate::limits::{MAX_SEQUENCE_LENGTH, MAX_SIDE, MAX_TIME_OFFSET_SCALE};
 use crate::runtime::Dtype;
 use crate::stages::preview::PreviewSpec;
 use crate::stages::reference::ReferenceLimits;
@@ -209,6 +209,9 @@ pub struct ReferencesSpec {
     /// Reference `i` (0-based) gets time coordinate `scale + scale * i`.
     pub time_offset_scale: i64,
 }
+
+/// The scheduler class a manifest must name (`scheduler.class`).
+const SCHEDULER_CLASS: &str = "FlowMatchEulerDiscreteScheduler";
 
 /// `scheduler`: FlowMatchEulerDiscreteScheduler configuration.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -557,8 +560,29 @@ impl Manifest {
         let tr = &self.transformer;
         let vae = &self.vae;
         let mut problems = Vec::new();
-        if self.tokenizer.max_sequence_length == 0 {
-            problems.push("tokenizer.max_sequence_length is 0".to_string());
+        let length = self.tokenizer.max_sequence_length;
+        if length == 0 || length > MAX_SEQUENCE_LENGTH {
+            problems.push(format!(
+                "tokenizer.max_sequence_length {length} is outside 1..={MAX_SEQUENCE_LENGTH} \
+                 (FLUX.2-klein uses 512)"
+            ));
+        }
+        if self.scheduler.class_name != SCHEDULER_CLASS {
+            problems.push(format!(
+                "scheduler.class {:?} is not {SCHEDULER_CLASS:?}, the only scheduler this runtime implements",
+                self.scheduler.class_name
+            ));
+        }
+        if tr.num_attention_heads == 0 || tr.attention_head_dim == 0 {
+            problems.push(format!(
+                "transformer.num_attention_heads {} and attention_head_dim {} must be non-zero",
+                tr.num_attention_heads, tr.attention_head_dim
+            ));
+        }
+        if vae.sample_size == 0 {
+            problems.push(
+                "vae.sample_size is 0 (the VAE's tile side in pixels, 1024 in FLUX.2)".to_string(),
+            );
         }
         if self.model.default_steps == 0 {
             problems.push("model.default_steps is 0".to_string());

@@ -7,12 +7,12 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use super::lora_merge::{self, MergedGraph};
+use super::lora_merge::{self, Contribution, MergedGraph};
 use crate::bundle::lora_targets::LoraTarget;
 use crate::bundle::Manifest;
 use crate::error::{KleinError, Result};
 use crate::limits::{MAX_LORAS, MAX_LORA_SCALE};
-use crate::stages::lora::{first_names, read_lora, LoraFile, LoraFormat, Update};
+use crate::stages::lora::{first_names, read_lora, LoraFile, LoraFormat};
 
 /// A LoRA file and the scale it is applied with (`delta * scale`; negative or above 1 allowed).
 #[derive(Debug, Clone, PartialEq)]
@@ -171,7 +171,7 @@ impl LoraSet {
         dir: &Path,
         scratch_root: &Path,
     ) -> Result<Option<MergedGraph>> {
-        let mut by_module: BTreeMap<&str, Vec<(&Update, f32)>> = BTreeMap::new();
+        let mut by_module: BTreeMap<&str, Vec<Contribution<'_>>> = BTreeMap::new();
         for (spec, file) in &self.adapters {
             if spec.scale == 0.0 {
                 continue;
@@ -180,7 +180,7 @@ impl LoraSet {
                 by_module
                     .entry(update.module.as_str())
                     .or_default()
-                    .push((update, spec.scale));
+                    .push((update, spec.scale, &file.path));
             }
         }
         if by_module.is_empty() {

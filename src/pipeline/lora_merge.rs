@@ -37,6 +37,9 @@ const SCRATCH_PREFIX: &str = ".klein-lora-";
 /// Age after which a scratch directory is taken as left behind.
 const STALE_AFTER: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 
+/// One LoRA's update of a weight: the update, the user's scale, and the LoRA file (for messages).
+pub(crate) type Contribution<'a> = (&'a Update, f32, &'a Path);
+
 /// The transformer graph to load with the LoRAs merged.
 pub(crate) struct MergedGraph {
     /// The graph file to load: the bundle's, or the rewritten copy in the scratch directory.
@@ -60,14 +63,14 @@ impl Drop for Scratch {
 /// The transformer graph of the bundle at `dir` with `by_module` merged in; `scratch_root` holds
 /// the scratch directory while the session is created.
 pub(crate) fn merge(
-    by_module: BTreeMap<&str, Vec<(&Update, f32)>>,
+    by_module: BTreeMap<&str, Vec<Contribution<'_>>>,
     targets: &BTreeMap<String, LoraTarget>,
     dir: &Path,
     graph_file: &str,
     scratch_root: &Path,
 ) -> Result<MergedGraph> {
     let graph_path = dir.join(graph_file);
-    let touched: Vec<(&LoraTarget, Vec<(&Update, f32)>)> = by_module
+    let touched: Vec<(&LoraTarget, Vec<Contribution<'_>>)> = by_module
         .into_iter()
         .map(|(module, updates)| {
             targets
@@ -120,7 +123,7 @@ pub(crate) fn merge(
 /// the graph that reads them there; `None` when the bundle's external-data files cannot be linked
 /// into it.
 fn redirect(
-    external: &[(&LoraTarget, Vec<(&Update, f32)>)],
+    external: &[(&LoraTarget, Vec<Contribution<'_>>)],
     dir: &Path,
     graph_path: &Path,
     scratch_root: &Path,
@@ -259,7 +262,7 @@ fn stored_shape(target: &LoraTarget) -> [usize; 2] {
 
 /// `target`'s weight from the bundle plus every update's delta, as the initializer's raw
 /// little-endian bytes (its dtype and layout).
-fn merged(dir: &Path, target: &LoraTarget, updates: &[(&Update, f32)]) -> Result<Vec<u8>> {
+fn merged(dir: &Path, target: &LoraTarget, updates: &[Contribution<'_>]) -> Result<Vec<u8>> {
     let path = dir.join(&target.file);
     let io = |source| KleinError::Io {
         path: path.clone(),
@@ -300,8 +303,17 @@ fn merged(dir: &Path, target: &LoraTarget, updates: &[(&Update, f32)]) -> Result
             message: format!("{}: {e}", target.initializer),
         })?;
     let transposed = target.layout == WeightLayout::InOut;
-    for (update, scale) in updates {
+    for (update, scale, _) in updates {
         update.add_to(weight.view_mut(), *scale, transposed);
+    }
+    // A sum past the weights' type would run as infinities and NaNs (a black image, no error).
+    let stored_finite = |v: f32| match target.dtype {
+        WeightDtype::Float32 => v.is_finite(),
+        WeightDtype::Float16 => f16::from_f32(v).is_finite(),
+        WeightDtype::Bfloat16 => bf16::from_f32(v).is_finite(),
+    };
+    if let Some(v) = values.iter().find(|&&v| !stored_finite(v)) {
+        return Err(overflow(target, updates, *v));
     }
     Ok(match target.dtype {
         WeightDtype::Float32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
@@ -314,4 +326,34 @@ fn merged(dir: &Path, target: &LoraTarget, updates: &[(&Update, f32)]) -> Result
             .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
             .collect(),
     })
+}
+
+/// The error for a merged weight that `value` (infinite, NaN, or past the weights' type) leaves
+/// unusable: it names the LoRA files that changed it and what would help.
+fn overflow(target: &LoraTarget, updates: &[Contribution<'_>], value: f32) -> KleinError {
+    let files: BTreeSet<&Path> = updates.iter().map(|(_, _, file)| *file).collect();
+    let mut files = files.into_iter();
+    let path = files.next().unwrap_or(Path::new("")).to_path_buf();
+    let others: Vec<String> = files.map(|f| f.display().to_string()).collect();
+    let (update, _, _) = updates[0];
+    KleinError::Lora {
+        path,
+        reason: format!(
+            "merged into {} (`{}` in the file{}), the weight holds {value}, which the bundle's {} \
+             weights cannot hold: the factors or their alpha are too large for this model; lower \
+             the LoRA's scale or use another file",
+            update.module,
+            update.source,
+            if others.is_empty() {
+                String::new()
+            } else {
+                format!(", with {}", others.join(", "))
+            },
+            match target.dtype {
+                WeightDtype::Float32 => "float32",
+                WeightDtype::Float16 => "float16",
+                WeightDtype::Bfloat16 => "bfloat16",
+            },
+        ),
+    }
 }

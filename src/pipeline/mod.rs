@@ -779,6 +779,15 @@ impl Pipeline {
                 ctx = ctx.with_previews(every, first);
             }
             let latents = self.denoise(packed, &ctx, Some(&mut *progress))?;
+            let broken = latents.iter().filter(|v| !v.is_finite()).count();
+            if broken > 0 {
+                self.warnings.push(format!(
+                    "{broken} of {} denoised latent values are not finite (NaN or infinity): the \
+                     image is black or broken where they are. The transformer's values overflowed; \
+                     lower the LoRAs' scales if any, or use a float32 bundle",
+                    latents.len()
+                ));
+            }
             if self.release_transformer && first + chunk >= batch {
                 self.graphs.release(Component::Transformer);
             }

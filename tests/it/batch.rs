@@ -238,6 +238,7 @@ fn bad_lines_are_reported_and_the_others_succeed() {
             r#"{"prompt": "no such ref", "refs": ["missing.png"]}"#,
             r#"{"prompt": "edit", "refs": ["refs/ok.png"], "seed": 4, "name": "edit"}"#,
             r#"{"prompt": "no steps", "steps": 0}"#,
+            r#"{"prompt": "crop, no image", "mask_crop": 99999}"#,
             r#"{"prompt": "last", "seed": 5}"#,
         ],
     );
@@ -245,7 +246,7 @@ fn bad_lines_are_reported_and_the_others_succeed() {
     let run = batch(&prompts, &out_dir, &FAST);
     assert_eq!(run.code, Some(2), "{}", run.describe());
     assert!(!run.stderr.contains("panicked"), "{}", run.describe());
-    let written = ["0001.png", "edit.png", "0008.png"].map(|n| out_dir.join(n));
+    let written = ["0001.png", "edit.png", "0009.png"].map(|n| out_dir.join(n));
     let expected_stdout: String = written
         .iter()
         .map(|p| format!("{}\n", p.display()))
@@ -261,8 +262,10 @@ fn bad_lines_are_reported_and_the_others_succeed() {
             "missing.png",
             "line 7 (0007)",
             "steps is 0",
+            "line 8 (0008)",
+            "a mask, a strength or a mask crop needs a source image",
             "3 ok",
-            "5 failed (5 user error(s))",
+            "6 failed (6 user error(s))",
         ],
     );
 
@@ -277,7 +280,8 @@ fn bad_lines_are_reported_and_the_others_succeed() {
             ("0005", "error"),
             ("edit", "ok"),
             ("0007", "error"),
-            ("0008", "ok"),
+            ("0008", "error"),
+            ("0009", "ok"),
         ]
         .map(|(n, s)| (n.into(), s.into()))
     );
@@ -286,13 +290,14 @@ fn bad_lines_are_reported_and_the_others_succeed() {
         ("0003", "missing field `prompt`"),
         ("0005", "missing.png"),
         ("0007", "steps is 0"),
+        ("0008", "needs a source image"),
     ] {
         let line = record(&summary, name);
         assert_eq!(line["error_kind"], "user", "{line:#}");
         assert_mentions(line["message"].as_str().unwrap(), &[needle]);
     }
     assert_eq!(record(&summary, "0004")["prompt"], "typo");
-    assert_eq!(summary["totals"]["error"], 5);
+    assert_eq!(summary["totals"]["error"], 6);
     let edit = read_png(&out_dir.join("edit.png"));
     assert_eq!(
         edit.text.get("references"),
@@ -300,7 +305,7 @@ fn bad_lines_are_reported_and_the_others_succeed() {
     );
     assert_eq!(
         files_in(&out_dir),
-        ["0001.png", "0008.png", "edit.png", "summary.json"],
+        ["0001.png", "0009.png", "edit.png", "summary.json"],
         "only the outputs and the summary"
     );
 }

@@ -370,6 +370,7 @@ fn same_seed_same_pixels_other_seed_other_pixels() {
 }
 
 /// Without --seed a random seed is used, printed as `seed: N` and stored; it reproduces the image.
+/// It is below 2^53, so that JSON readers whose numbers are doubles keep it exact.
 #[test]
 fn random_seed_is_printed_and_reproduces_the_image() {
     let dir = temp_dir("cli-random-seed");
@@ -377,6 +378,7 @@ fn random_seed_is_printed_and_reproduces_the_image() {
     let run = generate("a lighthouse", &first, &FAST);
     run.assert_success(&[&first]);
     let seed = printed_seed(&run);
+    assert!(seed < 1 << 53, "random seed {seed} is not below 2^53");
     let png = read_png(&first);
     assert_eq!(png.text.get("seed"), Some(&seed.to_string()), "stored seed");
     generate(

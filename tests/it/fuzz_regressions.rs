@@ -51,7 +51,8 @@ fn saved_fuzz_inputs_neither_panic_nor_break_invariants() {
 
 /// The hand-made inputs are refused with a message, not accepted: a huge declared PNG size is
 /// refused before decoding, a truncated PNG is reported as such, deep nesting and out-of-range
-/// numbers in a manifest are schema errors.
+/// numbers in a manifest are schema errors; numbers the pipeline cannot use (a sequence length
+/// past the limit, no heads, a zero tile) and another scheduler are refused by name.
 #[test]
 fn hostile_inputs_are_refused_with_a_reason() {
     let targets = Targets::new().unwrap();
@@ -86,6 +87,22 @@ fn hostile_inputs_are_refused_with_a_reason() {
             "format_version 1.5 is not supported",
         ),
         ("manifest", "empty.json", "not valid JSON: EOF"),
+        (
+            "manifest",
+            "huge-sequence-length.json",
+            "max_sequence_length 100000000 is outside 1..=8192",
+        ),
+        (
+            "manifest",
+            "other-scheduler.json",
+            "scheduler.class \"DDIMScheduler\" is not \"FlowMatchEulerDiscreteScheduler\"",
+        ),
+        (
+            "manifest",
+            "zero-heads.json",
+            "num_attention_heads 0 and attention_head_dim 32 must be non-zero",
+        ),
+        ("manifest", "zero-sample-size.json", "vae.sample_size is 0"),
         ("reference", "one-pixel.png", "too small: 1x1"),
         (
             "reference",

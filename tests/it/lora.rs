@@ -112,6 +112,28 @@ fn diffusers_lora(path: &Path, keep: impl Fn(&str) -> bool, widen: usize) -> Pat
     path.to_path_buf()
 }
 
+/// A rank-2 diffusers-layout LoRA on the first block's `to_q` whose factors all hold `value`.
+fn to_q_filled_with(path: &Path, value: f32) -> PathBuf {
+    let to_q = "transformer.transformer_blocks.0.attn.to_q";
+    write_file(
+        path,
+        &[
+            (
+                format!("{to_q}.lora_A.weight"),
+                vec![2, 64],
+                vec![value; 128],
+            ),
+            (
+                format!("{to_q}.lora_B.weight"),
+                vec![64, 2],
+                vec![value; 128],
+            ),
+        ],
+        None,
+    );
+    path.to_path_buf()
+}
+
 fn request() -> Request {
     Request::new("a lighthouse at dusk")
         .with_seed(11)
@@ -308,7 +330,29 @@ fn mismatched_loras_are_refused() {
         ],
         None,
     );
+    // Finite factors whose product, or whose alpha, is past float32: merged, the weight would be
+    // infinite (a black image with exit 0 before this was checked).
+    let huge = to_q_filled_with(&dir.join("huge.safetensors"), 1e20);
+    let alpha = r#"{"transformer.r": 2, "transformer.lora_alpha": 1e300}"#;
+    let huge_alpha = lora_file(&dir, "huge_alpha", &x_embedder, Some(alpha));
     let cases: Vec<(PathBuf, Vec<&str>)> = vec![
+        (
+            huge,
+            vec![
+                "huge.safetensors",
+                "merged into transformer_blocks.0.attn.to_q",
+                "float32 weights cannot hold",
+                "lower the LoRA's scale",
+            ],
+        ),
+        (
+            huge_alpha,
+            vec![
+                "huge_alpha.safetensors",
+                "merged into x_embedder",
+                "cannot hold",
+            ],
+        ),
         (
             one_wide,
             vec!["1 layer does not have the shape", "add_k_proj"],
@@ -589,4 +633,30 @@ fn c_api_sets_loras() {
     let rgb: Vec<u8> = rgba.chunks_exact(4).flat_map(|p| p[..3].to_vec()).collect();
     assert_eq!(rgb, plain, "count 0 removes the LoRAs");
     unsafe { klein_pipeline_free(pipeline) };
+}
+
+/// A LoRA whose merged weights fit float32 but whose products overflow in the transformer: the
+/// image is written (as diffusers would), and the run says its latents are not finite rather than
+/// passing a black image off as a result.
+#[test]
+fn latents_that_overflow_are_reported() {
+    let dir = temp_dir("lora-overflow-warning");
+    // Each merged value 2 x 1e19 x 1e19 = 2e38, finite in float32.
+    let big = to_q_filled_with(&dir.join("big.safetensors"), 1e19);
+    let out = dir.join("out.png");
+    let lora = big.display().to_string();
+    let run = generate(
+        "a fox",
+        &out,
+        &[
+            "--lora", &lora, "--width", "64", "--height", "64", "--steps", "1", "--seed", "1",
+        ],
+    );
+    run.assert_success(&[&out]);
+    assert!(
+        run.stderr
+            .contains("2048 of 2048 denoised latent values are not finite"),
+        "{}",
+        run.describe()
+    );
 }

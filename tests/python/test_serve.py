@@ -593,7 +593,10 @@ def test_warnings_models_retrieve_and_bearer_case(klein_bin: Path, tiny_bundle: 
     try:
         # The OpenAI client's models.retrieve, and a lower-case scheme (RFC 9110: case-insensitive).
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="s3cret")
-        assert client.models.retrieve("klein-tiny").id == "klein-tiny"
+        model = client.models.retrieve("klein-tiny")
+        assert model.id == "klein-tiny"
+        # Typed clients need an integer `created` (the server's start).
+        assert isinstance(model.created, int) and abs(model.created - time.time()) < 3600, model
         with pytest.raises(openai.NotFoundError):
             client.models.retrieve("gpt-image-1")
         headers = {"Authorization": "bearer s3cret"}
@@ -602,8 +605,18 @@ def test_warnings_models_retrieve_and_bearer_case(klein_bin: Path, tiny_bundle: 
         assert answer.status_code == 200, answer.text
         # The tiny model is distilled: guidance changes nothing, and the answer says so.
         assert any("guidance 3.5 is ignored" in w for w in answer.json()["warnings"]), answer.json()["warnings"]
+        # No seed: a random one below 2^53, which a JavaScript client can send back exactly.
+        assert 0 <= answer.json()["seed"] < 2**53
         body = {"prompt": PROMPT, "width": 64, "height": 64}
         assert httpx.post(f"{s.url}/v1/klein/generate", json=body, headers=headers, timeout=60).json()["warnings"] == []
+        # A prompt past the tokenizer's 512 tokens is truncated, and both routes say so.
+        long = {"prompt": "red fox " * 600, "size": "64x64", "steps": 1}
+        answer = httpx.post(f"{s.url}/v1/images/generations", json=long, headers=headers, timeout=60).json()
+        assert any("longer than 512 tokens and was truncated" in w for w in answer["warnings"]), answer["warnings"]
+        long = {"prompt": "red fox " * 600, "width": 64, "height": 64, "steps": 1}
+        answer = httpx.post(f"{s.url}/v1/klein/generate", json=long, headers=headers, timeout=60).json()
+        assert answer["prompt_truncated"] is True
+        assert any("was truncated" in w for w in answer["warnings"]), answer["warnings"]
     finally:
         assert s.stop() == 0
 

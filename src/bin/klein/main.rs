@@ -116,14 +116,13 @@ pub(crate) fn load_inpaint(
     mask_crop: Option<u32>,
 ) -> anyhow::Result<Option<Inpaint>> {
     let Some(image) = image else {
-        if mask.is_some() || strength.is_some() {
-            return Err(
-                UsageError(
-                    "a mask or a strength needs a source image (--image; in a --prompts line, \"image\")"
-                        .into(),
-                )
-                .into(),
-            );
+        if mask.is_some() || strength.is_some() || mask_crop.is_some() {
+            return Err(UsageError(
+                "a mask, a strength or a mask crop needs a source image (--image; in a --prompts \
+                 line, \"image\")"
+                    .into(),
+            )
+            .into());
         }
         return Ok(None);
     };

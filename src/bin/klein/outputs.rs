@@ -102,7 +102,8 @@ fn output_paths(output: &Path, n: usize) -> Vec<PathBuf> {
     }
 }
 
-/// A seed for a generation that names none (printed and stored, so the image can be remade).
+/// A seed for a generation that names none (printed and stored, so the image can be remade):
+/// below 2^53, so that a JSON client whose numbers are doubles (JavaScript) sends it back exactly.
 pub(crate) fn random_seed() -> u64 {
-    RandomState::new().hash_one(std::process::id())
+    RandomState::new().hash_one(std::process::id()) >> 11
 }

@@ -52,6 +52,8 @@ pub(crate) struct AppState {
     /// `--max-body-mib` in bytes.
     max_body: usize,
     model_name: String,
+    /// When the server started (Unix seconds): the model object's `created`.
+    started: u64,
     /// A distilled model: no guidance, so no negative prompt.
     distilled: bool,
     /// Set by SIGTERM / Ctrl-C: no new work, readiness fails.
@@ -118,6 +120,7 @@ pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
             timeout: Duration::from_secs(args.timeout.into()),
             max_body: usize::from(args.max_body_mib) << 20,
             model_name,
+            started: unix_seconds(),
             distilled,
             draining: AtomicBool::new(false),
         });
@@ -368,8 +371,21 @@ async fn retrieve_model(
     Ok(Json(model_object(&state)))
 }
 
+/// OpenAI's model object (`created`: the server's start; typed clients need an integer there).
 fn model_object(state: &AppState) -> serde_json::Value {
-    serde_json::json!({ "id": state.model_name, "object": "model", "owned_by": "klein" })
+    serde_json::json!({
+        "id": state.model_name,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "klein",
+    })
+}
+
+/// Seconds since the Unix epoch (0 on a clock set before it).
+pub(crate) fn unix_seconds() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 async fn list_loras(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {

@@ -125,9 +125,7 @@ pub(crate) fn check_negative_prompt(
 /// The OpenAI answer, with klein's settings beside it.
 fn answer(output: &JobOutput) -> serde_json::Value {
     let b64 = base64::engine::general_purpose::STANDARD;
-    let created = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
+    let created = super::unix_seconds();
     let data: Vec<serde_json::Value> = output
         .images
         .iter()

@@ -234,7 +234,13 @@ fn run_job(
             .collect();
         *value = serde_json::Value::from(names).to_string();
     }
-    let warnings = pipeline.take_warnings();
+    let mut warnings = pipeline.take_warnings();
+    if generation.prompt_truncated {
+        warnings.push(format!(
+            "the prompt is longer than {} tokens and was truncated, as the reference pipeline does",
+            pipeline.manifest().tokenizer.max_sequence_length
+        ));
+    }
     if let Some(inpaint) = &spec.inpaint {
         metadata.push(("image".into(), inpaint.source.label.clone()));
         if let Some((mask, _)) = &inpaint.mask {
