@@ -184,7 +184,11 @@ pub fn check_writable(path: &Path) -> Result<()> {
                 .open(&temp.path)
                 .map(drop)
                 .map_err(|source| KleinError::Io {
-                    path: target.parent().unwrap_or(Path::new(".")).to_path_buf(),
+                    path: target
+                        .parent()
+                        .filter(|p| !p.as_os_str().is_empty())
+                        .unwrap_or(Path::new("."))
+                        .to_path_buf(),
                     action: "create a file in the directory",
                     source,
                 })
@@ -245,6 +249,10 @@ fn sync_parent(path: &Path) {
 
 /// `.NAME.klein-tmp-PID-N`: unique per process and per call, so that threads writing the same
 /// path at once (two pipelines stamping one bundle) do not share a temporary file.
+/// Longest file name [`write_atomic`] can write: file systems take 255 bytes, and the temporary
+/// file beside it (`.NAME.klein-tmp-PID-N`) adds up to 35.
+pub const MAX_FILE_NAME_BYTES: usize = 220;
+
 fn temp_path(path: &Path) -> PathBuf {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);

@@ -9,7 +9,9 @@ use sha2::{Digest, Sha256};
 use crate::error::{KleinError, Result};
 
 mod atomic;
-pub use atomic::{check_writable, remove_pending_temp_files, write_all_atomic, write_atomic};
+pub use atomic::{
+    check_writable, remove_pending_temp_files, write_all_atomic, write_atomic, MAX_FILE_NAME_BYTES,
+};
 
 /// Read buffer for hashing: large enough that hashing, not system calls, sets the pace.
 const HASH_BUFFER_BYTES: usize = 1 << 20;

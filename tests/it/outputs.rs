@@ -1,5 +1,6 @@
 //! The CLI's output files: paths checked before generating (a directory, a path ending in a
-//! separator, an unwritable directory, an unknown extension, a preview over another file), the
+//! separator, an unwritable directory, a name too long, numbered files beside a device, an unknown
+//! extension, a preview over another file), the
 //! format the extension names, and an interrupted run that leaves nothing behind.
 
 use std::path::Path;
@@ -38,6 +39,31 @@ fn an_unwritable_directory_is_refused_before_generating() {
         "a directory you can write to",
     ]);
     assert!(!run.stderr.contains("seed:"), "{}", run.describe());
+}
+
+/// A file name too long for its temporary file, and numbered outputs asked of a device path, are
+/// refused before generating; nothing is written (before, `/dev/null --num-images 2` wrote the
+/// files `/dev/null-1` and `/dev/null-2`).
+#[test]
+fn long_names_and_numbered_device_outputs_are_refused() {
+    let dir = temp_dir("outputs-long-name");
+    let long = dir.join(format!("{}.png", "n".repeat(230)));
+    let run = generate("a cat", &long, &FAST);
+    run.assert_user_error(&["the file name is 234 bytes long", "at most 220"]);
+    assert!(files_in(&dir).is_empty(), "{}", run.describe());
+    assert!(!run.stderr.contains("seed:"), "{}", run.describe());
+
+    #[cfg(unix)]
+    {
+        let device = Path::new("/dev/null");
+        let run = generate(
+            "a cat",
+            device,
+            &[&FAST[..], &["--num-images", "2"]].concat(),
+        );
+        run.assert_user_error(&["/dev/null is not a file", "numbered files"]);
+        assert!(!Path::new("/dev/null-1").exists(), "{}", run.describe());
+    }
 }
 
 /// The extension names the format: JPEG and WebP are written as such, an unknown one is refused

@@ -19,6 +19,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use klein::fsutil::MAX_FILE_NAME_BYTES;
 use klein::pipeline::LoraSpec;
 use serde::Deserialize;
 
@@ -214,10 +215,11 @@ fn check_name(name: &str) -> std::result::Result<(), String> {
     if name.is_empty() || name == "." || name == ".." {
         return Err(format!("`{name}` is not a file name"));
     }
-    // File systems take names of at most 255 bytes, `.png` included.
-    if name.len() > 251 {
+    // The output's name, `.png` included, and its temporary file's must fit the file system.
+    let longest = MAX_FILE_NAME_BYTES - ".png".len();
+    if name.len() > longest {
         return Err(format!(
-            "the name is {} bytes long; a file name is at most 251 bytes before `.png`",
+            "is {} bytes long; an output name is at most {longest} bytes before `.png`",
             name.len()
         ));
     }

@@ -4,6 +4,7 @@ use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::path::{Path, PathBuf};
 
+use klein::fsutil::MAX_FILE_NAME_BYTES;
 use klein::stages::output::ImageFormat;
 
 use crate::UsageError;
@@ -45,8 +46,26 @@ pub(crate) fn output_files(
         ))
         .into());
     }
+    if n > 1 && output.exists() && !output.is_file() {
+        return Err(UsageError(format!(
+            "{flag} {} is not a file, and {n} images need numbered files beside it \
+             (NAME-1, NAME-2, ...); give a file name",
+            output.display()
+        ))
+        .into());
+    }
     let paths = output_paths(output, n);
     for path in &paths {
+        let name_bytes = path.file_name().map_or(0, |name| name.len());
+        if name_bytes > MAX_FILE_NAME_BYTES {
+            return Err(UsageError(format!(
+                "{flag} {}: the file name is {name_bytes} bytes long; at most \
+                 {MAX_FILE_NAME_BYTES} (a temporary file beside it is written first); give a \
+                 shorter name",
+                path.display()
+            ))
+            .into());
+        }
         if path.is_dir() {
             return Err(UsageError(format!(
                 "{flag} {} is a directory; give another file name",
