@@ -500,17 +500,30 @@ impl Manifest {
             return Err(bundle_error(bundle_dir, reason.to_string()));
         }
         let manifest_path = bundle_dir.join(MANIFEST_FILE);
-        if !manifest_path.is_file() {
-            return Err(bundle_error(
-                bundle_dir,
-                format!("has no {MANIFEST_FILE}; is this a klein bundle written by `klein-export convert`?"),
-            ));
-        }
-        let bytes = std::fs::read(&manifest_path).map_err(|source| KleinError::Io {
+        let reading = |source| KleinError::Io {
             path: manifest_path.clone(),
             action: "reading the manifest",
             source,
-        })?;
+        };
+        match std::fs::metadata(&manifest_path) {
+            Ok(meta) if meta.is_file() => {}
+            Ok(_) => {
+                return Err(bundle_error(
+                    &manifest_path,
+                    "is not a file; a bundle's manifest.json is the JSON file `klein-export convert` writes"
+                        .to_string(),
+                ))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(bundle_error(
+                    bundle_dir,
+                    format!("has no {MANIFEST_FILE}; is this a klein bundle written by `klein-export convert`?"),
+                ))
+            }
+            // Permission denied and the like: the system's reason, not "no manifest".
+            Err(e) => return Err(reading(e)),
+        }
+        let bytes = std::fs::read(&manifest_path).map_err(reading)?;
         let manifest = Manifest::from_json_bytes(&bytes, &manifest_path)?;
         manifest.check_files(bundle_dir, &manifest_path)?;
         Ok(manifest)
@@ -665,6 +678,14 @@ impl Manifest {
                 "latents.pixel_multiple {} must be non-zero and equal vae.spatial_factor x patch_size = {}",
                 self.latents.pixel_multiple,
                 multiple.map_or("(overflows)".to_string(), |m| m.to_string())
+            ));
+        }
+        let limits = &self.references.limits;
+        if limits.max_aspect_ratio < 1.0 || limits.max_area == 0 || limits.min_side == 0 {
+            problems.push(format!(
+                "references.max_aspect_ratio {}, max_area {} and min_side {} must be at least 1 \
+                 (diffusers uses 8, 1048576 and 64): no reference would fit",
+                limits.max_aspect_ratio, limits.max_area, limits.min_side
             ));
         }
         // Reference i gets time coordinate `scale * (i + 1)`; the token budget bounds i.

@@ -63,6 +63,9 @@ fn hostile_inputs_are_refused_with_a_reason() {
             "larger than this runtime decodes",
         ),
         ("reference", "truncated.png", "cannot decode"),
+        // Pillow refuses both ("broken data stream"): zlib's Adler-32 of the image data.
+        ("reference", "bad-adler32.png", "cannot decode"),
+        ("reference", "changed-idat-byte.png", "cannot decode"),
         ("reference", "zero-size.png", "cannot decode"),
         ("manifest", "deeply-nested.json", "recursion limit exceeded"),
         ("manifest", "nan-number.json", "not valid JSON"),
@@ -103,6 +106,11 @@ fn hostile_inputs_are_refused_with_a_reason() {
             "num_attention_heads 0 and attention_head_dim 32 must be non-zero",
         ),
         ("manifest", "zero-sample-size.json", "vae.sample_size is 0"),
+        (
+            "manifest",
+            "zero-aspect-ratio.json",
+            "references.max_aspect_ratio 0, max_area 1048576 and min_side 64 must be at least 1",
+        ),
         ("reference", "one-pixel.png", "too small: 1x1"),
         (
             "reference",

@@ -155,6 +155,13 @@ fn a_missing_directory_or_manifest_is_explained() {
     let file = empty.join("file");
     std::fs::write(&file, b"x").unwrap();
     assert_mentions(&load_error(&file).1, &["is not a directory"]);
+
+    // A manifest.json that is a directory is named as such, not as missing.
+    let odd = temp_dir("manifest-dir");
+    std::fs::create_dir(odd.join("manifest.json")).unwrap();
+    let (path, reason) = load_error(&odd);
+    assert_eq!(path, odd.join("manifest.json"));
+    assert_mentions(&reason, &["is not a file"]);
 }
 
 #[test]

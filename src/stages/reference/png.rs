@@ -13,16 +13,17 @@ pub(super) fn decode(bytes: &[u8]) -> Result<RgbImage, String> {
     let fail = |e: ::png::DecodingError| {
         format!("cannot decode ({e}); the file may be corrupt or truncated")
     };
-    let mut decoder = ::png::Decoder::new_with_limits(
-        Cursor::new(bytes),
-        ::png::Limits {
-            bytes: usize::try_from(MAX_DECODE_BYTES).unwrap_or(usize::MAX),
-        },
-    );
+    // Pillow checks the CRCs of the chunks before IDAT (container.rs does too), not of IDAT or
+    // after it; zlib checks the image data's Adler-32 (Pillow: "broken data stream" when it is
+    // wrong, or when a byte of the data is changed and the chunk's CRC made to match).
+    let mut options = ::png::DecodeOptions::default();
+    options.set_ignore_crc(true);
+    options.set_ignore_adler32(false);
+    let mut decoder = ::png::Decoder::new_with_options(Cursor::new(bytes), options);
+    decoder.set_limits(::png::Limits {
+        bytes: usize::try_from(MAX_DECODE_BYTES).unwrap_or(usize::MAX),
+    });
     decoder.set_transformations(::png::Transformations::IDENTITY);
-    // Pillow checks the CRCs of the chunks before IDAT (container.rs does too), not after, and
-    // does not check zlib's Adler-32.
-    decoder.ignore_checksums(true);
     decoder.set_ignore_text_chunk(true);
     let mut reader = decoder.read_info().map_err(fail)?;
     let size = reader
