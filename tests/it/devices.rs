@@ -75,6 +75,15 @@ fn flags_of_another_device_are_refused() {
             &["--coreml-cache", "--device coreml or auto"],
         ),
         (&["--coreml-units", "cpu-ane"], &["--coreml-units"]),
+        // Given with their default value, they are given all the same.
+        (
+            &["--coreml-units", "all"],
+            &["--coreml-units", "--device coreml"],
+        ),
+        (
+            &["--cuda-conv-search", "heuristic"],
+            &["--cuda-conv-search", "--device cuda"],
+        ),
     ] {
         assert_refused(&[&FAST[..], flags].concat(), needles);
     }

@@ -215,9 +215,9 @@ pub(crate) struct CudaArgs {
     /// CUDA: grow the memory arena by what each allocation needs, not by powers of two
     #[arg(long)]
     pub(crate) cuda_arena_exact: bool,
-    /// CUDA: cuDNN convolution algorithm search: heuristic, exhaustive or default
-    #[arg(long, value_name = "SEARCH", default_value = "heuristic")]
-    pub(crate) cuda_conv_search: ConvSearch,
+    /// CUDA: cuDNN convolution algorithm search: heuristic, exhaustive or default [default: heuristic]
+    #[arg(long, value_name = "SEARCH")]
+    pub(crate) cuda_conv_search: Option<ConvSearch>,
     /// CUDA: TF32 tensor cores for float32 products (Ampere and newer; faster, 10-bit mantissa) [default: off]
     #[arg(long, value_name = "on|off", value_parser = on_off)]
     pub(crate) cuda_tf32: Option<bool>,
@@ -227,9 +227,9 @@ pub(crate) struct CudaArgs {
 #[derive(Args)]
 #[command(next_help_heading = "CoreML (--device coreml or auto)")]
 pub(crate) struct CoreMlArgs {
-    /// CoreML: where graphs may run: all, cpu-gpu, cpu-ane (Neural Engine) or cpu
-    #[arg(long, value_name = "UNITS", default_value = "all")]
-    pub(crate) coreml_units: ComputeUnits,
+    /// CoreML: where graphs may run: all, cpu-gpu, cpu-ane (Neural Engine) or cpu [default: all]
+    #[arg(long, value_name = "UNITS")]
+    pub(crate) coreml_units: Option<ComputeUnits>,
     /// CoreML: keep compiled models in DIR between runs (created if missing)
     #[arg(long, value_name = "DIR")]
     pub(crate) coreml_cache: Option<PathBuf>,
@@ -334,14 +334,15 @@ pub(crate) fn pipeline_options(
     }
     let mut cuda = CudaOptions::default()
         .with_arena_same_as_requested(args.cuda.cuda_arena_exact)
-        .with_conv_search(args.cuda.cuda_conv_search);
+        .with_conv_search(args.cuda.cuda_conv_search.unwrap_or_default());
     if let Some(gib) = args.cuda.cuda_mem_limit {
         cuda = cuda.with_memory_limit((gib * (1u64 << 30) as f64) as usize);
     }
     if let Some(tf32) = args.cuda.cuda_tf32 {
         cuda = cuda.with_tf32(tf32);
     }
-    let mut coreml = CoreMlOptions::default().with_compute_units(args.coreml.coreml_units);
+    let mut coreml =
+        CoreMlOptions::default().with_compute_units(args.coreml.coreml_units.unwrap_or_default());
     if let Some(dir) = &args.coreml.coreml_cache {
         coreml = coreml.with_cache_dir(dir);
     }
@@ -363,17 +364,11 @@ pub(crate) fn check_device_flags(args: &LoadArgs, device: Device) -> Result<(), 
     let cuda_flags = [
         ("--cuda-mem-limit", args.cuda.cuda_mem_limit.is_some()),
         ("--cuda-arena-exact", args.cuda.cuda_arena_exact),
-        (
-            "--cuda-conv-search",
-            args.cuda.cuda_conv_search != ConvSearch::default(),
-        ),
+        ("--cuda-conv-search", args.cuda.cuda_conv_search.is_some()),
         ("--cuda-tf32", args.cuda.cuda_tf32.is_some()),
     ];
     let coreml_flags = [
-        (
-            "--coreml-units",
-            args.coreml.coreml_units != ComputeUnits::default(),
-        ),
+        ("--coreml-units", args.coreml.coreml_units.is_some()),
         ("--coreml-cache", args.coreml.coreml_cache.is_some()),
     ];
     let cpu_flags = [("--cpu-cache", args.cpu_cache.is_some())];
