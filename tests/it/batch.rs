@@ -219,6 +219,42 @@ fn a_line_not_in_utf8_or_whose_output_is_a_folder_fails_alone() {
     );
 }
 
+/// A line whose output cannot be written (a symbolic link into a missing directory) fails before
+/// its image is generated, as a single run's output does; the other lines run.
+#[cfg(unix)]
+#[test]
+fn an_unwritable_line_output_fails_before_generating() {
+    let dir = temp_dir("batch-dangling");
+    let prompts = prompts_file(
+        &dir,
+        &[
+            r#"{"prompt": "one", "name": "dangling"}"#,
+            r#"{"prompt": "two"}"#,
+        ],
+    );
+    let out_dir = dir.join("out");
+    std::fs::create_dir(&out_dir).unwrap();
+    std::os::unix::fs::symlink(dir.join("missing/x.png"), out_dir.join("dangling.png")).unwrap();
+    let run = batch(&prompts, &out_dir, &FAST);
+    assert_eq!(run.code, Some(2), "{}", run.describe());
+    assert_mentions(
+        &run.stderr,
+        &[
+            "line 1 (dangling): output",
+            "missing: create a file in the directory",
+        ],
+    );
+    assert!(
+        !run.stderr.contains("line 1 (dangling): seed"),
+        "generated first:\n{}",
+        run.describe()
+    );
+    assert_eq!(
+        statuses(&summary(&out_dir)),
+        [("dangling", "error"), ("0002", "ok")].map(|(n, s)| (n.into(), s.into()))
+    );
+}
+
 /// Invalid JSON, a missing prompt, an unknown key, a missing reference and zero steps are each
 /// reported (stderr and summary, naming the line); the other lines run, including one whose
 /// reference is relative to the prompts file's directory; the exit code is 2; no partial or

@@ -575,8 +575,10 @@ impl BatchJob<'_> {
             .preview
             .is_some()
             .then_some(usize::from(args.preview_every));
-        // Every number, then the references from their headers, before any is decoded.
+        // Every number, then the output (a file there must be writable), then the references
+        // from their headers, before any is decoded.
         request.check_bounds()?;
+        crate::outputs::check_writable(&format!("output {}", self.output.display()), self.output)?;
         let (image, mask, strength, mask_crop) = self.inpaint_files(args);
         request.inpaint = crate::load_inpaint(pipeline, image, mask, strength, mask_crop)?;
         let source_size = request
