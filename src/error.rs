@@ -84,12 +84,13 @@ impl KleinError {
     }
 
     /// The field of the request or of the pipeline's options an error is about, if it is one:
-    /// a [`KleinError::Request`]'s `param`, and `loras` for every [`KleinError::Lora`] and a
-    /// LoRA file that cannot be read ([`READING_LORA`]).
+    /// a [`KleinError::Request`]'s `param`, `loras` for every [`KleinError::Lora`] and a
+    /// LoRA file that cannot be read ([`READING_LORA`]), `device` for a [`KleinError::Device`].
     pub fn param(&self) -> Option<&'static str> {
         match self {
             KleinError::Request { param, .. } => *param,
             KleinError::Lora { .. } => Some("loras"),
+            KleinError::Device { .. } => Some("device"),
             KleinError::Io { action, .. } if *action == READING_LORA => Some("loras"),
             _ => None,
         }

@@ -671,7 +671,9 @@ class Pipeline:
 
     @property
     def device_used(self) -> str:
-        """Where the graphs loaded so far run; ``none`` before the first call."""
+        """Where the graphs loaded so far run, as of the last call that ended; ``none`` before
+        the first. Read at once, also while a generation runs (from its callback, or another
+        thread)."""
         return self._native.device_used
 
     def bundle_sha256(self) -> str:

@@ -300,6 +300,9 @@ struct PyPipeline {
     loras: Mutex<Vec<(PathBuf, f32)>>,
     /// The thread whose generation holds the pipeline, while one does.
     generating_on: Mutex<Option<ThreadId>>,
+    /// Where the graphs loaded so far run, as of the last call that held the pipeline: readable
+    /// while a generation holds it (from its own callback too).
+    device_used: Mutex<String>,
 }
 
 /// What a generation made, before it becomes Python objects.
@@ -403,103 +406,109 @@ impl PyPipeline {
         callback: Option<Py<PyAny>>,
         preview: Option<Py<PyAny>>,
     ) -> Result<Made, Failure> {
-        let mut request = request;
-        let mut pipeline = self.locked().map_err(Failure::Klein)?;
+        let mut locked = self.locked().map_err(Failure::Klein)?;
         let _generating = Generating::start(&self.generating_on);
-        let pipeline = &mut *pipeline;
-        if let Some(inpaint) = &inpaint {
-            request.inpaint = Some(inpaint.load(pipeline)?);
-        }
-        let source_size = request
-            .inpaint
-            .as_ref()
-            .map(|i| (i.image.width, i.image.height));
-        // As the CLI: each file read once, every reference checked from its header before any
-        // is decoded.
-        let sources: Vec<ReferenceSource<'_>> = references
-            .iter()
-            .map(|r| match r {
-                Reference::Path(path) => ReferenceSource::File(Path::new(path)),
-                Reference::Encoded(bytes, label) => {
-                    ReferenceSource::Encoded(bytes, Path::new(label))
-                }
-            })
-            .collect();
-        request.references = pipeline
-            .load_references(
-                &sources,
-                request.width.or(source_size.map(|s| s.0)),
-                request.height.or(source_size.map(|s| s.1)),
-            )
-            .map_err(|e| Failure::Input(e, "references"))?;
-        let labels: Vec<String> = references.iter().map(|r| r.label().to_string()).collect();
-        drop(references);
-
-        let mut python_error: Option<PyErr> = None;
-        let mut on_progress = |event: Progress| -> ControlFlow<()> {
-            Python::attach(|py| {
-                if let Err(interrupt) = py.check_signals() {
-                    python_error = Some(interrupt);
-                    return ControlFlow::Break(());
-                }
-                let called = match (event, &callback, &preview) {
-                    (Progress::Step { step, total }, Some(callback), _) => {
-                        callback.call1(py, (step, total))
-                    }
-                    (Progress::Preview(p), _, Some(preview)) => {
-                        let images: Vec<(Py<PyBytes>, u32, u32)> = p
-                            .images
-                            .iter()
-                            .map(|i| (PyBytes::new(py, &i.pixels).unbind(), i.width, i.height))
-                            .collect();
-                        preview.call1(py, (p.step, p.total, images))
-                    }
-                    _ => return ControlFlow::Continue(()),
-                };
-                match called {
-                    Ok(answer) if answer.bind(py).is(PyBool::new(py, false)) => {
-                        ControlFlow::Break(())
-                    }
-                    Ok(_) => ControlFlow::Continue(()),
-                    Err(raised) => {
-                        python_error = Some(raised);
-                        ControlFlow::Break(())
-                    }
-                }
-            })
-        };
-        let generated = pipeline.generate(&request, Some(&mut on_progress));
-        let generation = match (generated, python_error) {
-            (Ok(generation), _) => generation,
-            (Err(KleinError::Cancelled), Some(raised)) => return Err(Failure::Python(raised)),
-            (Err(error), _) => return Err(Failure::Klein(error)),
-        };
-        let png = if png {
-            let hash = pipeline.bundle_sha256().map_err(Failure::Klein)?;
-            let mut text = pipeline.image_metadata(&generation, &request.prompt, &labels, &hash);
+        let pipeline = &mut *locked;
+        let made = (|| -> Result<Made, Failure> {
+            let mut request = request;
             if let Some(inpaint) = &inpaint {
-                text.push(("image".into(), inpaint.source.label().to_string()));
-                if let Some(mask) = &inpaint.mask {
-                    text.push(("mask_image".into(), mask.label().to_string()));
-                }
+                request.inpaint = Some(inpaint.load(pipeline)?);
             }
-            let files = generation
-                .images
+            let source_size = request
+                .inpaint
+                .as_ref()
+                .map(|i| (i.image.width, i.image.height));
+            // As the CLI: each file read once, every reference checked from its header before any
+            // is decoded.
+            let sources: Vec<ReferenceSource<'_>> = references
                 .iter()
-                .map(|image| encode_image(image, ImageFormat::Png, &text))
-                .collect::<klein::Result<Vec<_>>>()
-                .map_err(Failure::Klein)?;
-            Some(files)
-        } else {
-            None
-        };
-        Ok(Made {
-            generation,
-            png,
-            references: labels,
-            warnings: pipeline.take_warnings(),
-            device: pipeline.device_name(),
-        })
+                .map(|r| match r {
+                    Reference::Path(path) => ReferenceSource::File(Path::new(path)),
+                    Reference::Encoded(bytes, label) => {
+                        ReferenceSource::Encoded(bytes, Path::new(label))
+                    }
+                })
+                .collect();
+            request.references = pipeline
+                .load_references(
+                    &sources,
+                    request.width.or(source_size.map(|s| s.0)),
+                    request.height.or(source_size.map(|s| s.1)),
+                )
+                .map_err(|e| Failure::Input(e, "references"))?;
+            let labels: Vec<String> = references.iter().map(|r| r.label().to_string()).collect();
+            drop(references);
+
+            let mut python_error: Option<PyErr> = None;
+            let mut on_progress = |event: Progress| -> ControlFlow<()> {
+                Python::attach(|py| {
+                    if let Err(interrupt) = py.check_signals() {
+                        python_error = Some(interrupt);
+                        return ControlFlow::Break(());
+                    }
+                    let called = match (event, &callback, &preview) {
+                        (Progress::Step { step, total }, Some(callback), _) => {
+                            callback.call1(py, (step, total))
+                        }
+                        (Progress::Preview(p), _, Some(preview)) => {
+                            let images: Vec<(Py<PyBytes>, u32, u32)> = p
+                                .images
+                                .iter()
+                                .map(|i| (PyBytes::new(py, &i.pixels).unbind(), i.width, i.height))
+                                .collect();
+                            preview.call1(py, (p.step, p.total, images))
+                        }
+                        _ => return ControlFlow::Continue(()),
+                    };
+                    match called {
+                        Ok(answer) if answer.bind(py).is(PyBool::new(py, false)) => {
+                            ControlFlow::Break(())
+                        }
+                        Ok(_) => ControlFlow::Continue(()),
+                        Err(raised) => {
+                            python_error = Some(raised);
+                            ControlFlow::Break(())
+                        }
+                    }
+                })
+            };
+            let generated = pipeline.generate(&request, Some(&mut on_progress));
+            let generation = match (generated, python_error) {
+                (Ok(generation), _) => generation,
+                (Err(KleinError::Cancelled), Some(raised)) => return Err(Failure::Python(raised)),
+                (Err(error), _) => return Err(Failure::Klein(error)),
+            };
+            let png = if png {
+                let hash = pipeline.bundle_sha256().map_err(Failure::Klein)?;
+                let mut text =
+                    pipeline.image_metadata(&generation, &request.prompt, &labels, &hash);
+                if let Some(inpaint) = &inpaint {
+                    text.push(("image".into(), inpaint.source.label().to_string()));
+                    if let Some(mask) = &inpaint.mask {
+                        text.push(("mask_image".into(), mask.label().to_string()));
+                    }
+                }
+                let files = generation
+                    .images
+                    .iter()
+                    .map(|image| encode_image(image, ImageFormat::Png, &text))
+                    .collect::<klein::Result<Vec<_>>>()
+                    .map_err(Failure::Klein)?;
+                Some(files)
+            } else {
+                None
+            };
+            Ok(Made {
+                generation,
+                png,
+                references: labels,
+                warnings: pipeline.take_warnings(),
+                device: pipeline.device_name(),
+            })
+        })();
+        // Graphs load during a generation, also one that fails.
+        *lock(&self.device_used) = pipeline.device_name();
+        made
     }
 }
 
@@ -567,6 +576,7 @@ impl PyPipeline {
             default_guidance: m.default_guidance,
         };
         let bundle_dir = pipeline.bundle_dir().to_path_buf();
+        let device_used = pipeline.device_name();
         Ok(PyPipeline {
             pipeline: Mutex::new(pipeline),
             model: info,
@@ -579,6 +589,7 @@ impl PyPipeline {
                     .collect(),
             ),
             generating_on: Mutex::new(None),
+            device_used: Mutex::new(device_used),
         })
     }
 
@@ -754,17 +765,19 @@ impl PyPipeline {
         &self.requested_device
     }
 
-    /// Where the graphs loaded so far run (`cpu`, or per graph); `none` before the first.
+    /// Where the graphs loaded so far run (`cpu`, or per graph), as of the last call that ended;
+    /// `none` before the first.
     #[getter]
-    fn device_used(&self, py: Python<'_>) -> PyResult<String> {
-        py.detach(|| Ok(self.locked()?.device_name()))
-            .map_err(|e: KleinError| to_py_err(py, &e))
+    fn device_used(&self) -> String {
+        lock(&self.device_used).clone()
     }
 
-    /// sha256 of the bundle's manifest.json (stored in every PNG).
+    /// sha256 of the bundle's manifest.json (stored in every PNG); needs no lock of the pipeline.
     fn bundle_sha256(&self, py: Python<'_>) -> PyResult<String> {
-        py.detach(|| self.locked()?.bundle_sha256())
-            .map_err(|e| to_py_err(py, &e))
+        py.detach(|| {
+            klein::fsutil::sha256_file(&self.bundle_dir.join(klein::bundle::MANIFEST_FILE))
+        })
+        .map_err(|e| to_py_err(py, &e))
     }
 
     fn __repr__(&self) -> String {

@@ -204,6 +204,39 @@ def test_a_callback_calling_its_own_pipeline_is_refused(pipe):
     assert pipe("a fox", width=64, height=64, num_inference_steps=1).images  # still usable
 
 
+def test_getters_answer_during_a_generation(pipe):
+    pipe("a fox", width=64, height=64, num_inference_steps=1)  # the graphs loaded
+    # From the generation's own callback: no refusal (they lock nothing)...
+    seen: list[tuple[str, str]] = []
+    pipe(
+        "a fox",
+        width=64,
+        height=64,
+        num_inference_steps=2,
+        callback=lambda s, t: seen.append((pipe.device_used, pipe.bundle_sha256())),
+    )
+    assert seen and all(used == "cpu" and len(sha) == 64 for used, sha in seen), seen
+    # ... and from another thread at once, not after the generation.
+    started, release = threading.Event(), threading.Event()
+
+    def hold(step: int, total: int) -> None:
+        started.set()
+        release.wait(timeout=60)
+
+    worker = threading.Thread(target=lambda: pipe("a fox", width=64, height=64, num_inference_steps=2, callback=hold))
+    worker.start()
+    try:
+        assert started.wait(timeout=60)
+        answered = threading.Event()
+        reader = threading.Thread(target=lambda: (pipe.device_used, pipe.bundle_sha256(), answered.set()))
+        reader.start()
+        assert answered.wait(timeout=10), "the getters waited for the generation"
+        reader.join()
+    finally:
+        release.set()
+        worker.join(timeout=60)
+
+
 def test_ctrl_c_cancels(tiny_bundle):
     """A SIGINT while Rust runs is seen at the next step: KeyboardInterrupt, long before the end.
 
@@ -321,6 +354,8 @@ def test_invalid_input(pipe, tiny_bundle, tmp_path):
         (lambda: klein.Pipeline(tiny_bundle, vae_tiling="maybe"), "vae_tiling"),
         (lambda: klein.Pipeline(tiny_bundle, vae_tile_size=100), "vae_tile_size"),
         (lambda: klein.Pipeline(tiny_bundle, device="tpu"), "device"),
+        # A device this build or machine cannot use (the test build has no CUDA).
+        (lambda: klein.Pipeline(tiny_bundle, device="cuda"), "device"),
         (lambda: klein.Pipeline(tiny_bundle, vae_tiling="off", vae_tile_size=512), "vae_tile_size"),
     ]:
         with pytest.raises(klein.InvalidInputError) as error:
