@@ -294,8 +294,9 @@ def _references(image: Any, name: str = "image") -> list[str | tuple[bytes, str]
             references.append((bytes(item), f"{name}-{index}"))
         else:
             raise _invalid(
-                f"{name}[{index}] is a {type(item).__name__}; give a PIL.Image.Image, "
-                "the path of a PNG, JPEG or WebP file, or its bytes (bytes or klein.EncodedImage)",
+                f"{name}[{index}] is of type {type(item).__name__}; give a PIL.Image.Image "
+                "(a numpy array: PIL.Image.fromarray(array)), the path of a PNG, JPEG or WebP "
+                "file, or its bytes (bytes or klein.EncodedImage)",
                 name,
             )
     return references
