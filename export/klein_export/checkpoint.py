@@ -153,6 +153,14 @@ class Checkpoint:
             ("vae", self.vae_config),
         ):
             _check_sizes(self.root / component / "config.json", config, CONFIG_SIZES[component])
+        # A diffusers config names its class; one of another model is another checkpoint's.
+        for component, config in (("transformer", self.transformer_config), ("vae", self.vae_config)):
+            named, expected = config.get("_class_name"), self.model_index[component][1]
+            if named is not None and named != expected:
+                raise CheckpointError(
+                    f"{self.root / component / 'config.json'}: _class_name is {named!r}, but model_index.json "
+                    f"gives {expected!r} for {component!r}: is this component from another model?"
+                )
         rope, head = self.transformer_config.get("axes_dims_rope"), self.transformer_config.get("attention_head_dim")
         if isinstance(rope, list) and isinstance(head, int) and sum(rope) != head:
             raise CheckpointError(

@@ -264,6 +264,14 @@ def test_lora_factors_the_runtime_cannot_read_are_refused_before_any_export(tiny
         ("transformer", "num_attention_heads", 2.5, "num_attention_heads is 2.5"),
         ("vae", "block_out_channels", 32, "block_out_channels is 32; it must be a list of positive whole numbers"),
         ("transformer", "axes_dims_rope", [8, 8], "axes_dims_rope [8, 8] sums to 16, but attention_head_dim is 32"),
+        # Another model's class with this model's sizes (its weights would load): still refused.
+        (
+            "transformer",
+            "_class_name",
+            "FluxTransformer2DModel",
+            "_class_name is 'FluxTransformer2DModel', but model_index.json gives 'Flux2Transformer2DModel'",
+        ),
+        ("vae", "_class_name", "AutoencoderKL", "_class_name is 'AutoencoderKL', but model_index.json gives"),
     ],
 )
 def test_a_config_value_of_the_wrong_type_is_named(tiny_checkpoint, tmp_path, capsys, config, key, value, needle):
