@@ -6,6 +6,7 @@ timeouts, auth, metrics, graceful shutdown; and every kind of bad request gets a
 from __future__ import annotations
 
 import base64
+import gzip
 import io
 import json
 import os
@@ -428,6 +429,7 @@ BAD_JSON = [
     # (body, field the error must name, status)
     (b'{"prompt": "x", "size": ', None, 400),  # not JSON
     (b'["a list"]', None, 400),
+    (b'{"prompt": "x", "guidance": 1e309}', "guidance", 400),  # JSON, but no double holds it
     # Every field in order, as serde would read a struct from an array: still not an object.
     (b'["fox", null, null, "64x64", null, null, null, null, null, 7, 1, null, null, null]', None, 400),
     ({"size": "64x64"}, "prompt", 400),
@@ -675,6 +677,16 @@ def test_body_limit_and_unknown_routes(klein_bin: Path, tiny_bundle: Path):
         assert "--max-body-mib" in err["message"], err
         assert error_of(httpx.get(f"{s.url}/v1/nothing"), 404)["type"] == "not_found_error"
         assert httpx.get(f"{s.url}/v1/images/generations").status_code == 405
+        # A compressed body: 415 naming the encoding, not a JSON error about its bytes.
+        packed = gzip.compress(json.dumps({"prompt": "x", "size": "64x64"}).encode())
+        headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+        err = error_of(httpx.post(f"{s.url}/v1/images/generations", content=packed, headers=headers), 415)
+        assert err["type"] == "unsupported_media_type" and "Content-Encoding gzip" in err["message"], err
+        headers["Content-Encoding"] = "identity"
+        plain = json.dumps({"prompt": "x", "size": "64x64"}).encode()
+        assert (
+            httpx.post(f"{s.url}/v1/images/generations", content=plain, headers=headers, timeout=60).status_code == 200
+        )
     finally:
         assert s.stop() == 0
 

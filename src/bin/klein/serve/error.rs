@@ -18,6 +18,8 @@ pub(crate) enum ErrorKind {
     MethodNotAllowed,
     /// A body over `--max-body-mib` (413).
     TooLarge,
+    /// A body in a `Content-Encoding` this server does not decode (415).
+    UnsupportedEncoding,
     /// A body that did not all arrive within `--timeout` (408).
     SlowBody,
     /// The queue is full (429, with Retry-After).
@@ -40,6 +42,7 @@ impl ErrorKind {
             ErrorKind::NotFound => "not_found_error",
             ErrorKind::MethodNotAllowed => "method_not_allowed",
             ErrorKind::TooLarge => "payload_too_large",
+            ErrorKind::UnsupportedEncoding => "unsupported_media_type",
             ErrorKind::SlowBody => "request_timeout",
             ErrorKind::QueueFull => "queue_full",
             ErrorKind::Cancelled => "cancelled",
@@ -56,6 +59,7 @@ impl ErrorKind {
             ErrorKind::NotFound => StatusCode::NOT_FOUND,
             ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorKind::UnsupportedEncoding => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ErrorKind::SlowBody => StatusCode::REQUEST_TIMEOUT,
             ErrorKind::QueueFull => StatusCode::TOO_MANY_REQUESTS,
             ErrorKind::Cancelled => StatusCode::CONFLICT,

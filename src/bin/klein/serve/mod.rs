@@ -436,6 +436,19 @@ async fn read_body(State(state): State<Arc<AppState>>, request: Request, next: N
     if declared.is_some_and(|length| length > state.max_body as u64) {
         return too_large().into_response();
     }
+    // A compressed body would be read as garbage JSON or form data.
+    let encoding = parts.headers.get(header::CONTENT_ENCODING);
+    if let Some(encoding) = encoding.filter(|e| !e.as_bytes().eq_ignore_ascii_case(b"identity")) {
+        return ApiError::new(
+            ErrorKind::UnsupportedEncoding,
+            format!(
+                "this server reads request bodies as sent, not in Content-Encoding {}; send the body \
+                 uncompressed",
+                String::from_utf8_lossy(encoding.as_bytes())
+            ),
+        )
+        .into_response();
+    }
     let mut stream = body.into_data_stream();
     let mut bytes = Vec::new();
     let read = async {
@@ -508,10 +521,15 @@ fn field_error(error: serde_path_to_error::Error<serde_json::Error>) -> ApiError
     let path = error.path().to_string();
     let inner = error.into_inner();
     if inner.is_syntax() || inner.is_eof() || inner.is_io() {
-        return ApiError::new(
-            ErrorKind::InvalidRequest,
-            format!("the body is not valid JSON: {inner}"),
-        );
+        // A field's value JSON cannot hold (`1e309`) is named by its field.
+        let field = (inner.is_syntax() && path != "." && path != "?").then_some(path);
+        return ApiError {
+            param: field,
+            ..ApiError::new(
+                ErrorKind::InvalidRequest,
+                format!("the body is not valid JSON: {inner}"),
+            )
+        };
     }
     let message = client_message(&inner.to_string());
     // Missing and unknown fields are errors of the object; the message names the field.
