@@ -48,6 +48,24 @@ impl WeightDtype {
             WeightDtype::Float16 | WeightDtype::Bfloat16 => 2,
         }
     }
+
+    /// The largest finite value of the type.
+    pub fn max_value(self) -> f64 {
+        match self {
+            WeightDtype::Float32 => f64::from(f32::MAX),
+            WeightDtype::Float16 => f64::from(half::f16::MAX),
+            WeightDtype::Bfloat16 => f64::from(half::bf16::MAX),
+        }
+    }
+
+    /// As the manifest spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightDtype::Float32 => "float32",
+            WeightDtype::Float16 => "float16",
+            WeightDtype::Bfloat16 => "bfloat16",
+        }
+    }
 }
 
 /// What is wrong with `targets`, given the size of each bundle file the manifest lists (empty:

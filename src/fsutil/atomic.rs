@@ -247,12 +247,12 @@ fn sync_parent(path: &Path) {
     let _ = path;
 }
 
-/// `.NAME.klein-tmp-PID-N`: unique per process and per call, so that threads writing the same
-/// path at once (two pipelines stamping one bundle) do not share a temporary file.
 /// Longest file name [`write_atomic`] can write: file systems take 255 bytes, and the temporary
 /// file beside it (`.NAME.klein-tmp-PID-N`) adds up to 35.
 pub const MAX_FILE_NAME_BYTES: usize = 220;
 
+/// `.NAME.klein-tmp-PID-N`: unique per process and per call, so that threads writing the same
+/// path at once (two pipelines stamping one bundle) do not share a temporary file.
 fn temp_path(path: &Path) -> PathBuf {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);

@@ -127,6 +127,7 @@ impl LoraSet {
             let targets = targets(manifest, dir, spec.path())?;
             let file = read_lora(spec.path())?;
             check_fit(&file, targets)?;
+            check_range(&file, spec.scale, targets)?;
             adapters.push((spec.clone(), file));
         }
         Ok(LoraSet { adapters })
@@ -237,6 +238,31 @@ fn targets<'m>(
             dir.display()
         ))
     })
+}
+
+/// Every update of `file`, at `scale`, changes its layer's weights by less than half of what their
+/// precision holds (float16: 65504), from a bound on the factors: a delta past it would merge into
+/// infinities (a black image). Checked when the LoRA is set; the merge checks the sums again.
+fn check_range(file: &LoraFile, scale: f32, targets: &BTreeMap<String, LoraTarget>) -> Result<()> {
+    for update in &file.updates {
+        let dtype = targets[&update.module].dtype;
+        let limit = dtype.max_value() / 2.0;
+        let bound = update.delta_bound(scale);
+        if bound.is_nan() || bound > limit {
+            return Err(KleinError::Lora {
+                path: file.path.clone(),
+                reason: format!(
+                    "`{}` at scale {scale} changes {} by up to {bound:.2e}, which the bundle's {} weights \
+                     cannot hold (at most {limit:.2e} here): the factors or their alpha are too large for \
+                     this model; lower the LoRA's scale or use another file",
+                    update.source,
+                    update.module,
+                    dtype.name()
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Every update of `file` names a layer of `targets`, with its shape.

@@ -331,11 +331,15 @@ fn merged(dir: &Path, target: &LoraTarget, updates: &[Contribution<'_>]) -> Resu
 /// The error for a merged weight that `value` (infinite, NaN, or past the weights' type) leaves
 /// unusable: it names the LoRA files that changed it and what would help.
 fn overflow(target: &LoraTarget, updates: &[Contribution<'_>], value: f32) -> KleinError {
-    let files: BTreeSet<&Path> = updates.iter().map(|(_, _, file)| *file).collect();
-    let mut files = files.into_iter();
-    let path = files.next().unwrap_or(Path::new("")).to_path_buf();
-    let others: Vec<String> = files.map(|f| f.display().to_string()).collect();
-    let (update, _, _) = updates[0];
+    // The first update's file, whose key is named; the others that changed the weight after.
+    let (update, _, first) = updates[0];
+    let others: BTreeSet<&Path> = updates
+        .iter()
+        .map(|(_, _, file)| *file)
+        .filter(|file| file != &first)
+        .collect();
+    let others: Vec<String> = others.iter().map(|f| f.display().to_string()).collect();
+    let path = first.to_path_buf();
     KleinError::Lora {
         path,
         reason: format!(
@@ -349,11 +353,7 @@ fn overflow(target: &LoraTarget, updates: &[Contribution<'_>], value: f32) -> Kl
             } else {
                 format!(", with {}", others.join(", "))
             },
-            match target.dtype {
-                WeightDtype::Float32 => "float32",
-                WeightDtype::Float16 => "float16",
-                WeightDtype::Bfloat16 => "bfloat16",
-            },
+            target.dtype.name(),
         ),
     }
 }

@@ -783,8 +783,8 @@ impl Pipeline {
             if broken > 0 {
                 self.warnings.push(format!(
                     "{broken} of {} denoised latent values are not finite (NaN or infinity): the \
-                     image is black or broken where they are. The transformer's values overflowed; \
-                     lower the LoRAs' scales if any, or use a float32 bundle",
+                     image is black or broken where they are. The values overflowed: lower the LoRAs' \
+                     scales if any (a float16 bundle overflows sooner than a float32 one)",
                     latents.len()
                 ));
             }

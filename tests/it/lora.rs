@@ -331,7 +331,8 @@ fn mismatched_loras_are_refused() {
         None,
     );
     // Finite factors whose product, or whose alpha, is past float32: merged, the weight would be
-    // infinite (a black image with exit 0 before this was checked).
+    // infinite (a black image with exit 0 before this was checked). Refused when set, from the
+    // factors' bound.
     let huge = to_q_filled_with(&dir.join("huge.safetensors"), 1e20);
     let alpha = r#"{"transformer.r": 2, "transformer.lora_alpha": 1e300}"#;
     let huge_alpha = lora_file(&dir, "huge_alpha", &x_embedder, Some(alpha));
@@ -340,7 +341,7 @@ fn mismatched_loras_are_refused() {
             huge,
             vec![
                 "huge.safetensors",
-                "merged into transformer_blocks.0.attn.to_q",
+                "changes transformer_blocks.0.attn.to_q by up to 1.00e40",
                 "float32 weights cannot hold",
                 "lower the LoRA's scale",
             ],
@@ -349,7 +350,7 @@ fn mismatched_loras_are_refused() {
             huge_alpha,
             vec![
                 "huge_alpha.safetensors",
-                "merged into x_embedder",
+                "changes x_embedder",
                 "cannot hold",
             ],
         ),
@@ -641,8 +642,8 @@ fn c_api_sets_loras() {
 #[test]
 fn latents_that_overflow_are_reported() {
     let dir = temp_dir("lora-overflow-warning");
-    // Each merged value 2 x 1e19 x 1e19 = 2e38, finite in float32.
-    let big = to_q_filled_with(&dir.join("big.safetensors"), 1e19);
+    // Each merged value 2 x 8.9e18 x 8.9e18 = 1.58e38: within float32 and the set-time bound.
+    let big = to_q_filled_with(&dir.join("big.safetensors"), 8.9e18);
     let out = dir.join("out.png");
     let lora = big.display().to_string();
     let run = generate(
@@ -659,4 +660,34 @@ fn latents_that_overflow_are_reported() {
         "{}",
         run.describe()
     );
+}
+
+/// LoRAs each within the set-time bound whose sum on one layer is past float32: refused when the
+/// weights are merged (at the transformer's load), exit 2, the layer and the files named, no output.
+#[test]
+fn merged_sums_past_the_weights_precision_are_refused() {
+    let dir = temp_dir("lora-merged-sum");
+    let files: Vec<String> = ["a", "b", "c"]
+        .iter()
+        .map(|n| {
+            let path = to_q_filled_with(&dir.join(format!("{n}.safetensors")), 8.9e18);
+            path.display().to_string()
+        })
+        .collect();
+    let out = dir.join("out.png");
+    let mut args = vec![
+        "--width", "64", "--height", "64", "--steps", "1", "--seed", "1",
+    ];
+    for file in &files {
+        args.extend(["--lora", file.as_str()]);
+    }
+    let run = generate("a fox", &out, &args);
+    run.assert_user_error(&[
+        "a.safetensors: merged into transformer_blocks.0.attn.to_q",
+        "with ",
+        "b.safetensors",
+        "c.safetensors",
+        "float32 weights cannot hold",
+    ]);
+    assert!(!out.exists(), "{}", run.describe());
 }

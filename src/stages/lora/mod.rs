@@ -114,6 +114,17 @@ impl Update {
         }
     }
 
+    /// An upper bound of `|scale * delta|`'s entries, from the factors alone (no weight read):
+    /// `rank x max|up| x max|down|` (LoRA) or `max|w1| x max|w2|` (LoKr), times the scales.
+    pub fn delta_bound(&self, scale: f32) -> f64 {
+        let max = |a: &Array2<f32>| a.iter().fold(0f64, |m, &v| m.max(f64::from(v.abs())));
+        let factors = match &self.factors {
+            Factors::Lora { up, down } => down.nrows() as f64 * max(up) * max(down),
+            Factors::Lokr { w1, w2 } => max(w1) * max(w2),
+        };
+        factors * f64::from(self.scale).abs() * f64::from(scale).abs()
+    }
+
     /// `scale * delta` of this module: `[out, in]`.
     pub fn delta(&self, scale: f32) -> Array2<f32> {
         let scale = scale * self.scale;

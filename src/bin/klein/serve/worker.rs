@@ -8,7 +8,7 @@ use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use klein::pipeline::{Inpaint, Pipeline, Progress, Request};
+use klein::pipeline::{Inpaint, LoraSpec, Pipeline, Progress, Request};
 use klein::stages::inpaint::DEFAULT_STRENGTH;
 use klein::stages::mask::decode_transparent_mask;
 use klein::stages::output::{encode_image, ImageFormat};
@@ -151,13 +151,8 @@ fn run_job(
     // The LoRAs are the server's own files, checked when it started: one that fails now (changed
     // since) is the server's fault, named as the client named it, never by its path.
     pipeline.set_loras(&spec.loras).map_err(|e| {
-        let mut error = ApiError::from_klein(&e, Some("loras"));
+        let mut error = lora_error(&e, &spec.loras);
         error.kind = ErrorKind::Server;
-        for lora in &spec.loras {
-            error.message = error
-                .message
-                .replace(&lora.path().display().to_string(), &lora_name(lora.path()));
-        }
         error
     })?;
     let mut request = Request::new(spec.prompt.clone())
@@ -221,6 +216,8 @@ fn run_job(
         .generate(&request, Some(&mut on_progress))
         .map_err(|e| match e {
             klein::KleinError::Cancelled => cancelled(),
+            // A LoRA refused when merged: named as the client named it, never by its path.
+            klein::KleinError::Lora { .. } => lora_error(&e, &spec.loras),
             e => ApiError::from_klein(&e, size_param(&e, spec.size_field)),
         })?;
     let labels: Vec<String> = spec.references.iter().map(|u| u.label.clone()).collect();
@@ -269,6 +266,17 @@ fn run_job(
             .collect(),
         warnings,
     })
+}
+
+/// `error` about `loras`, each named as clients name it (its file stem), never by its path.
+fn lora_error(error: &klein::KleinError, loras: &[LoraSpec]) -> ApiError {
+    let mut api = ApiError::from_klein(error, Some("loras"));
+    for lora in loras {
+        api.message = api
+            .message
+            .replace(&lora.path().display().to_string(), &lora_name(lora.path()));
+    }
+    api
 }
 
 /// A LoRA of `--lora-dir` by its name (the file stem), as clients name it.
