@@ -774,10 +774,8 @@ impl PyPipeline {
 
     /// sha256 of the bundle's manifest.json (stored in every PNG); needs no lock of the pipeline.
     fn bundle_sha256(&self, py: Python<'_>) -> PyResult<String> {
-        py.detach(|| {
-            klein::fsutil::sha256_file(&self.bundle_dir.join(klein::bundle::MANIFEST_FILE))
-        })
-        .map_err(|e| to_py_err(py, &e))
+        py.detach(|| klein::pipeline::metadata::manifest_sha256(&self.bundle_dir))
+            .map_err(|e| to_py_err(py, &e))
     }
 
     fn __repr__(&self) -> String {

@@ -1,20 +1,28 @@
 //! What an image records of how it was made (PNG text chunks, the JPEG comment): the same for the
 //! CLI, `klein serve` and the Python bindings, so that the same request gives the same file.
+use std::path::Path;
+
 use super::{Generation, Pipeline};
 use crate::bundle::manifest::ModelVariant;
 use crate::bundle::MANIFEST_FILE;
 use crate::error::{KleinError, Result};
 
+/// sha256 of the manifest.json of the bundle at `bundle_dir` ([`Pipeline::bundle_sha256`], for
+/// callers that hold no pipeline).
+pub fn manifest_sha256(bundle_dir: &Path) -> Result<String> {
+    let path = bundle_dir.join(MANIFEST_FILE);
+    let bytes = std::fs::read(&path).map_err(|source| KleinError::Io {
+        path,
+        action: "reading",
+        source,
+    })?;
+    Ok(crate::fsutil::sha256_hex(&bytes))
+}
+
 impl Pipeline {
     /// sha256 of the bundle's manifest.json, stored in every image.
     pub fn bundle_sha256(&self) -> Result<String> {
-        let path = self.bundle_dir().join(MANIFEST_FILE);
-        let bytes = std::fs::read(&path).map_err(|source| KleinError::Io {
-            path,
-            action: "reading",
-            source,
-        })?;
-        Ok(crate::fsutil::sha256_hex(&bytes))
+        manifest_sha256(self.bundle_dir())
     }
 
     /// Where the graphs ran: one device (`cpu`), or each graph's (`text_encoder cuda:0, ...`).
