@@ -23,7 +23,7 @@ use super::component::Component;
 use super::lora_targets::{self, LoraTarget};
 use crate::error::{KleinError, Result};
 use crate::limits::{MAX_SEQUENCE_LENGTH, MAX_SIDE, MAX_TIME_OFFSET_SCALE};
-use crate::runtime::Dtype;
+use crate::runtime::{Dtype, OrtVersion, RuntimeInfo};
 use crate::stages::preview::PreviewSpec;
 use crate::stages::reference::ReferenceLimits;
 use crate::stages::schedule::{EmpiricalMu, ShiftConfig};
@@ -71,8 +71,9 @@ pub struct Manifest {
     pub files: BTreeMap<String, FileEntry>,
     /// What wrote the bundle.
     pub exporter: ExporterInfo,
-    /// Oldest ONNX Runtime the graphs were checked with, e.g. `"1.31.0"`.
-    pub min_onnxruntime_version: String,
+    /// Oldest ONNX Runtime the graphs were checked with, e.g. `"1.31.0"`; a bundle is refused
+    /// by an older library ([`Manifest::check_runtime`]).
+    pub min_onnxruntime_version: OrtVersion,
 }
 
 /// `model`: identity of the checkpoint and its generation defaults.
@@ -565,6 +566,27 @@ impl Manifest {
         })?;
         manifest.check_consistency().map_err(bundle_error)?;
         Ok(manifest)
+    }
+
+    /// Refuses an ONNX Runtime library older than the bundle's `min_onnxruntime_version` (its
+    /// graphs may use operators or attributes that release lacks; it would fail later, or worse,
+    /// run them differently). `bundle_dir` names the bundle in the error.
+    pub fn check_runtime(&self, runtime: &RuntimeInfo, bundle_dir: &Path) -> Result<()> {
+        let needed = self.min_onnxruntime_version;
+        if runtime.version >= needed {
+            return Ok(());
+        }
+        Err(KleinError::Bundle {
+            path: bundle_dir.join(MANIFEST_FILE),
+            reason: format!(
+                "needs ONNX Runtime {needed} or newer (min_onnxruntime_version), but the library in \
+                 use is {} ({}, {}); point ORT_DYLIB_PATH (or the CLI's --ort-lib) at ONNX Runtime {needed} \
+                 or newer",
+                runtime.version,
+                runtime.library.display(),
+                runtime.source
+            ),
+        })
     }
 
     /// Numbers that must agree with each other for the pipeline's arithmetic to be right.

@@ -8,6 +8,7 @@
 //! set new: no file system renames several files as one. A symbolic link is followed (the file it
 //! names is replaced, the link kept), and a path that names a device, FIFO or socket
 //! (`/dev/null`, `/dev/stdout`) is written in place: a rename would replace it with a file.
+use std::ffi::OsString;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -211,6 +212,15 @@ fn destination(path: &Path) -> Destination<'_> {
     }
 }
 
+/// The file [`write_atomic`] replaces for `path`, whose name its temporary file extends: `path`
+/// with its symbolic links followed (a device, FIFO or socket: `path`, written in place).
+pub fn replaced_file(path: &Path) -> PathBuf {
+    match destination(path) {
+        Destination::File(file) => file,
+        Destination::InPlace(path) => path.to_path_buf(),
+    }
+}
+
 /// Symbolic links followed before giving up (Linux's own limit).
 const MAX_LINKS: u32 = 40;
 
@@ -256,11 +266,11 @@ pub const MAX_FILE_NAME_BYTES: usize = 220;
 fn temp_path(path: &Path) -> PathBuf {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    path.with_file_name(format!(".{name}.klein-tmp-{}-{n}", std::process::id()))
+    // Built as an OsString: a name that is not UTF-8 keeps its bytes.
+    let mut name = OsString::from(".");
+    name.push(path.file_name().unwrap_or_default());
+    name.push(format!(".klein-tmp-{}-{n}", std::process::id()));
+    path.with_file_name(name)
 }
 
 #[cfg(test)]
@@ -275,6 +285,26 @@ mod tests {
             .collect();
         names.sort();
         names
+    }
+
+    /// A name that is not UTF-8 keeps its bytes in its temporary file's name (it was built
+    /// lossily, with U+FFFD in place of the byte), and is written.
+    #[cfg(unix)]
+    #[test]
+    fn names_that_are_not_utf8_keep_their_bytes() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = std::env::temp_dir().join(format!("klein-latin1-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(std::ffi::OsStr::from_bytes(b"caf\xe9.png"));
+        let temp = temp_path(&path);
+        let temp_name = temp.file_name().unwrap().as_bytes();
+        assert!(
+            temp_name.starts_with(b".caf\xe9.png.klein-tmp-"),
+            "{temp:?}"
+        );
+        write_atomic(&path, b"data").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"data");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

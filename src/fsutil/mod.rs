@@ -10,7 +10,8 @@ use crate::error::{KleinError, Result};
 
 mod atomic;
 pub use atomic::{
-    check_writable, remove_pending_temp_files, write_all_atomic, write_atomic, MAX_FILE_NAME_BYTES,
+    check_writable, remove_pending_temp_files, replaced_file, write_all_atomic, write_atomic,
+    MAX_FILE_NAME_BYTES,
 };
 
 /// Read buffer for hashing: large enough that hashing, not system calls, sets the pace.

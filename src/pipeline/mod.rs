@@ -187,7 +187,8 @@ impl Pipeline {
             dir.join(&manifest.tokenizer.file),
             manifest.tokenizer.clone(),
         );
-        runtime::init(runtime_options)?;
+        let runtime = runtime::init(runtime_options)?;
+        manifest.check_runtime(runtime, dir)?;
         let prompt_cache = prompt_cache_dir.map(|cache_dir| PromptCache::new(cache_dir, &manifest));
         let loras = LoraSet::load(&loras, &manifest, dir)?;
         Ok(Pipeline {
@@ -749,6 +750,8 @@ impl Pipeline {
             None => batch,
         };
         let mut images = Vec::with_capacity(batch);
+        // Non-finite denoised latent values, and all of them, over the chunks: one warning.
+        let (mut broken, mut total) = (0, 0);
         for first in (0..batch).step_by(chunk) {
             let rows = s![first..(first + chunk).min(batch), .., .., ..];
             let mut ctx = self.denoise_context(
@@ -779,21 +782,21 @@ impl Pipeline {
                 ctx = ctx.with_previews(every, first);
             }
             let latents = self.denoise(packed, &ctx, Some(&mut *progress))?;
-            let broken = latents.iter().filter(|v| !v.is_finite()).count();
-            if broken > 0 {
-                self.warnings.push(format!(
-                    "{broken} of {} denoised latent values are not finite (NaN or infinity): the \
-                     image is black or broken where they are. The values overflowed: lower the LoRAs' \
-                     scales if any (a float16 bundle overflows sooner than a float32 one)",
-                    latents.len()
-                ));
-            }
+            broken += latents.iter().filter(|v| !v.is_finite()).count();
+            total += latents.len();
             if self.release_transformer && first + chunk >= batch {
                 self.graphs.release(Component::Transformer);
             }
 
             // 7. Decode.
             images.extend(self.decode(latents.view(), lat_h, lat_w, Some(&mut *progress))?);
+        }
+        if broken > 0 {
+            self.warnings.push(format!(
+                "{broken} of {total} denoised latent values are not finite (NaN or infinity): the \
+                 image(s) are black or broken where they are. The values overflowed: lower the LoRAs' \
+                 scales if any (a float16 bundle overflows sooner than a float32 one)"
+            ));
         }
         let vae_tiled = self.vae_tiles(width as usize, height as usize)?;
         // 8. `padding_mask_crop`: the region's images pasted back into the whole source.

@@ -348,6 +348,7 @@ impl Plan {
                     latents.dim()
                 )));
             }
+            check_finite("initial_latents", "initial latents", latents.iter())?;
         }
         if let Some(given) = &request.prompt_embeds {
             let want = (
@@ -361,6 +362,7 @@ impl Plan {
                     given.embeds.dim()
                 )));
             }
+            check_finite("prompt_embeds", "prompt embeddings", given.embeds.iter())?;
         }
         // As diffusers: guidance applies to base (non-distilled) models only, when above 1.
         let cfg = !model.is_distilled && guidance > 1.0;
@@ -398,6 +400,32 @@ impl Plan {
             lat_w,
             first_step,
         })
+    }
+}
+
+/// Refuses given tensor values that are NaN or infinite: the denoising would carry them into
+/// every pixel (an all-black image), with nothing to say where they came from.
+fn check_finite<'a>(
+    param: &'static str,
+    what: &str,
+    values: impl Iterator<Item = &'a f32>,
+) -> Result<()> {
+    let (mut bad, mut first) = (0usize, None);
+    for (index, value) in values.enumerate() {
+        if !value.is_finite() {
+            bad += 1;
+            first.get_or_insert((index, *value));
+        }
+    }
+    match first {
+        None => Ok(()),
+        Some((index, value)) => Err(KleinError::request_about(
+            param,
+            format!(
+                "{what} hold {bad} NaN or infinite value(s) (the first, {value}, at flat index \
+                 {index}); every value must be finite"
+            ),
+        )),
     }
 }
 

@@ -265,6 +265,15 @@ pub fn load_graph(
                 })
             }
             Err(LoadFailure::File(message)) => {
+                // A file that cannot be opened (no read permission) is named as such, not as
+                // corrupt: ONNX Runtime's message does not tell the two apart.
+                if let Err(source) = std::fs::File::open(path) {
+                    return Err(KleinError::Io {
+                        path: path.to_path_buf(),
+                        action: "opening the graph",
+                        source,
+                    });
+                }
                 return Err(KleinError::Bundle {
                     path: path.to_path_buf(),
                     reason: format!(
@@ -272,7 +281,7 @@ pub fn load_graph(
                          not an ONNX graph this runtime can run: check the bundle with `klein info --verify` and \
                          copy or export it again"
                     ),
-                })
+                });
             }
             Err(LoadFailure::Session(message)) => {
                 return Err(KleinError::Inference {

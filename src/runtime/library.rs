@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use ort::environment::Environment;
 
+use super::version::OrtVersion;
 pub(super) use crate::error::chain as error_chain;
 use crate::error::{KleinError, Result};
 
@@ -103,6 +104,8 @@ pub struct RuntimeInfo {
     pub library: PathBuf,
     /// How it was found.
     pub source: LibrarySource,
+    /// The release the library reports (`OrtGetApiBase()->GetVersionString()`).
+    pub version: OrtVersion,
 }
 
 pub(super) struct Runtime {
@@ -150,6 +153,9 @@ pub fn init(options: RuntimeOptions) -> Result<&'static RuntimeInfo> {
     }
 
     let (path, source) = locate_library(library.as_deref())?;
+    // Absolute, so that `ort` and `library_version` open this file (`ort` would try a relative
+    // path beside the executable first).
+    let path = std::path::absolute(&path).unwrap_or(path);
     let builder = ort::init_from(&path).map_err(|e| {
         KleinError::RuntimeLibrary(format!(
             "{} ({source}) could not be loaded: {}. {HOW_TO_PROVIDE}",
@@ -183,10 +189,12 @@ pub fn init(options: RuntimeOptions) -> Result<&'static RuntimeInfo> {
         })?;
     // A custom logger starts at verbose; only warnings and above are wanted.
     environment.set_log_level(ort::logging::LogLevel::Warning);
+    let version = library_version(&path)?;
     let runtime = RUNTIME.get_or_init(|| Runtime {
         info: RuntimeInfo {
             library: path,
             source,
+            version,
         },
         environment,
     });
@@ -206,6 +214,38 @@ pub(super) fn runtime() -> Result<&'static Runtime> {
     RUNTIME
         .get()
         .ok_or_else(|| KleinError::RuntimeLibrary("initialisation did not complete".to_string()))
+}
+
+/// The release of the library at `path`, which `ort` has loaded (opening it again only takes a
+/// reference to the loaded copy).
+#[allow(unsafe_code)]
+fn library_version(path: &Path) -> Result<OrtVersion> {
+    let failed = |why: String| {
+        KleinError::RuntimeLibrary(format!(
+            "{} loaded, but its release could not be read: {why}",
+            path.display()
+        ))
+    };
+    // SAFETY: `ort` has already loaded this library and called the same two functions on it.
+    let text = unsafe {
+        let library = libloading::Library::new(path).map_err(|e| failed(e.to_string()))?;
+        let get_base: libloading::Symbol<unsafe extern "C" fn() -> *const ort::sys::OrtApiBase> =
+            library
+                .get(b"OrtGetApiBase")
+                .map_err(|e| failed(e.to_string()))?;
+        let base = get_base();
+        if base.is_null() {
+            return Err(failed("OrtGetApiBase returned nothing".to_string()));
+        }
+        let text = ((*base).GetVersionString)();
+        if text.is_null() {
+            return Err(failed("GetVersionString returned nothing".to_string()));
+        }
+        std::ffi::CStr::from_ptr(text)
+            .to_string_lossy()
+            .into_owned()
+    };
+    OrtVersion::parse(&text).ok_or_else(|| failed(format!("{text:?} is not a release number")))
 }
 
 /// Finds the ONNX Runtime library without loading it (the search order is in the module docs).

@@ -12,7 +12,7 @@
 //! # Finding the ONNX Runtime library
 //! `ort` is built with `load-dynamic`: the library is opened at run time, never linked or
 //! downloaded. [`init`] looks, in this order, for:
-//! 1. the path in [`RuntimeOptions::with_library`] (the CLI's `--ort-library`);
+//! 1. the path in [`RuntimeOptions::with_library`] (the CLI's `--ort-lib`);
 //! 2. the `ORT_DYLIB_PATH` environment variable;
 //! 3. the path baked in at build time from `KLEIN_ORT_DYLIB` (the build scripts export the output
 //!    of `scripts/setup-ort.sh`); skipped when that file no longer exists;
@@ -44,6 +44,7 @@ mod library;
 pub mod onnx_proto;
 mod prefetch;
 mod tensor;
+mod version;
 
 pub(crate) use cpu_features::converts_int8_weights;
 pub use device::{
@@ -61,3 +62,4 @@ pub use prefetch::{fits_in_memory, prefetch, prefetch_in_turn};
 pub use tensor::{
     tensor_names, Dtype, Initializer, InitializerData, Outputs, TensorInfo, TensorInput,
 };
+pub use version::OrtVersion;

@@ -734,6 +734,35 @@ fn manifest_of_another_format_version_is_refused() {
     );
 }
 
+/// A bundle that needs a newer ONNX Runtime than the one loaded (1.31.1 here) is refused after
+/// the library loads, naming both releases and the library; a malformed release is a manifest
+/// error; an older or equal requirement runs (the test command's own generation, 1.31.0).
+#[test]
+fn a_bundle_that_needs_a_newer_onnx_runtime_is_refused() {
+    let bundle = BundleCopy::new("cli-newer-ort");
+    let args = [&["-m", bundle.arg()], &FAST[..]].concat();
+    let needing = |release: &str| {
+        edit_manifest(bundle.path(), |m| {
+            m["min_onnxruntime_version"] = release.into()
+        })
+    };
+    needing("1.99.0");
+    let needles = [
+        "manifest.json",
+        "needs ONNX Runtime 1.99.0 or newer",
+        "min_onnxruntime_version",
+        "is 1.31.1",
+        "libonnxruntime",
+    ];
+    assert_refused(&args, &needles);
+    needing("1.31.1");
+    let out = bundle.file("same-release.png");
+    generate("a cat", &out, &args).assert_success(&[&out]);
+    needing("latest");
+    let needles = ["min_onnxruntime_version \"latest\" is not a release number"];
+    assert_refused(&args, &needles);
+}
+
 #[test]
 fn invalid_json_manifest_is_refused() {
     let bundle = BundleCopy::new("cli-bad-json");

@@ -241,3 +241,48 @@ fn request_errors_name_their_field() {
     }
     assert_eq!(base().check_bounds().map_err(|e| e.to_string()), Ok(()));
 }
+
+/// Given embeddings or initial latents with a NaN or an infinity are refused before the
+/// denoising, naming the field, the count and the first bad value (they made an all-black image,
+/// reported only as non-finite latents); the same tensors made finite generate.
+#[test]
+fn given_tensors_must_be_finite() {
+    use klein::pipeline::Request;
+    use ndarray::Array4;
+    let mut pipeline = crate::util::tiny_pipeline();
+    let embeds = pipeline.encode_prompt("a fox", None).unwrap();
+    let base = || Request::new("a fox").with_size(64, 64).with_steps(2);
+    let mut bad_embeds = embeds.clone();
+    bad_embeds.embeds[[0, 3, 5]] = f32::NAN;
+    bad_embeds.embeds[[0, 7, 1]] = f32::INFINITY;
+    let error = pipeline
+        .generate(&base().with_prompt_embeds(bad_embeds), None)
+        .unwrap_err();
+    assert_eq!(error.param(), Some("prompt_embeds"), "{error}");
+    assert_mentions(
+        &error.to_string(),
+        &[
+            "prompt embeddings hold 2 NaN or infinite value(s)",
+            "the first, NaN",
+        ],
+    );
+    let mut latents = Array4::<f32>::zeros((1, 128, 4, 4));
+    latents[[0, 9, 2, 3]] = f32::NEG_INFINITY;
+    let error = pipeline
+        .generate(&base().with_initial_latents(latents.clone()), None)
+        .unwrap_err();
+    assert_eq!(error.param(), Some("initial_latents"), "{error}");
+    assert_mentions(
+        &error.to_string(),
+        &[
+            "initial latents hold 1 NaN or infinite",
+            "-inf",
+            "flat index 155",
+        ],
+    );
+    latents[[0, 9, 2, 3]] = 0.5;
+    let request = base()
+        .with_initial_latents(latents)
+        .with_prompt_embeds(embeds);
+    pipeline.generate(&request, None).unwrap();
+}

@@ -55,6 +55,18 @@ fn long_names_and_numbered_device_outputs_are_refused() {
 
     #[cfg(unix)]
     {
+        // A short name whose symbolic link leads to a long one: the file written is the target,
+        // with its temporary file beside it, so the target's name is measured.
+        let link = dir.join("short.png");
+        std::os::unix::fs::symlink(&long, &link).unwrap();
+        let run = generate("a cat", &link, &FAST);
+        run.assert_user_error(&[
+            "short.png (the file its link leads to,",
+            "the file name is 234 bytes long",
+        ]);
+        assert_eq!(files_in(&dir), ["short.png"], "{}", run.describe());
+        std::fs::remove_file(&link).unwrap();
+
         let device = Path::new("/dev/null");
         let run = generate(
             "a cat",

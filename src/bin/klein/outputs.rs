@@ -4,7 +4,7 @@ use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::path::{Path, PathBuf};
 
-use klein::fsutil::MAX_FILE_NAME_BYTES;
+use klein::fsutil::{replaced_file, MAX_FILE_NAME_BYTES};
 use klein::stages::output::ImageFormat;
 
 use crate::UsageError;
@@ -56,10 +56,17 @@ pub(crate) fn output_files(
     }
     let paths = output_paths(output, n);
     for path in &paths {
-        let name_bytes = path.file_name().map_or(0, |name| name.len());
+        // The name of the file written: a symbolic link's target, where the temporary file goes.
+        let replaced = replaced_file(path);
+        let name_bytes = replaced.file_name().map_or(0, |name| name.len());
         if name_bytes > MAX_FILE_NAME_BYTES {
+            let through = if replaced == *path {
+                String::new()
+            } else {
+                format!(" (the file its link leads to, {})", replaced.display())
+            };
             return Err(UsageError(format!(
-                "{flag} {}: the file name is {name_bytes} bytes long; at most \
+                "{flag} {}{through}: the file name is {name_bytes} bytes long; at most \
                  {MAX_FILE_NAME_BYTES} (a temporary file beside it is written first); give a \
                  shorter name",
                 path.display()
