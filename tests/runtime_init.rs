@@ -110,7 +110,7 @@ fn library_discovery_and_loading() {
 
     // The real library loads, once; later calls report it.
     let info = runtime::init(RuntimeOptions::default().with_library(&good)).unwrap();
-    assert_eq!(info.library, good);
+    assert_eq!(info.library, std::path::absolute(&good).unwrap());
     assert_eq!(info.source, LibrarySource::Explicit);
     assert_eq!(runtime::init(RuntimeOptions::default()).unwrap(), info);
     assert_eq!(runtime::runtime_info(), Some(info));

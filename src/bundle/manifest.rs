@@ -573,16 +573,15 @@ impl Manifest {
     /// run them differently). `bundle_dir` names the bundle in the error.
     pub fn check_runtime(&self, runtime: &RuntimeInfo, bundle_dir: &Path) -> Result<()> {
         let needed = self.min_onnxruntime_version;
-        if runtime.version >= needed {
-            return Ok(());
-        }
+        let Some(version) = runtime.version.filter(|&version| version < needed) else {
+            return Ok(()); // new enough, or a build that reports no release (not checked)
+        };
         Err(KleinError::Bundle {
             path: bundle_dir.join(MANIFEST_FILE),
             reason: format!(
                 "needs ONNX Runtime {needed} or newer (min_onnxruntime_version), but the library in \
-                 use is {} ({}, {}); point ORT_DYLIB_PATH (or the CLI's --ort-lib) at ONNX Runtime {needed} \
-                 or newer",
-                runtime.version,
+                 use is {version} ({}, {}); use ONNX Runtime {needed} or newer (ORT_DYLIB_PATH, the \
+                 CLI's --ort-lib, Python's ort_lib, the C API's ort_library)",
                 runtime.library.display(),
                 runtime.source
             ),

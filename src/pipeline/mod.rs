@@ -135,8 +135,9 @@ impl Pipeline {
     /// [`PipelineOptions::with_verify_hashes`] is off, skipped while a stamp vouches for the files),
     /// starts parsing the tokenizer on a thread of its own (a tokenizer that does not fit the
     /// manifest is reported by the first prompt, or by [`Pipeline::load_all_graphs`]), and
-    /// initialises ONNX Runtime. A bundle whose files do not match its manifest is refused before
-    /// any graph is loaded. Graphs are loaded on first use.
+    /// initialises ONNX Runtime (refused, before any hashing, when its release is older than the
+    /// manifest's `min_onnxruntime_version`). A bundle whose files do not match its manifest is
+    /// refused before any graph is loaded. Graphs are loaded on first use.
     pub fn load(dir: &Path, options: PipelineOptions) -> Result<Pipeline> {
         let PipelineOptions {
             session,
@@ -176,6 +177,9 @@ impl Pipeline {
         // After the checks that hold for every build (a bundle the device cannot run is named
         // so on a Mac too), before the hashing and loading a device this build lacks would waste.
         session.device.check_compiled()?;
+        // Before hashing: a library older than the bundle needs is refused at once.
+        let runtime = runtime::init(runtime_options)?;
+        manifest.check_runtime(runtime, dir)?;
         let cache_dir = cache_dir.or_else(default_cache_dir);
         let verification = if verify_hashes {
             Some(manifest.verify_hashes_cached(dir, cache_dir.as_deref())?)
@@ -187,8 +191,6 @@ impl Pipeline {
             dir.join(&manifest.tokenizer.file),
             manifest.tokenizer.clone(),
         );
-        let runtime = runtime::init(runtime_options)?;
-        manifest.check_runtime(runtime, dir)?;
         let prompt_cache = prompt_cache_dir.map(|cache_dir| PromptCache::new(cache_dir, &manifest));
         let loras = LoraSet::load(&loras, &manifest, dir)?;
         Ok(Pipeline {

@@ -104,8 +104,9 @@ pub struct RuntimeInfo {
     pub library: PathBuf,
     /// How it was found.
     pub source: LibrarySource,
-    /// The release the library reports (`OrtGetApiBase()->GetVersionString()`).
-    pub version: OrtVersion,
+    /// The release the library reports (`OrtGetApiBase()->GetVersionString()`); `None` when it
+    /// reports no release number.
+    pub version: Option<OrtVersion>,
 }
 
 pub(super) struct Runtime {
@@ -156,6 +157,14 @@ pub fn init(options: RuntimeOptions) -> Result<&'static RuntimeInfo> {
     // Absolute, so that `ort` and `library_version` open this file (`ort` would try a relative
     // path beside the executable first).
     let path = std::path::absolute(&path).unwrap_or(path);
+    // Before `ort` commits the process to this file: a file that is no ONNX Runtime is refused
+    // with nothing loaded for good.
+    let version = library_version(&path).map_err(|why| {
+        KleinError::RuntimeLibrary(format!(
+            "{} ({source}) could not be loaded: {why}. {HOW_TO_PROVIDE}",
+            path.display()
+        ))
+    })?;
     let builder = ort::init_from(&path).map_err(|e| {
         KleinError::RuntimeLibrary(format!(
             "{} ({source}) could not be loaded: {}. {HOW_TO_PROVIDE}",
@@ -189,7 +198,6 @@ pub fn init(options: RuntimeOptions) -> Result<&'static RuntimeInfo> {
         })?;
     // A custom logger starts at verbose; only warnings and above are wanted.
     environment.set_log_level(ort::logging::LogLevel::Warning);
-    let version = library_version(&path)?;
     let runtime = RUNTIME.get_or_init(|| Runtime {
         info: RuntimeInfo {
             library: path,
@@ -216,36 +224,32 @@ pub(super) fn runtime() -> Result<&'static Runtime> {
         .ok_or_else(|| KleinError::RuntimeLibrary("initialisation did not complete".to_string()))
 }
 
-/// The release of the library at `path`, which `ort` has loaded (opening it again only takes a
-/// reference to the loaded copy).
+/// The release the library at `path` reports; `None` when it is not a release number (a
+/// development or vendor build: its bundles' requirements are then not checked).
 #[allow(unsafe_code)]
-fn library_version(path: &Path) -> Result<OrtVersion> {
-    let failed = |why: String| {
-        KleinError::RuntimeLibrary(format!(
-            "{} loaded, but its release could not be read: {why}",
-            path.display()
-        ))
-    };
-    // SAFETY: `ort` has already loaded this library and called the same two functions on it.
+fn library_version(path: &Path) -> std::result::Result<Option<OrtVersion>, String> {
+    // SAFETY: `OrtGetApiBase` and `GetVersionString` take nothing and return static data in every
+    // ONNX Runtime release (`ort` calls both the same way); the text is copied before the library
+    // handle is dropped (which only releases this reference to it).
     let text = unsafe {
-        let library = libloading::Library::new(path).map_err(|e| failed(e.to_string()))?;
+        let library = libloading::Library::new(path).map_err(|e| e.to_string())?;
         let get_base: libloading::Symbol<unsafe extern "C" fn() -> *const ort::sys::OrtApiBase> =
             library
                 .get(b"OrtGetApiBase")
-                .map_err(|e| failed(e.to_string()))?;
+                .map_err(|_| "it does not export OrtGetApiBase: not an ONNX Runtime library")?;
         let base = get_base();
         if base.is_null() {
-            return Err(failed("OrtGetApiBase returned nothing".to_string()));
+            return Err("its OrtGetApiBase returned nothing".to_string());
         }
         let text = ((*base).GetVersionString)();
         if text.is_null() {
-            return Err(failed("GetVersionString returned nothing".to_string()));
+            return Ok(None);
         }
         std::ffi::CStr::from_ptr(text)
             .to_string_lossy()
             .into_owned()
     };
-    OrtVersion::parse(&text).ok_or_else(|| failed(format!("{text:?} is not a release number")))
+    Ok(OrtVersion::parse_leading(&text))
 }
 
 /// Finds the ONNX Runtime library without loading it (the search order is in the module docs).

@@ -21,7 +21,8 @@
 //!    folder `scripts/setup-ort.sh` fills).
 //!
 //! A path given by 1 or 2 that does not exist is an error, not a reason to look further. The
-//! library is loaded once per process; [`RuntimeInfo`] says which file was used and why.
+//! library is loaded once per process; [`RuntimeInfo`] says which file was used, why, and its
+//! release (a bundle that needs a newer one is refused).
 //!
 //! # Devices
 //! [`Device::Cpu`], [`Device::Cuda`] and [`Device::CoreMl`] are registered with

@@ -34,6 +34,33 @@ impl OrtVersion {
         };
         parts.next().is_none().then_some(version)
     }
+
+    /// The release number at the start of what a library reports: `"1.31.1"`, but also a
+    /// development or vendor build's `"1.32.0.dev20260101"` or `"1.31.1+cuda"` (as `1.32.0`,
+    /// `1.31.1`); `None` without at least `major.minor`.
+    pub fn parse_leading(text: &str) -> Option<OrtVersion> {
+        let mut numbers = text
+            .split('.')
+            .map(|part| {
+                let digits = &part[..part.bytes().take_while(u8::is_ascii_digit).count()];
+                (digits.parse::<u32>().ok(), digits.len() == part.len())
+            })
+            .take(3);
+        let (major, whole) = numbers.next()?;
+        let major = major.filter(|_| whole)?;
+        let (minor, whole) = numbers.next()?;
+        let minor = minor?;
+        let patch = if whole {
+            numbers.next().and_then(|(patch, _)| patch).unwrap_or(0)
+        } else {
+            0
+        };
+        Some(OrtVersion {
+            major,
+            minor,
+            patch,
+        })
+    }
 }
 
 impl TryFrom<String> for OrtVersion {
@@ -81,6 +108,16 @@ mod tests {
             "", "1", "1.", "1.x.0", "1.31.0.2", "v1.31.0", " 1.31.0", "1.-3.0",
         ] {
             assert_eq!(v(bad), None, "{bad:?}");
+        }
+        // What a library reports: the leading release number.
+        let lead = |text| OrtVersion::parse_leading(text);
+        assert_eq!(lead("1.31.1"), v("1.31.1"));
+        assert_eq!(lead("1.32.0.dev20260101"), v("1.32.0"));
+        assert_eq!(lead("1.31.1+cuda"), v("1.31.1"));
+        assert_eq!(lead("1.33rc1"), v("1.33.0"));
+        assert_eq!(lead("1.31"), v("1.31.0"));
+        for bad in ["", "1", "v1.31.0", "1x.31", "1.x"] {
+            assert_eq!(lead(bad), None, "{bad:?}");
         }
     }
 }
