@@ -760,7 +760,14 @@ fn a_bundle_that_needs_a_newer_onnx_runtime_is_refused() {
         "libonnxruntime".to_string(),
     ];
     assert_refused(&args, &needles.each_ref().map(String::as_str));
+    // `info` describes it, with the library it finds and the verdict, and succeeds.
+    let run = klein(["info", bundle.arg()]);
+    assert_eq!(run.code, Some(0), "{}", run.describe());
+    let runtime_line = format!("runtime:      ONNX Runtime {loaded} (");
+    assert_mentions(&run.stdout, &[&runtime_line, "TOO OLD for this bundle"]);
     needing(&loaded.to_string());
+    let run = klein(["info", bundle.arg()]);
+    assert_mentions(&run.stdout, &[&runtime_line, "): can run this bundle"]);
     let out = bundle.file("same-release.png");
     generate("a cat", &out, &args).assert_success(&[&out]);
     needing("latest");

@@ -377,6 +377,24 @@ fn info(args: InfoArgs) -> anyhow::Result<()> {
         "needs:        ONNX Runtime >= {}",
         manifest.min_onnxruntime_version
     );
+    // The library `generate` would load (default search), and whether it is new enough.
+    match klein::runtime::init(klein::runtime::RuntimeOptions::default()) {
+        Ok(runtime) => {
+            let release = runtime
+                .version
+                .map_or("of no stated release".to_string(), |v| v.to_string());
+            let verdict = match manifest.check_runtime(runtime, &model) {
+                Ok(()) => "can run this bundle",
+                Err(_) => "TOO OLD for this bundle",
+            };
+            println!(
+                "runtime:      ONNX Runtime {release} ({}, {}): {verdict}",
+                runtime.library.display(),
+                runtime.source
+            );
+        }
+        Err(error) => println!("runtime:      none usable: {error}"),
+    }
     if args.verify {
         println!(
             "hashes:       all {} files match the manifest",
