@@ -19,20 +19,12 @@ impl OrtVersion {
     /// reads as its numbers, since a development build of 1.31.1 has 1.31.1's operators).
     pub fn parse(text: &str) -> Option<OrtVersion> {
         let numbers = text.split(['-', '+']).next()?;
-        let mut parts = numbers.split('.');
-        let mut next = |required: bool| match parts.next() {
-            Some(part) if !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()) => {
-                part.parse::<u32>().ok()
-            }
-            None if !required => Some(0),
-            _ => None,
-        };
-        let version = OrtVersion {
-            major: next(true)?,
-            minor: next(true)?,
-            patch: next(false)?,
-        };
-        parts.next().is_none().then_some(version)
+        let parts: Vec<&str> = numbers.split('.').collect();
+        let whole = (2..=3).contains(&parts.len())
+            && parts
+                .iter()
+                .all(|part| !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()));
+        whole.then(|| OrtVersion::parse_leading(numbers)).flatten()
     }
 
     /// The release number at the start of what a library reports: `"1.31.1"`, but also a
