@@ -7,8 +7,10 @@ MultiHeadAttention computes attention in blocks without that matrix (flash atten
 CUDA kernel runs flash or memory-efficient attention; both compute the same softmax(QK^T/sqrt(d))V.
 
 The VAE's mid-block attention is left as it is: fused the same way, the wide checkpoint's decoder
-at 1024x1024 ran at the same speed with a higher peak (5.65 against 4.81 GiB), and at 2048x2048 its
-convolutions alone do not fit in 24 GB either way (tiled decoding does).
+at 1024x1024 ran at the same speed with a higher peak (5.65 against 4.81 GiB); at 1536x1536 its
+peak rose too under ONNX Runtime's arena (17.4 against 14.7 GiB) and fell only without the arena,
+where the decode was as slow as auto's tiles (README, "Attention as one operator"); at 2048x2048
+its convolutions alone do not fit in 24 GB either way (tiled decoding does).
 
 While `fused_attention()` is active, these attention calls go through the custom op
 `klein::attention` (its eager form is torch's own attention, so the traced model computes what
