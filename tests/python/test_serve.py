@@ -108,8 +108,19 @@ def error_of(response: httpx.Response, status: int) -> dict:
 
 def test_openai_client_gets_the_cli_images(server: Server, klein_bin: Path, tiny_bundle: Path, tmp_path: Path):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    # OpenAI's settings that ask for what klein does anyway, as clients send them.
     result = client.images.generate(
-        model="klein", prompt=PROMPT, n=2, size="64x80", response_format="b64_json", extra_body={"seed": 11}
+        model="klein",
+        prompt=PROMPT,
+        n=2,
+        size="64x80",
+        response_format="b64_json",
+        background="opaque",
+        moderation="low",
+        quality="auto",
+        stream=False,
+        safety_identifier="user-7",
+        extra_body={"seed": 11},
     )
     got = [base64.b64decode(d.b64_json) for d in result.data]
     want = cli_png(
@@ -118,6 +129,8 @@ def test_openai_client_gets_the_cli_images(server: Server, klein_bin: Path, tiny
     assert len(got) == len(want) == 2
     assert got == want
     assert result.model_extra["seed"] == 11
+    # moderation changes nothing, and the answer says so.
+    assert any("moderation `low`" in w for w in result.model_extra["warnings"]), result.model_extra["warnings"]
 
 
 def test_openai_edits_with_references(server: Server, klein_bin: Path, tiny_bundle: Path, tmp_path: Path, repo: Path):
@@ -127,7 +140,12 @@ def test_openai_edits_with_references(server: Server, klein_bin: Path, tiny_bund
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
     with open(tmp_path / "gray.png", "rb") as a, open(tmp_path / "orient6.jpg", "rb") as b:
         result = client.images.edit(
-            image=[a, b], prompt="put them together", size="64x64", extra_body={"seed": 5, "steps": 3}
+            image=[a, b],
+            prompt="put them together",
+            size="64x64",
+            background="auto",
+            stream=False,
+            extra_body={"seed": 5, "steps": 3},
         )
     got = base64.b64decode(result.data[0].b64_json)
     # The server labels references by upload name; the CLI by the path it is given.
@@ -447,6 +465,12 @@ BAD_JSON = [
     ({"prompt": "x", "output_format": "gif"}, "output_format", 400),
     ({"prompt": "x", "output_compression": 101}, "output_compression", 400),
     ({"prompt": "x", "quality": "hd"}, "quality", 400),
+    # OpenAI's settings klein cannot honour are refused, naming them.
+    ({"prompt": "x", "background": "transparent"}, "background", 400),
+    ({"prompt": "x", "style": "vivid"}, "style", 400),
+    ({"prompt": "x", "stream": True}, "stream", 400),
+    ({"prompt": "x", "moderation": "strict"}, "moderation", 400),
+    ({"prompt": "x", "partial_images": 2}, "partial_images", 400),
     ({"prompt": "x", "negative_prompt": "blurry"}, "negative_prompt", 400),
     ({"prompt": "x", "loras": ["../../etc/passwd"]}, "loras", 400),
     ({"prompt": "x", "loras": ["/abs/style.safetensors:0.5"]}, "loras", 400),
@@ -535,6 +559,9 @@ def test_bad_edit_requests(server: Server, repo: Path):
         ([("prompt", (None, "x")), image, ("strength", (None, "much"))], "strength"),
         ([("prompt", (None, "x")), ("colour", (None, "red")), image], "colour"),
         ([("prompt", (None, "x")), ("n", (None, "two")), image], "n"),
+        ([("prompt", (None, "x")), ("stream", (None, "maybe")), image], "stream"),
+        ([("prompt", (None, "x")), ("stream", (None, "true")), image], "stream"),
+        ([("prompt", (None, "x")), ("background", (None, "transparent")), image], "background"),
         ([("prompt", (None, "x")), ("image", ("a.txt", b"plain text"))], "image"),
         ([("prompt", (None, "x"))] + [image] * 11, "image"),  # over 10 references
         ([image], "prompt"),

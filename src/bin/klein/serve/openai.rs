@@ -34,10 +34,17 @@ struct GenerationsBody {
     response_format: Option<String>,
     output_format: Option<String>,
     output_compression: Option<u64>,
-    /// OpenAI's end-user id.
+    /// OpenAI's end-user ids.
     #[allow(dead_code)] // accepted, unused
     user: Option<String>,
+    #[allow(dead_code)] // accepted, unused
+    safety_identifier: Option<String>,
     quality: Option<String>,
+    /// OpenAI's settings klein has one answer to: see [`openai_settings`].
+    background: Option<String>,
+    moderation: Option<String>,
+    style: Option<String>,
+    stream: Option<bool>,
     // klein's extensions.
     seed: Option<u64>,
     steps: Option<u64>,
@@ -53,9 +60,46 @@ pub(crate) async fn generations(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let id = request_id(&headers)?;
     let body: GenerationsBody = parse_json(body)?;
+    let notes = openai_settings(&body)?;
     let spec = spec_from(&state, body, Vec::new())?;
     let (_, output) = run_to_end(&state, spec, id).await?;
-    Ok(Json(answer(&output)))
+    Ok(Json(answer(&output, notes)))
+}
+
+/// OpenAI's fields for what klein does one way only: the values that ask for that way are
+/// accepted, the others refused naming the field (an edited image, not an ignored wish). Returns
+/// the answer's warnings for accepted fields that change nothing.
+fn openai_settings(body: &GenerationsBody) -> Result<Vec<String>, ApiError> {
+    if let Some(background) = body.background.as_deref() {
+        if !matches!(background, "auto" | "opaque") {
+            return Err(ApiError::field(
+                "background",
+                format!("background `{background}`: klein's images are opaque (no alpha channel); give auto or opaque"),
+            ));
+        }
+    }
+    if let Some(style) = body.style.as_deref() {
+        return Err(ApiError::field(
+            "style",
+            format!("style `{style}`: klein has no style presets (DALL-E 3's vivid and natural); describe the style in the prompt"),
+        ));
+    }
+    if body.stream == Some(true) {
+        return Err(ApiError::field(
+            "stream",
+            "stream: klein streams a generation's steps and previews as server-sent events on POST /v1/klein/generate/stream; give false or leave it out here",
+        ));
+    }
+    match body.moderation.as_deref() {
+        None => Ok(Vec::new()),
+        Some(level @ ("auto" | "low")) => Ok(vec![format!(
+            "moderation `{level}` changed nothing: klein moderates no prompt or image"
+        )]),
+        Some(other) => Err(ApiError::field(
+            "moderation",
+            format!("moderation `{other}`: give auto or low (klein moderates nothing at either)"),
+        )),
+    }
 }
 
 /// Checks the fields and builds the job.
@@ -122,8 +166,8 @@ pub(crate) fn check_negative_prompt(
     }
 }
 
-/// The OpenAI answer, with klein's settings beside it.
-fn answer(output: &JobOutput) -> serde_json::Value {
+/// The OpenAI answer, with klein's settings beside it; `notes`: warnings of the request's own.
+fn answer(output: &JobOutput, notes: Vec<String>) -> serde_json::Value {
     let b64 = base64::engine::general_purpose::STANDARD;
     let created = super::unix_seconds();
     let data: Vec<serde_json::Value> = output
@@ -131,6 +175,7 @@ fn answer(output: &JobOutput) -> serde_json::Value {
         .iter()
         .map(|image| serde_json::json!({ "b64_json": b64.encode(image) }))
         .collect();
+    let warnings = [notes, output.warnings.clone()].concat();
     serde_json::json!({
         "created": created,
         "data": data,
@@ -139,12 +184,12 @@ fn answer(output: &JobOutput) -> serde_json::Value {
         "height": output.height,
         "steps": output.steps,
         "guidance": output.guidance,
-        "warnings": output.warnings,
+        "warnings": warnings,
     })
 }
 
 /// Text fields of the edits form, as [`GenerationsBody`] has them.
-const TEXT_FIELDS: [&str; 13] = [
+const TEXT_FIELDS: [&str; 18] = [
     "prompt",
     "model",
     "n",
@@ -153,7 +198,12 @@ const TEXT_FIELDS: [&str; 13] = [
     "output_format",
     "output_compression",
     "user",
+    "safety_identifier",
     "quality",
+    "background",
+    "moderation",
+    "style",
+    "stream",
     "seed",
     "steps",
     "guidance",
@@ -252,6 +302,7 @@ pub(crate) async fn edits(
         body.insert("loras".into(), serde_json::json!(loras));
     }
     let body: GenerationsBody = super::parse_value(serde_json::Value::Object(body))?;
+    let notes = openai_settings(&body)?;
     // With a mask (or a strength), the first image is the one edited, the others references.
     let inpaint = (mask.is_some() || strength.is_some()).then(|| InpaintUpload {
         source: references.remove(0),
@@ -262,7 +313,7 @@ pub(crate) async fn edits(
     let mut spec = spec_from(&state, body, references)?;
     spec.inpaint = inpaint;
     let (_, output) = run_to_end(&state, spec, id).await?;
-    Ok(Json(answer(&output)))
+    Ok(Json(answer(&output, notes)))
 }
 
 /// A form field's text as the JSON value the body's type takes: numbers for the numeric fields.
@@ -296,6 +347,14 @@ fn form_value(name: &str, value: String) -> Result<serde_json::Value, ApiError> 
                     ),
                 )
             }),
+        "stream" => match value.trim() {
+            "true" => Ok(serde_json::Value::Bool(true)),
+            "false" => Ok(serde_json::Value::Bool(false)),
+            _ => Err(ApiError::field(
+                name,
+                format!("stream `{value}`: give false (or true)"),
+            )),
+        },
         _ => Ok(serde_json::Value::String(value)),
     }
 }
