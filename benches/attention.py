@@ -3,7 +3,8 @@
 The transformer of fp16 bundles runs its attention in float16 (export/klein_export/fused_attention.py,
 `half`): this measures what that costs on the CPU, where fp16 bundles can also run. A synthetic
 one-node graph per dtype, query/key/value [1, tokens, heads*dim] of random values, one untimed run,
-then the median of `--reps` runs.
+then the median of `--reps` runs. The float32 rate (4 tokens^2 heads dim operations) compares
+with `benches/products.py`'s fp32 MatMul on the same host.
 
     python benches/attention.py --tokens 1536 --tokens 4608 [--heads 24 --dim 128 --threads 2 --reps 3]
 """
@@ -57,7 +58,11 @@ def main() -> None:
     a = p.parse_args()
     for tokens in a.tokens or [1536, 4608]:
         s = {d: seconds(d, tokens, a.heads, a.dim, a.threads, a.reps) for d in DTYPES}
-        print(f"{tokens} tokens: fp32 {s['fp32']:.3f} s, fp16 {s['fp16']:.3f} s ({s['fp16'] / s['fp32']:.2f}x)")
+        flops = 4 * tokens * tokens * a.heads * a.dim  # Q K^T and P V, 2 operations per multiply-add
+        print(
+            f"{tokens} tokens: fp32 {s['fp32']:.3f} s ({flops / s['fp32'] / 1e9:.1f} GFLOP/s), "
+            f"fp16 {s['fp16']:.3f} s ({s['fp16'] / s['fp32']:.2f}x)"
+        )
 
 
 if __name__ == "__main__":
