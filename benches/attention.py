@@ -60,7 +60,7 @@ def main() -> None:
         s = {d: seconds(d, tokens, a.heads, a.dim, a.threads, a.reps) for d in DTYPES}
         flops = 4 * tokens * tokens * a.heads * a.dim  # Q K^T and P V, 2 operations per multiply-add
         print(
-            f"{tokens} tokens: fp32 {s['fp32']:.3f} s ({flops / s['fp32'] / 1e9:.1f} GFLOP/s), "
+            f"{tokens} tokens: fp32 {s['fp32']:.3f} s ({flops / s['fp32'] / 1e9:.1f} GOP/s), "
             f"fp16 {s['fp16']:.3f} s ({s['fp16'] / s['fp32']:.2f}x)"
         )
 

@@ -565,6 +565,9 @@ pub(crate) fn valid_numbers(field: &str) -> Option<String> {
         "padding_mask_crop" => format!("a whole number of pixels, 0 to {MAX_SIDE}"),
         "output_compression" | "quality" => "a whole number, 1 to 100".to_string(),
         "preview_every" => "a whole number of steps, 1 or more".to_string(),
+        "partial_images" => {
+            "0 (partial images come with stream, which OpenAI's routes do not do here)".to_string()
+        }
         _ => return None,
     })
 }

@@ -45,6 +45,7 @@ struct GenerationsBody {
     moderation: Option<String>,
     style: Option<String>,
     stream: Option<bool>,
+    partial_images: Option<u64>,
     // klein's extensions.
     seed: Option<u64>,
     steps: Option<u64>,
@@ -66,6 +67,9 @@ pub(crate) async fn generations(
     Ok(Json(answer(&output, notes)))
 }
 
+/// Where a client that asked OpenAI's route to stream is sent.
+const STREAM_ELSEWHERE: &str = "klein streams a generation's steps and previews as server-sent events on POST /v1/klein/generate/stream (its JSON body as POST /v1/klein/generate's: width, height, num_images...); give stream false or leave it out here";
+
 /// OpenAI's fields for what klein does one way only: the values that ask for that way are
 /// accepted, the others refused naming the field (an edited image, not an ignored wish). Returns
 /// the answer's warnings for accepted fields that change nothing.
@@ -85,9 +89,12 @@ fn openai_settings(body: &GenerationsBody) -> Result<Vec<String>, ApiError> {
         ));
     }
     if body.stream == Some(true) {
+        return Err(ApiError::field("stream", STREAM_ELSEWHERE));
+    }
+    if let Some(n @ 1..) = body.partial_images {
         return Err(ApiError::field(
-            "stream",
-            "stream: klein streams a generation's steps and previews as server-sent events on POST /v1/klein/generate/stream; give false or leave it out here",
+            "partial_images",
+            format!("partial_images {n}: partial images come with stream, which this route does not do; {STREAM_ELSEWHERE}"),
         ));
     }
     match body.moderation.as_deref() {
@@ -189,7 +196,7 @@ fn answer(output: &JobOutput, notes: Vec<String>) -> serde_json::Value {
 }
 
 /// Text fields of the edits form, as [`GenerationsBody`] has them.
-const TEXT_FIELDS: [&str; 18] = [
+const TEXT_FIELDS: [&str; 19] = [
     "prompt",
     "model",
     "n",
@@ -204,6 +211,7 @@ const TEXT_FIELDS: [&str; 18] = [
     "moderation",
     "style",
     "stream",
+    "partial_images",
     "seed",
     "steps",
     "guidance",
@@ -236,6 +244,7 @@ pub(crate) async fn edits(
     let mut references = Vec::new();
     let mut mask = None;
     let mut strength = None;
+    let mut fidelity = None;
     while let Some(field) = form.next_field().await.map_err(multipart_error)? {
         let name = field.name().unwrap_or_default().to_string();
         match name.as_str() {
@@ -273,6 +282,12 @@ pub(crate) async fn edits(
                 })?;
                 strength = check_strength(Some(parsed))?;
             }
+            "input_fidelity" => {
+                if fidelity.is_some() {
+                    return Err(ApiError::field("input_fidelity", "duplicate field `input_fidelity`"));
+                }
+                fidelity = Some(check_fidelity(field.text().await.map_err(multipart_error)?)?);
+            }
             "loras" | "loras[]" => loras.push(field.text().await.map_err(multipart_error)?),
             text if TEXT_FIELDS.contains(&text) => {
                 // As the JSON routes: a second value is refused, not the last one taken.
@@ -285,7 +300,7 @@ pub(crate) async fn edits(
             other => {
                 return Err(ApiError::field(
                     other,
-                    format!("unknown field `{}`; the form takes image[] (files), mask (a PNG, transparent where to edit), strength, loras (one field per LoRA), and {}", other.chars().take(40).collect::<String>(), TEXT_FIELDS.join(", ")),
+                    format!("unknown field `{}`; the form takes image[] (files), mask (a PNG, transparent where to edit), strength, input_fidelity, loras (one field per LoRA), and {}", other.chars().take(40).collect::<String>(), TEXT_FIELDS.join(", ")),
                 ))
             }
         }
@@ -302,7 +317,8 @@ pub(crate) async fn edits(
         body.insert("loras".into(), serde_json::json!(loras));
     }
     let body: GenerationsBody = super::parse_value(serde_json::Value::Object(body))?;
-    let notes = openai_settings(&body)?;
+    let mut notes = openai_settings(&body)?;
+    notes.extend(fidelity);
     // With a mask (or a strength), the first image is the one edited, the others references.
     let inpaint = (mask.is_some() || strength.is_some()).then(|| InpaintUpload {
         source: references.remove(0),
@@ -316,10 +332,24 @@ pub(crate) async fn edits(
     Ok(Json(answer(&output, notes)))
 }
 
+/// OpenAI's `input_fidelity` of edits: `high` or `low`, the answer's warning for either (klein's
+/// model reads its images one way).
+fn check_fidelity(value: String) -> Result<String, ApiError> {
+    match value.trim() {
+        level @ ("high" | "low") => Ok(format!(
+            "input_fidelity `{level}` changed nothing: klein's model reads its images one way"
+        )),
+        other => Err(ApiError::field(
+            "input_fidelity",
+            format!("input_fidelity `{other}`: give high or low (klein reads its images one way at either)"),
+        )),
+    }
+}
+
 /// A form field's text as the JSON value the body's type takes: numbers for the numeric fields.
 fn form_value(name: &str, value: String) -> Result<serde_json::Value, ApiError> {
     match name {
-        "n" | "output_compression" | "seed" | "steps" => value
+        "n" | "output_compression" | "partial_images" | "seed" | "steps" => value
             .trim()
             .parse::<u64>()
             .map(serde_json::Value::from)
@@ -350,9 +380,9 @@ fn form_value(name: &str, value: String) -> Result<serde_json::Value, ApiError> 
         "stream" => match value.trim() {
             "true" => Ok(serde_json::Value::Bool(true)),
             "false" => Ok(serde_json::Value::Bool(false)),
-            _ => Err(ApiError::field(
+            other => Err(ApiError::field(
                 name,
-                format!("stream `{value}`: give false (or true)"),
+                format!("stream `{other}`: give false ({STREAM_ELSEWHERE})"),
             )),
         },
         _ => Ok(serde_json::Value::String(value)),
