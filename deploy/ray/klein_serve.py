@@ -56,14 +56,25 @@ FIELDS = (
     "response_format",
     "output_format",
     "user",
+    "safety_identifier",
     "quality",
+    "background",
+    "moderation",
+    "style",
+    "stream",
+    "partial_images",
     "negative_prompt",
     "seed",
     "steps",
     "guidance",
 )
 #: The numbers of an edits form, parsed from their text.
-INTEGER_FIELDS = ("n", "seed", "steps")
+INTEGER_FIELDS = ("n", "seed", "steps", "partial_images")
+#: Where a client that asked OpenAI's routes to stream is sent (as ``klein serve`` says it).
+STREAM_ELSEWHERE = (
+    "this deployment answers each request whole; give stream false or leave it out (klein serve streams "
+    "steps and previews on POST /v1/klein/generate/stream)"
+)
 #: ``klein.InvalidInputError.param`` (the Python argument) as the request's field: the source
 #: and the references are both ``image`` fields of the edit form.
 PARAMS = {
@@ -114,6 +125,8 @@ class Job:
     #: Where to repaint: OpenAI's mask as uploaded (transparent pixels); None: img2img.
     mask: klein.EncodedImage | None = None
     strength: float | None = None
+    #: The answer's warnings of the request's own (settings that change nothing).
+    notes: list[str] = field(default_factory=list)
 
 
 def _integer(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
@@ -175,6 +188,7 @@ def check_request(body: dict[str, Any], references: list[klein.EncodedImage]) ->
             "denoising",
             "quality",
         )
+    notes = _openai_settings(body)
     guidance = body.get("guidance")
     if guidance is not None and (
         isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not 0 <= guidance <= klein.MAX_GUIDANCE
@@ -192,7 +206,53 @@ def check_request(body: dict[str, Any], references: list[klein.EncodedImage]) ->
         guidance=None if guidance is None else float(guidance),
         negative_prompt=body.get("negative_prompt"),
         references=references,
+        notes=notes,
     )
+
+
+def _openai_settings(body: dict[str, Any]) -> list[str]:
+    """OpenAI's fields for what klein does one way only, as ``klein serve`` takes them: the values
+    that ask for that way accepted, the others refused naming the field; returns the warnings of
+    accepted fields that change nothing."""
+    if body.get("safety_identifier") is not None and not isinstance(body["safety_identifier"], str):
+        raise ApiError("safety_identifier must be a string", "safety_identifier")
+    if body.get("background") not in (None, "auto", "opaque"):
+        raise ApiError(
+            f"background {json.dumps(body['background'])}: klein's images are opaque (no alpha channel); give auto "
+            "or opaque",
+            "background",
+        )
+    if body.get("style") is not None:
+        raise ApiError(
+            f"style {json.dumps(body['style'])}: klein has no style presets (DALL-E 3's vivid and natural); describe "
+            "the style in the prompt",
+            "style",
+        )
+    if body.get("stream") not in (None, False):
+        raise ApiError(f"stream {json.dumps(body['stream'])}: {STREAM_ELSEWHERE}", "stream")
+    partial = _integer(body, "partial_images", 0, 2**31)
+    if partial:
+        raise ApiError(
+            f"partial_images {partial}: partial images come with stream; {STREAM_ELSEWHERE}", "partial_images"
+        )
+    moderation = body.get("moderation")
+    if moderation is None:
+        return []
+    if moderation not in ("auto", "low"):
+        raise ApiError(
+            f"moderation {json.dumps(moderation)}: give auto or low (klein moderates nothing at either)", "moderation"
+        )
+    return [f"moderation `{moderation}` changed nothing: klein moderates no prompt or image"]
+
+
+def _fidelity(text: str) -> str:
+    """OpenAI's ``input_fidelity`` of edits (high or low) as the answer's warning: klein reads its
+    images one way."""
+    if text.strip() not in ("high", "low"):
+        raise ApiError(
+            f"input_fidelity `{text}`: give high or low (klein reads its images one way at either)", "input_fidelity"
+        )
+    return f"input_fidelity `{text.strip()}` changed nothing: klein's model reads its images one way"
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
@@ -215,6 +275,7 @@ class EditForm:
     images: list[klein.EncodedImage] = field(default_factory=list)
     mask: klein.EncodedImage | None = None
     strength: float | None = None
+    fidelity: str | None = None
 
 
 def _strength(text: str) -> float:
@@ -251,6 +312,10 @@ async def _edit_form(request: Request) -> EditForm:
                 if not isinstance(value, str):
                     raise ApiError("strength must be a text field", name)
                 edit.strength = _strength(value)
+            elif name == "input_fidelity":
+                if not isinstance(value, str):
+                    raise ApiError("input_fidelity must be a text field", name)
+                edit.fidelity = _fidelity(value)
             elif name in ("image", "image[]"):
                 if not isinstance(value, UploadFile):
                     raise ApiError(f"{name} must be a file", name)
@@ -263,7 +328,7 @@ async def _edit_form(request: Request) -> EditForm:
             else:
                 raise ApiError(
                     f"unknown field `{name}`; the form takes image[] (files), mask (a PNG, transparent where to edit), "
-                    f"strength and {', '.join(FIELDS)}",
+                    f"strength, input_fidelity and {', '.join(FIELDS)}",
                     name,
                 )
     finally:
@@ -282,6 +347,8 @@ async def _generations_job(request: Request) -> Job:
 async def _edits_job(request: Request) -> Job:
     edit = await _edit_form(request)
     job = check_request(edit.body, edit.images)
+    if edit.fidelity is not None:
+        job.notes.append(edit.fidelity)
     # With a mask (or a strength), the first image is the one edited, the others references.
     if edit.mask is not None or edit.strength is not None:
         job.source = job.references.pop(0)
@@ -295,6 +362,10 @@ def _form_value(name: str, text: str) -> Any:
         if not text.strip().isdigit():
             raise ApiError(f"{name} `{text}`: give a whole number", name)
         return int(text)
+    if name == "stream":
+        if text.strip() not in ("true", "false"):
+            raise ApiError(f"stream `{text}`: give false ({STREAM_ELSEWHERE})", name)
+        return text.strip() == "true"
     if name == "guidance":
         try:
             if not text.isascii() or "_" in text:  # as klein serve parses numbers
@@ -390,6 +461,8 @@ class KleinDeployment:
             "height": out.height,
             "steps": out.steps,
             "guidance": out.guidance,
+            # The request's own (the pipeline's go to Python's warnings, as klein.KleinWarning).
+            "warnings": job.notes,
         }
 
 

@@ -236,6 +236,38 @@ def test_openai_api_errors(serve_url, expected):
     assert bad.json()["error"]["param"] == "image", bad.text
 
 
+def test_openai_settings_as_klein_serve_takes_them(serve_url, expected):
+    """OpenAI's settings klein does one way: those values taken (moderation and input_fidelity with
+    a warning), the others refused with the reason, naming the field, on both routes."""
+    url = serve_url
+    body = {"prompt": "a fox", "size": "64x64", "steps": 1, "seed": 3, "background": "opaque", "stream": False}
+    body |= {"moderation": "low", "partial_images": 0, "safety_identifier": "user-7", "quality": "auto"}
+    r = requests.post(f"{url}/v1/images/generations", json=body, timeout=HTTP_TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert any("moderation `low`" in w for w in r.json()["warnings"]), r.json()["warnings"]
+    form = {"prompt": "a fox", "size": "64x64", "steps": "1", "stream": "false", "input_fidelity": "high"}
+    reference = ("image[]", ("ref.png", expected["ref.png"], "image/png"))
+    r = requests.post(f"{url}/v1/images/edits", files=[reference], data=form, timeout=HTTP_TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert any("input_fidelity `high`" in w for w in r.json()["warnings"]), r.json()["warnings"]
+    for field, value, reason in (
+        ("background", "transparent", "no alpha"),
+        ("style", "vivid", "no style presets"),
+        ("stream", True, "stream false"),
+        ("partial_images", 2, "stream"),
+        ("moderation", "strict", "auto or low"),
+    ):
+        r = requests.post(f"{url}/v1/images/generations", json={"prompt": "a fox", field: value}, timeout=60)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == field and reason in error["message"], r.text
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        r = requests.post(
+            f"{url}/v1/images/edits", files=[reference], data={"prompt": "a fox", field: text}, timeout=60
+        )
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == field and reason in error["message"], r.text
+
+
 def png(image: Image.Image) -> bytes:
     out = io.BytesIO()
     image.save(out, "PNG")
