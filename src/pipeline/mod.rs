@@ -247,7 +247,9 @@ impl Pipeline {
     /// Problems met since the last call that did not stop the work (a prompt-cache entry that was
     /// rejected, a cache that could not be written, guidance given to a distilled model), oldest
     /// first. The library never prints: an app shows or logs them. At most 64 are kept between
-    /// two calls: older ones are dropped, and a first warning says how many.
+    /// two calls: older ones are dropped, and a first warning says how many. A generation that
+    /// fails leaves none of its own (they would read as the next generation's): its error says
+    /// what went wrong.
     pub fn take_warnings(&mut self) -> Vec<String> {
         let taken = self.graphs.take_warnings();
         self.warnings.extend(taken);
@@ -657,6 +659,7 @@ impl Pipeline {
         mut progress: Option<&mut ProgressFn<'_>>,
     ) -> Result<Generation> {
         let mut timings = Timings::new();
+        let mark = self.warnings.mark();
         let generation = {
             let mut on_event = |event: Progress| {
                 if let Progress::StageFinished(stage, elapsed) = event {
@@ -667,7 +670,11 @@ impl Pipeline {
                     None => ControlFlow::Continue(()),
                 }
             };
-            self.run_stages(request, &mut on_event)?
+            let run = self.run_stages(request, &mut on_event);
+            if run.is_err() {
+                self.warnings.forget_since(mark);
+            }
+            run?
         };
         Ok(Generation {
             timings,

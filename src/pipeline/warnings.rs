@@ -12,6 +12,8 @@ pub(crate) struct Warnings {
     kept: VecDeque<String>,
     /// How many older ones were dropped since the last take.
     dropped: usize,
+    /// How many were pushed, ever: [`Warnings::mark`].
+    pushed: usize,
 }
 
 impl Warnings {
@@ -21,6 +23,20 @@ impl Warnings {
             self.dropped += 1;
         }
         self.kept.push_back(warning);
+        self.pushed += 1;
+    }
+
+    /// Where the list stands now, for [`Warnings::forget_since`].
+    pub(crate) fn mark(&self) -> usize {
+        self.pushed
+    }
+
+    /// Forgets the warnings pushed since `mark` (those of a generation that failed: the next
+    /// take would give them as the next generation's).
+    pub(crate) fn forget_since(&mut self, mark: usize) {
+        let newer = self.pushed.saturating_sub(mark).min(self.kept.len());
+        self.kept.truncate(self.kept.len() - newer);
+        self.pushed = mark;
     }
 
     pub(crate) fn extend(&mut self, warnings: impl IntoIterator<Item = String>) {
@@ -67,5 +83,21 @@ mod tests {
             warnings.take().is_empty(),
             "taking empties the list and the count"
         );
+    }
+
+    #[test]
+    fn forgets_what_was_pushed_since_a_mark() {
+        let mut warnings = Warnings::default();
+        warnings.push("before".into());
+        let mark = warnings.mark();
+        warnings.extend(["during 1".to_string(), "during 2".to_string()]);
+        warnings.forget_since(mark);
+        warnings.push("after".into());
+        assert_eq!(warnings.take(), ["before", "after"]);
+        // A mark taken before a take still forgets only what came after it.
+        let mark = warnings.mark();
+        warnings.push("failed".into());
+        warnings.forget_since(mark);
+        assert!(warnings.take().is_empty());
     }
 }

@@ -10,7 +10,9 @@ use crate::util::tiny_pipeline;
 
 /// For each cancel point (after denoising step 1 of 2; when decoding starts): the generation
 /// returns `Cancelled` and no event after the cancel point reaches the callback; the next
-/// generation on the same pipeline equals, byte for byte, that of a freshly loaded pipeline.
+/// generation on the same pipeline equals, byte for byte, that of a freshly loaded pipeline, and
+/// its warnings are its own: not those the cancelled generation met (guidance given to the
+/// distilled tiny model, which warns at the start).
 #[test]
 fn cancelled_generation_leaves_pipeline_usable() {
     let request = Request::new("a red fox in the snow")
@@ -34,7 +36,8 @@ fn cancelled_generation_leaves_pipeline_usable() {
                 ControlFlow::Continue(())
             }
         };
-        let result = pipeline.generate(&request, Some(&mut callback));
+        let guided = request.clone().with_guidance(5.0);
+        let result = pipeline.generate(&guided, Some(&mut callback));
         assert!(
             matches!(result, Err(KleinError::Cancelled)),
             "cancel at {cancel_at:?}: expected Cancelled, got {result:?}"
@@ -46,6 +49,11 @@ fn cancelled_generation_leaves_pipeline_usable() {
         );
 
         let again = pipeline.generate(&request, None).unwrap();
+        let warnings = pipeline.take_warnings();
+        assert!(
+            warnings.is_empty(),
+            "cancel at {cancel_at:?}: the next generation's warnings: {warnings:?}"
+        );
         assert_eq!(again.images.len(), 1);
         assert!(
             again.images == fresh.images,
