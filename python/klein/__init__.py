@@ -40,6 +40,7 @@ from PIL import Image
 
 from . import _klein
 from ._klein import (
+    DEVICES,
     MAX_BATCH,
     MAX_GUIDANCE,
     MAX_PROMPT_BYTES,
@@ -53,6 +54,7 @@ from ._klein import (
 )
 
 __all__ = [
+    "DEVICES",
     "MAX_BATCH",
     "MAX_GUIDANCE",
     "MAX_PROMPT_BYTES",

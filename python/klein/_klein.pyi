@@ -16,6 +16,9 @@ MAX_REFERENCES: int
 MAX_THREADS: int
 """Most threads per operator."""
 MAX_PROMPT_BYTES: int
+DEVICES: tuple[str, ...]
+"""The kinds of device this build can run on, in the order ``device="auto"`` tries them: ``cuda``
+and ``coreml`` where compiled in, then ``cpu``."""
 
 class KleinError(Exception):
     """An error of klein (the message names the file, field or stage)."""

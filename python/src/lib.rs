@@ -789,6 +789,20 @@ impl PyPipeline {
     }
 }
 
+/// The kinds of device this build can run on, in the order `device="auto"` tries them: `cuda`
+/// and `coreml` where compiled in (their cargo features), then `cpu`. Whether the machine has
+/// the device is known only when a pipeline loads on it.
+fn device_kinds() -> Vec<&'static str> {
+    Device::auto_candidates()
+        .iter()
+        .map(|device| match device {
+            Device::Cuda(_) => "cuda",
+            Device::CoreMl => "coreml",
+            _ => "cpu",
+        })
+        .collect()
+}
+
 /// The version of the klein library this module was built with.
 #[pyfunction]
 fn version() -> &'static str {
@@ -813,5 +827,6 @@ fn _klein(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_REFERENCES", limits::MAX_REFERENCES)?;
     m.add("MAX_PROMPT_BYTES", limits::MAX_PROMPT_BYTES)?;
     m.add("MAX_THREADS", limits::MAX_THREADS)?;
+    m.add("DEVICES", PyTuple::new(py, device_kinds())?)?;
     Ok(())
 }
