@@ -159,19 +159,14 @@ pub fn init(options: RuntimeOptions) -> Result<&'static RuntimeInfo> {
     let path = std::path::absolute(&path).unwrap_or(path);
     // Before `ort` commits the process to this file: a file that is no ONNX Runtime is refused
     // with nothing loaded for good.
-    let version = library_version(&path).map_err(|why| {
+    let not_loaded = |why: String| {
         KleinError::RuntimeLibrary(format!(
             "{} ({source}) could not be loaded: {why}. {HOW_TO_PROVIDE}",
             path.display()
         ))
-    })?;
-    let builder = ort::init_from(&path).map_err(|e| {
-        KleinError::RuntimeLibrary(format!(
-            "{} ({source}) could not be loaded: {}. {HOW_TO_PROVIDE}",
-            path.display(),
-            error_chain(&e)
-        ))
-    })?;
+    };
+    let version = library_version(&path).map_err(not_loaded)?;
+    let builder = ort::init_from(&path).map_err(|e| not_loaded(error_chain(&e)))?;
     let logger: ort::logging::LoggerFunction =
         Arc::new(move |level, _category, _id, _location, message| {
             let level = match level {
