@@ -793,14 +793,7 @@ impl PyPipeline {
 /// and `coreml` where compiled in (their cargo features), then `cpu`. Whether the machine has
 /// the device is known only when a pipeline loads on it.
 fn device_kinds() -> Vec<&'static str> {
-    Device::auto_candidates()
-        .iter()
-        .map(|device| match device {
-            Device::Cuda(_) => "cuda",
-            Device::CoreMl => "coreml",
-            _ => "cpu",
-        })
-        .collect()
+    Device::auto_candidates().iter().map(Device::kind).collect()
 }
 
 /// The version of the klein library this module was built with.

@@ -26,6 +26,16 @@ pub enum Device {
 }
 
 impl Device {
+    /// The kind of device, as `--device` names it: `cpu`, `cuda`, `coreml` or `auto`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Cuda(_) => "cuda",
+            Device::CoreMl => "coreml",
+            Device::Auto => "auto",
+        }
+    }
+
     /// ONNX Runtime's name of the execution provider, for reports (`"auto"` for [`Device::Auto`]).
     pub fn ep_name(&self) -> &'static str {
         match self {
@@ -74,10 +84,8 @@ impl Device {
 impl fmt::Display for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Device::Cpu => f.write_str("cpu"),
             Device::Cuda(id) => write!(f, "cuda:{id}"),
-            Device::CoreMl => f.write_str("coreml"),
-            Device::Auto => f.write_str("auto"),
+            _ => f.write_str(self.kind()),
         }
     }
 }
