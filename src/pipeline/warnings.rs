@@ -12,8 +12,13 @@ pub(crate) struct Warnings {
     kept: VecDeque<String>,
     /// How many older ones were dropped since the last take.
     dropped: usize,
-    /// How many were pushed, ever: [`Warnings::mark`].
-    pushed: usize,
+}
+
+/// Where the list stood at [`Warnings::mark`]: what [`Warnings::forget_since`] goes back to.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Mark {
+    kept: usize,
+    dropped: usize,
 }
 
 impl Warnings {
@@ -23,20 +28,25 @@ impl Warnings {
             self.dropped += 1;
         }
         self.kept.push_back(warning);
-        self.pushed += 1;
     }
 
     /// Where the list stands now, for [`Warnings::forget_since`].
-    pub(crate) fn mark(&self) -> usize {
-        self.pushed
+    pub(crate) fn mark(&self) -> Mark {
+        Mark {
+            kept: self.kept.len(),
+            dropped: self.dropped,
+        }
     }
 
     /// Forgets the warnings pushed since `mark` (those of a generation that failed: the next
-    /// take would give them as the next generation's).
-    pub(crate) fn forget_since(&mut self, mark: usize) {
-        let newer = self.pushed.saturating_sub(mark).min(self.kept.len());
-        self.kept.truncate(self.kept.len() - newer);
-        self.pushed = mark;
+    /// take would give them as the next generation's), with no take in between. Drops since the
+    /// mark stay counted only where they dropped a warning kept at the mark (those went first);
+    /// the forgotten warnings' own drops are not counted.
+    pub(crate) fn forget_since(&mut self, mark: Mark) {
+        let since = self.dropped.saturating_sub(mark.dropped);
+        let earlier_dropped = since.min(mark.kept);
+        self.kept.truncate(mark.kept - earlier_dropped);
+        self.dropped = mark.dropped + earlier_dropped;
     }
 
     pub(crate) fn extend(&mut self, warnings: impl IntoIterator<Item = String>) {
@@ -99,5 +109,42 @@ mod tests {
         warnings.push("failed".into());
         warnings.forget_since(mark);
         assert!(warnings.take().is_empty());
+    }
+
+    #[test]
+    fn counts_only_the_earlier_warnings_that_forgotten_ones_dropped() {
+        let mut warnings = Warnings::default();
+        // More than are kept, all forgotten: nothing of the app's was dropped.
+        let mark = warnings.mark();
+        warnings.extend((0..MAX_KEPT + 36).map(|i| format!("failed {i}")));
+        warnings.forget_since(mark);
+        assert!(warnings.take().is_empty(), "no note of drops");
+        // 60 kept, then 10 forgotten ones drop 6 of them: those 6 stay counted.
+        warnings.extend((0..60).map(|i| format!("w{i}")));
+        let mark = warnings.mark();
+        warnings.extend((0..10).map(|i| format!("failed {i}")));
+        warnings.forget_since(mark);
+        let taken = warnings.take();
+        assert_eq!(taken.len(), 55, "{taken:?}");
+        assert!(
+            taken[0].starts_with("6 earlier warning(s) dropped"),
+            "{}",
+            taken[0]
+        );
+        assert_eq!(taken[1], "w6");
+        assert_eq!(taken[54], "w59");
+        // Drops counted before the mark stay counted.
+        warnings.extend((0..MAX_KEPT + 2).map(|i| format!("w{i}")));
+        let mark = warnings.mark();
+        warnings.extend((0..3).map(|i| format!("failed {i}")));
+        warnings.forget_since(mark);
+        let taken = warnings.take();
+        assert!(
+            taken[0].starts_with("5 earlier warning(s) dropped"),
+            "{}",
+            taken[0]
+        );
+        assert_eq!(taken.len(), MAX_KEPT - 3 + 1);
+        assert_eq!(taken[1], "w5");
     }
 }
