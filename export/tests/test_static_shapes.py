@@ -12,6 +12,7 @@ the dynamic bundle's in at most 1% of pixels, the tolerance of every fp32 compar
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from PIL import Image
+from safetensors.numpy import load_file, save_file
 
 from klein_export.cache_key import KEY, stamp
 from klein_export.cli import main
@@ -170,6 +172,31 @@ def test_klein_runs_each_bucket_as_the_dynamic_bundle(static_bundle, tiny_bundle
         pixels = float((diff > 0).any(axis=-1).mean())
         print(f"{width}x{height} image {i}: max diff {diff.max()}, {100 * pixels:.2f}% of pixels differ")
         assert diff.max() <= 1 and pixels <= 0.01, (diff.max(), pixels)
+
+
+def test_non_finite_latents_are_counted_over_every_chunk(tiny_checkpoint, tmp_path):
+    """Static graphs denoise one image per call, so `--num-images 2` runs in two chunks: the
+    warning about non-finite latents must count both (one warning, 2 x 2048 values at 64x64), and
+    the images are still written, as diffusers would. The overflow is the LoRA test's (tests/it/
+    lora.rs): one `to_q` filled with 1.58e38, within float32, whose products are not; static bundles
+    refuse LoRAs, so here it is the checkpoint's own weight."""
+    checkpoint = tmp_path / "overflowing-ckpt"
+    shutil.copytree(tiny_checkpoint, checkpoint)
+    weights = checkpoint / "transformer" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(weights)
+    to_q = "transformer_blocks.0.attn.to_q.weight"
+    tensors[to_q] = np.full_like(tensors[to_q], 1.58e38)
+    save_file(tensors, weights)
+    bundle = convert(checkpoint, tmp_path / "bundle", variant="tiny", static_shapes="64x64", refs=1, log=lambda _: None)
+    ref = tmp_path / "ref.png"
+    Image.new("RGB", (64, 64), (90, 140, 200)).save(ref)
+    out = tmp_path / "out.png"
+    args = ["--width", 64, "--height", 64, "--steps", 1, "--seed", 1, "--ref", ref, "--num-images", 2]
+    run = _klein("generate", "a fox", "-m", bundle, "-o", out, *args)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.count("denoised latent values are not finite") == 1, run.stderr
+    assert "4096 of 4096 denoised latent values are not finite" in run.stderr, run.stderr
+    assert all((tmp_path / f"out-{i}.png").is_file() for i in (1, 2))
 
 
 def test_klein_refuses_a_size_or_reference_count_outside_the_buckets(static_bundle, tmp_path):
