@@ -514,7 +514,7 @@ pub(crate) fn check_session(session: &SessionConfig) -> Result<()> {
 
 /// Output size in pixels for a request: explicit, else the first reference's, else the bundle's
 /// default; floored to the latent multiple (16), as the reference pipeline does.
-pub(crate) fn output_size(manifest: &Manifest, request: &Request) -> Result<(u32, u32)> {
+pub fn output_size(manifest: &Manifest, request: &Request) -> Result<(u32, u32)> {
     let first = request.conditioning_images().next();
     let width = request
         .width

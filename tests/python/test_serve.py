@@ -396,6 +396,30 @@ def test_queued_requests_can_be_cancelled_and_a_full_queue_answers_429(klein_bin
         assert s.stop() == 0
 
 
+def test_over_max_pixels_is_refused_before_the_queue(klein_bin: Path, tiny_bundle: Path):
+    """A request whose body alone is over `--max-pixels` gets its 400 while the pipeline is busy
+    and the queue full, not a 429 that says to retry it (nor a wait in the queue); OpenAI's
+    `output_compression` takes 0 (its range is 0 to 100)."""
+    s = Server(klein_bin, tiny_bundle, "--queue", "1", "--max-pixels", "16384")
+    try:
+        running = stream(s, LONG, headers={"X-Request-Id": "long-2"})
+        assert [next(running)[0], next(running)[0]] == ["queued", "started"]
+        queued = stream(s, {"prompt": "waits", "width": 64, "height": 64}, headers={"X-Request-Id": "q-2"})
+        assert next(queued)[0] == "queued"
+        body = {"prompt": "x", "size": "128x128", "n": 2}  # 32768 pixels
+        err = error_of(httpx.post(f"{s.url}/v1/images/generations", json=body, timeout=10), 400)
+        assert err["param"] == "size" and "--max-pixels" in err["message"], err
+        assert httpx.delete(f"{s.url}/v1/klein/jobs/long-2").status_code == 204
+        list(running)
+        list(queued)
+        body = {"prompt": "x", "size": "64x64", "steps": 1, "output_format": "jpeg", "output_compression": 0}
+        r = httpx.post(f"{s.url}/v1/images/generations", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert base64.b64decode(r.json()["data"][0]["b64_json"])[:2] == b"\xff\xd8"
+    finally:
+        assert s.stop() == 0
+
+
 def test_timeout_cancels_with_504(klein_bin: Path, tiny_bundle: Path):
     s = Server(klein_bin, tiny_bundle, "--timeout", "1")
     try:
@@ -472,6 +496,10 @@ BAD_JSON = [
     ({"prompt": "x", "loras": ["/abs/style.safetensors:0.5"]}, "loras", 400),
     ({"prompt": "x" * 70000}, "prompt", 400),  # over the prompt bound
     ({"prompt": "x", "size": "2304x2304"}, "size", 400),  # over the token budget
+    # Only whitespace may follow the object: a second one (and its n) is not ignored.
+    (b'{"prompt": "x", "size": "64x64"}{"prompt": "y", "n": 99}', None, 400),
+    (b'{"prompt": "x", "size": "64x64"} trailing', None, 400),
+    ({"prompt": "x", "loras": ["a"] * 17}, "loras", 400),  # refused at the 17th, before any is resolved
 ]
 
 
@@ -594,6 +622,9 @@ def test_bad_edit_requests(server: Server, repo: Path):
         ([("prompt", (None, "x")), ("image", ("a.txt", b"plain text"))], "image"),
         ([("prompt", (None, "x"))] + [image] * 11, "image"),  # over 10 references
         ([image], "prompt"),
+        # A file, or bytes that are not UTF-8, where text belongs: not read with replacement characters.
+        ([("prompt", ("p.png", png)), image], "prompt"),
+        ([("prompt", (None, b"\xff\xfe")), image], "prompt"),
     ]
     for parts, param in cases:
         err = error_of(httpx.post(url, files=parts, timeout=60), 400)

@@ -1,13 +1,13 @@
 //! The bounded queue between the HTTP handlers and the pipelines: a job is submitted (or refused
 //! with 429 when the queue is full), runs on the first free pipeline, and reports its progress
 //! and result on its own channel. A job is cancelled by its handle's drop (the client went away),
-//! by `DELETE /v1/klein/jobs/{id}`, or by the timeout; a cancelled job that has not started is
-//! skipped, and one that runs stops at the next step or stage.
-use std::collections::HashMap;
+//! by `DELETE /v1/klein/jobs/{id}`, or by the timeout; a cancelled job that has not started
+//! leaves the queue at once (its slot is free for the next client), and one that runs stops at
+//! the next step or stage.
+use std::collections::{HashMap, VecDeque};
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
 use klein::pipeline::LoraSpec;
@@ -106,18 +106,26 @@ pub(crate) enum JobEvent {
 
 /// A queued job, as a pipeline's worker receives it.
 pub(crate) struct Job {
+    id: String,
     pub(crate) spec: JobSpec,
     pub(crate) cancel: Arc<AtomicBool>,
     pub(crate) events: UnboundedSender<JobEvent>,
     pub(crate) queued_at: Instant,
 }
 
+/// The jobs waiting for a pipeline, oldest first, and whether new ones are refused.
+#[derive(Default)]
+struct Waiting {
+    jobs: VecDeque<Job>,
+    closed: bool,
+}
+
 /// The queue, the jobs that can be cancelled by id, and the counts the metrics show.
 pub(crate) struct Queue {
-    sender: Mutex<Option<SyncSender<Job>>>,
+    waiting: Mutex<Waiting>,
+    /// Signalled when a job is queued and when the queue closes.
+    job_queued: Condvar,
     capacity: usize,
-    /// Jobs submitted and not yet taken by a worker.
-    pub(crate) waiting: AtomicUsize,
     /// Jobs a worker is running.
     pub(crate) running: AtomicUsize,
     workers: usize,
@@ -129,26 +137,20 @@ pub(crate) struct Queue {
 }
 
 impl Queue {
-    /// A queue of `capacity` waiting jobs in front of `workers` pipelines; the workers read the
-    /// returned receiver.
-    pub(crate) fn new(
-        capacity: usize,
-        workers: usize,
-        metrics: Arc<Metrics>,
-    ) -> (Queue, Receiver<Job>) {
-        let (sender, receiver) = std::sync::mpsc::sync_channel(capacity);
-        let queue = Queue {
-            sender: Mutex::new(Some(sender)),
+    /// A queue of `capacity` waiting jobs in front of `workers` pipelines, which take them with
+    /// [`Queue::take`].
+    pub(crate) fn new(capacity: usize, workers: usize, metrics: Arc<Metrics>) -> Queue {
+        Queue {
+            waiting: Mutex::new(Waiting::default()),
+            job_queued: Condvar::new(),
             capacity,
-            waiting: AtomicUsize::new(0),
             running: AtomicUsize::new(0),
             workers,
             next_id: AtomicU64::new(1),
             id_hasher: std::collections::hash_map::RandomState::new(),
             jobs: Mutex::new(HashMap::new()),
             metrics,
-        };
-        (queue, receiver)
+        }
     }
 
     /// Queues `spec` under `id` (the client's `X-Request-Id`, else a number). Refused with 429
@@ -180,77 +182,115 @@ impl Queue {
             jobs.insert(id.clone(), cancel.clone());
         }
         let (events, receiver) = unbounded_channel();
-        let job = Job {
-            spec,
-            cancel: cancel.clone(),
-            events,
-            queued_at: Instant::now(),
-        };
-        let handle = JobHandle {
+        let mut handle = JobHandle {
             id: id.clone(),
             events: receiver,
-            cancel,
+            cancel: cancel.clone(),
             queue: self.clone(),
             finished: false,
         };
-        // Counted before the send: a worker may take the job at once.
-        let position = self.waiting.fetch_add(1, Ordering::SeqCst) + 1;
-        let sent = match lock(&self.sender).as_ref() {
-            Some(sender) => sender.try_send(job),
-            None => Err(TrySendError::Disconnected(job)),
+        let job = Job {
+            id,
+            spec,
+            cancel,
+            events,
+            queued_at: Instant::now(),
         };
-        match sent {
-            Ok(()) => Ok(handle.with_position(position)),
-            Err(error) => {
-                self.waiting.fetch_sub(1, Ordering::SeqCst);
-                // Never queued: nothing to cancel; the handle's drop forgets the id.
-                let mut handle = handle;
-                handle.finished = true;
-                drop(handle);
-                Err(match error {
-                    TrySendError::Full(_) => ApiError {
-                        retry_after: Some(self.retry_after()),
-                        ..ApiError::new(
-                            ErrorKind::QueueFull,
-                            format!(
-                                "the queue is full ({} requests waiting for {} pipeline(s)); retry later",
-                                self.capacity, self.workers
-                            ),
-                        )
-                    },
-                    TrySendError::Disconnected(_) => {
-                        ApiError::new(ErrorKind::Unavailable, "the server is shutting down")
-                    }
-                })
+        let mut waiting = lock(&self.waiting);
+        let refused = if waiting.closed {
+            Some(ApiError::new(
+                ErrorKind::Unavailable,
+                "the server is shutting down",
+            ))
+        } else if waiting.jobs.len() >= self.capacity {
+            Some(ApiError {
+                retry_after: Some(self.retry_after(waiting.jobs.len())),
+                ..ApiError::new(
+                    ErrorKind::QueueFull,
+                    format!(
+                        "the queue is full ({} requests waiting for {} pipeline(s)); retry later",
+                        self.capacity, self.workers
+                    ),
+                )
+            })
+        } else {
+            None
+        };
+        if let Some(error) = refused {
+            drop(waiting);
+            // Never queued: nothing to cancel; the handle's drop forgets the id.
+            handle.finished = true;
+            return Err(error);
+        }
+        waiting.jobs.push_back(job);
+        let position = waiting.jobs.len();
+        drop(waiting);
+        self.job_queued.notify_one();
+        Ok(handle.with_position(position))
+    }
+
+    /// The oldest waiting job, once there is one; `None` once the queue is closed and empty
+    /// (shutting down). Blocks the calling worker.
+    pub(crate) fn take(&self) -> Option<Job> {
+        let mut waiting = lock(&self.waiting);
+        loop {
+            if let Some(job) = waiting.jobs.pop_front() {
+                return Some(job);
             }
+            if waiting.closed {
+                return None;
+            }
+            waiting = self
+                .job_queued
+                .wait(waiting)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
         }
     }
 
-    /// Cancels the job `id`; false when no running or queued job has it.
+    /// How many jobs wait for a pipeline.
+    pub(crate) fn waiting(&self) -> usize {
+        lock(&self.waiting).jobs.len()
+    }
+
+    /// Takes the job `id` out of the queue if it still waits there.
+    fn remove_waiting(&self, id: &str) -> Option<Job> {
+        let mut waiting = lock(&self.waiting);
+        let index = waiting.jobs.iter().position(|job| job.id == id)?;
+        waiting.jobs.remove(index)
+    }
+
+    /// Cancels the job `id`; false when no running or queued job has it. A queued one leaves
+    /// the queue now, and its client gets its answer (cancelled) at once.
     pub(crate) fn cancel(&self, id: &str) -> bool {
         match lock(&self.jobs).get(id) {
-            Some(flag) => {
-                flag.store(true, Ordering::SeqCst);
-                true
-            }
-            None => false,
+            Some(flag) => flag.store(true, Ordering::SeqCst),
+            None => return false,
         }
+        if let Some(job) = self.remove_waiting(id) {
+            let _ = job.events.send(JobEvent::Done(Err(cancelled())));
+        }
+        true
     }
 
     /// Closes the queue: later submissions get 503; queued jobs still run.
     pub(crate) fn close(&self) {
-        lock(&self.sender).take();
+        lock(&self.waiting).closed = true;
+        self.job_queued.notify_all();
     }
 
     /// Seconds until a slot is likely free: the mean generation time so far times the jobs
-    /// ahead, per pipeline (at least 1).
-    fn retry_after(&self) -> u64 {
+    /// ahead (`waiting` and those running), per pipeline (at least 1).
+    fn retry_after(&self, waiting: usize) -> u64 {
         let mean = self.metrics.mean_job_seconds().unwrap_or(1.0);
-        let ahead = (self.waiting.load(Ordering::SeqCst) + self.running.load(Ordering::SeqCst))
-            as f64
-            / self.workers.max(1) as f64;
+        let ahead =
+            (waiting + self.running.load(Ordering::SeqCst)) as f64 / self.workers.max(1) as f64;
         (mean * ahead).ceil().clamp(1.0, 3600.0) as u64
     }
+}
+
+/// The answer of a job cancelled before it finished.
+pub(crate) fn cancelled() -> ApiError {
+    ApiError::new(ErrorKind::Cancelled, "cancelled before it finished")
 }
 
 /// A submitted job, held by the handler that waits for it. Dropping it before the job finished
@@ -303,6 +343,8 @@ impl Drop for JobHandle {
         if !self.finished {
             self.cancel.store(true, Ordering::SeqCst);
             self.queue.metrics.count_abandoned();
+            // A job still waiting leaves the queue (and frees its uploads) now.
+            drop(self.queue.remove_waiting(&self.id));
         }
         lock(&self.queue.jobs).remove(&self.id);
     }
@@ -313,4 +355,60 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may unwrap: a failure is a test failure
+mod tests {
+    use super::*;
+
+    fn spec() -> JobSpec {
+        JobSpec {
+            prompt: "a fox".into(),
+            width: Some(64),
+            height: Some(64),
+            size_field: None,
+            steps: Some(1),
+            guidance: None,
+            negative_prompt: None,
+            seed: 1,
+            num_images: 1,
+            references: Vec::new(),
+            inpaint: None,
+            preview_every: None,
+            loras: Vec::new(),
+            format: ImageFormat::Png,
+        }
+    }
+
+    fn kind(result: Result<Submitted, ApiError>) -> ErrorKind {
+        result.err().map(|e| e.kind).unwrap()
+    }
+
+    /// A client that goes away, or a job cancelled by id, frees its place in the queue at once:
+    /// the next client is not refused for it (it was, until a worker reached the job).
+    #[test]
+    fn waiting_jobs_that_are_abandoned_or_cancelled_leave_the_queue() {
+        let queue = Arc::new(Queue::new(1, 1, Arc::new(Metrics::default())));
+        let first = queue.submit(spec(), None).unwrap();
+        assert_eq!((first.position, queue.waiting()), (1, 1));
+        assert_eq!(kind(queue.submit(spec(), None)), ErrorKind::QueueFull);
+        drop(first.handle);
+        assert_eq!(queue.waiting(), 0, "the abandoned job left");
+        let mut second = queue.submit(spec(), Some("b".into())).unwrap().handle;
+        assert!(queue.cancel("b"));
+        assert_eq!(queue.waiting(), 0, "the cancelled job left");
+        match second.events.try_recv() {
+            Ok(JobEvent::Done(Err(error))) => assert_eq!(error.kind, ErrorKind::Cancelled),
+            other => panic!("the client is answered at once, not {other:?}"),
+        }
+        let third = queue.submit(spec(), Some("c".into())).unwrap();
+        let job = queue.take().unwrap();
+        assert_eq!(job.id, "c");
+        assert_eq!(queue.waiting(), 0);
+        drop(third);
+        queue.close();
+        assert_eq!(kind(queue.submit(spec(), None)), ErrorKind::Unavailable);
+        assert!(queue.take().is_none(), "closed and empty");
+    }
 }

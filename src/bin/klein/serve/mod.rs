@@ -6,7 +6,7 @@
 //! work, finish what was accepted, and exit.
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -25,7 +25,7 @@ use sha2::{Digest, Sha256};
 use crate::args::{check_device_flags, default_model, pipeline_options, ServeArgs};
 use crate::UsageError;
 use error::{ApiError, ErrorKind};
-use jobs::{JobOutput, JobSpec, Queue};
+use jobs::{JobOutput, JobSpec, Queue, Submitted};
 use metrics::{Gauges, Metrics};
 use params::LoraCatalog;
 use worker::Shared;
@@ -52,6 +52,8 @@ pub(crate) struct AppState {
     /// `--max-body-mib` in bytes.
     max_body: usize,
     model_name: String,
+    /// The bundle's manifest: the output size of a request that gives it, before it is queued.
+    manifest: klein::bundle::Manifest,
     /// When the server started (Unix seconds): the model object's `created`.
     started: u64,
     /// A distilled model: no guidance, so no negative prompt.
@@ -101,10 +103,12 @@ pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .await
             .map_err(|e| UsageError(format!("cannot listen on {address}: {e}")))?;
         let metrics = Arc::new(Metrics::default());
-        let (queue, receiver) = Queue::new(args.queue.into(), pipelines.len(), metrics.clone());
-        let queue = Arc::new(queue);
+        let queue = Arc::new(Queue::new(
+            args.queue.into(),
+            pipelines.len(),
+            metrics.clone(),
+        ));
         let shared = Arc::new(Shared {
-            jobs: Mutex::new(receiver),
             queue: queue.clone(),
             metrics: metrics.clone(),
             loaded: AtomicUsize::new(0),
@@ -120,6 +124,7 @@ pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
             timeout: Duration::from_secs(args.timeout.into()),
             max_body: usize::from(args.max_body_mib) << 20,
             model_name,
+            manifest: pipelines[0].manifest().clone(),
             started: unix_seconds(),
             distilled,
             draining: AtomicBool::new(false),
@@ -332,7 +337,7 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
 
 async fn render_metrics(State(state): State<Arc<AppState>>) -> Response {
     let gauges = Gauges {
-        waiting: state.queue.waiting.load(Ordering::SeqCst),
+        waiting: state.queue.waiting(),
         running: state.queue.running.load(Ordering::SeqCst),
         pipelines: state.workers.loaded.load(Ordering::SeqCst),
         ready: !state.draining.load(Ordering::SeqCst)
@@ -405,11 +410,28 @@ async fn run_to_end(
             "the server is shutting down",
         ));
     }
-    let mut handle = state.queue.submit(spec, id)?.handle;
+    let mut handle = submit(state, spec, id)?.handle;
     match tokio::time::timeout(state.timeout, handle.result()).await {
         Ok(result) => result.map(|output| (handle.id.clone(), output)),
         Err(_) => Err(timed_out(state.timeout)),
     }
+}
+
+/// Queues `spec` ([`Queue::submit`]) unless its size alone is over `--max-pixels`: where the body
+/// gives the size (no references, no source image), that answer needs no pipeline, and a client
+/// should not wait in the queue for it, nor be told to retry it when the queue is full.
+fn submit(state: &AppState, spec: JobSpec, id: Option<String>) -> Result<Submitted, ApiError> {
+    if spec.references.is_empty() && spec.inpaint.is_none() {
+        let mut request = klein::pipeline::Request::new("");
+        (request.width, request.height) = (spec.width, spec.height);
+        // A size the pipeline refuses is refused by the worker, with its own message.
+        if let Ok((width, height)) =
+            klein::pipeline::request::output_size(&state.manifest, &request)
+        {
+            worker::check_pixels(width, height, spec.num_images, state.workers.max_pixels)?;
+        }
+    }
+    state.queue.submit(spec, id)
 }
 
 /// A request over `--timeout`, cancelled.
@@ -509,7 +531,15 @@ fn parse_json<T: DeserializeOwned>(
         ));
     }
     let mut deserializer = serde_json::Deserializer::from_slice(&bytes);
-    serde_path_to_error::deserialize(&mut deserializer).map_err(field_error)
+    let value = serde_path_to_error::deserialize(&mut deserializer).map_err(field_error)?;
+    // Whitespace only after the object: a second object (`{..}{"n": 99}`) is not ignored.
+    deserializer.end().map_err(|error| {
+        ApiError::new(
+            ErrorKind::InvalidRequest,
+            format!("the body is not valid JSON: {error} after the object"),
+        )
+    })?;
+    Ok(value)
 }
 
 /// [`parse_json`] for a body already made into a JSON value (the edits form).

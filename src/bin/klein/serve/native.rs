@@ -13,6 +13,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::Json;
 use base64::Engine;
 use futures_util::stream::{self, Stream};
+use klein::limits::{MAX_LORAS, MAX_REFERENCES};
 use klein::stages::output::ImageFormat;
 use serde::Deserialize;
 
@@ -20,7 +21,7 @@ use super::error::{ApiError, ErrorKind};
 use super::jobs::{InpaintUpload, JobEvent, JobHandle, JobOutput, JobSpec, MaskKind, Upload};
 use super::openai::check_negative_prompt;
 use super::params::{
-    check_count, check_guidance, check_prompt, check_side, check_steps, check_strength,
+    at_most, check_count, check_guidance, check_prompt, check_side, check_steps, check_strength,
     check_tokens, format_name, image_format, seed_or_random, NATIVE_FORMAT_FIELDS,
 };
 use super::{parse_json, request_id, run_to_end, timed_out, AppState};
@@ -37,7 +38,7 @@ struct NativeBody {
     seed: Option<u64>,
     num_images: Option<u64>,
     /// Reference images, base64 of PNG, JPEG or WebP files.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "at_most::<_, _, MAX_REFERENCES>")]
     refs: Vec<RefBody>,
     /// Inpainting and img2img: the source image, the mask (white repaints), the strength.
     image: Option<RefBody>,
@@ -49,7 +50,7 @@ struct NativeBody {
     /// Step previews every this many steps: `preview` events on the stream (1/8-size PNGs).
     preview_every: Option<u64>,
     /// LoRAs offered by the server, `NAME` or `NAME:SCALE`.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "at_most::<_, _, MAX_LORAS>")]
     loras: Vec<String>,
     /// `png` (default), `jpeg` or `webp`.
     format: Option<String>,
@@ -254,7 +255,7 @@ pub(crate) async fn generate_stream(
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
     let id = request_id(&headers)?;
     let (spec, format) = spec_from(&state, parse_json(body)?)?;
-    let submitted = state.queue.submit(spec, id)?;
+    let submitted = super::submit(&state, spec, id)?;
     let queued = serde_json::json!({ "id": submitted.handle.id, "position": submitted.position });
     let start = StreamState {
         handle: Some(submitted.handle),

@@ -4,19 +4,20 @@
 //! `guidance`, `loras`) are extra fields (the Python client's `extra_body`).
 use std::sync::Arc;
 
-use axum::extract::multipart::MultipartRejection;
+use axum::extract::multipart::{Field, MultipartRejection};
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Multipart, State};
 use axum::http::HeaderMap;
 use axum::Json;
 use base64::Engine;
+use klein::limits::MAX_LORAS;
 use serde::Deserialize;
 
 use super::error::{ApiError, ErrorKind};
 use super::jobs::{InpaintUpload, JobOutput, JobSpec, MaskKind, Upload};
 use super::params::{
-    check_count, check_guidance, check_prompt, check_response_format, check_steps, check_strength,
-    image_format, parse_size, seed_or_random, OPENAI_FORMAT_FIELDS,
+    at_most, check_count, check_guidance, check_prompt, check_response_format, check_steps,
+    check_strength, image_format, parse_size, seed_or_random, OPENAI_FORMAT_FIELDS,
 };
 use super::{parse_json, request_id, run_to_end, too_large, AppState};
 
@@ -51,7 +52,8 @@ struct GenerationsBody {
     steps: Option<u64>,
     guidance: Option<f64>,
     negative_prompt: Option<String>,
-    loras: Option<Vec<String>>,
+    #[serde(default, deserialize_with = "at_most::<_, _, MAX_LORAS>")]
+    loras: Vec<String>,
 }
 
 pub(crate) async fn generations(
@@ -135,7 +137,7 @@ fn spec_from(
         references,
         inpaint: None,
         preview_every: None,
-        loras: state.loras.resolve_all(&body.loras.unwrap_or_default())?,
+        loras: state.loras.resolve_all(&body.loras)?,
         format: image_format(
             body.output_format.as_deref(),
             body.output_compression,
@@ -249,6 +251,10 @@ pub(crate) async fn edits(
         let name = field.name().unwrap_or_default().to_string();
         match name.as_str() {
             "image" | "image[]" => {
+                // Counted as they come: a form of thousands of images is refused at the first
+                // one past the bound, not read whole.
+                klein::pipeline::request::check_reference_count(references.len() + 1)
+                    .map_err(|e| ApiError::from_klein(&e, Some("image")))?;
                 let label = field
                     .file_name()
                     .map(str::to_string)
@@ -276,7 +282,7 @@ pub(crate) async fn edits(
                 if strength.is_some() {
                     return Err(ApiError::field("strength", "duplicate field `strength`"));
                 }
-                let value = field.text().await.map_err(multipart_error)?;
+                let value = field_text(field, "strength").await?;
                 let parsed = value.trim().parse::<f64>().map_err(|_| {
                     ApiError::field("strength", format!("strength `{value}`: give a number"))
                 })?;
@@ -286,15 +292,23 @@ pub(crate) async fn edits(
                 if fidelity.is_some() {
                     return Err(ApiError::field("input_fidelity", "duplicate field `input_fidelity`"));
                 }
-                fidelity = Some(check_fidelity(field.text().await.map_err(multipart_error)?)?);
+                fidelity = Some(check_fidelity(field_text(field, "input_fidelity").await?)?);
             }
-            "loras" | "loras[]" => loras.push(field.text().await.map_err(multipart_error)?),
+            "loras" | "loras[]" => {
+                if loras.len() == MAX_LORAS {
+                    return Err(ApiError::field(
+                        "loras",
+                        format!("more than {MAX_LORAS} loras fields: at most {MAX_LORAS} LoRAs can be applied at once"),
+                    ));
+                }
+                loras.push(field_text(field, "loras").await?);
+            }
             text if TEXT_FIELDS.contains(&text) => {
                 // As the JSON routes: a second value is refused, not the last one taken.
                 if body.contains_key(text) {
                     return Err(ApiError::field(text, format!("duplicate field `{text}`")));
                 }
-                let value = field.text().await.map_err(multipart_error)?;
+                let value = field_text(field, text).await?;
                 body.insert(name.clone(), form_value(&name, value)?);
             }
             other => {
@@ -387,6 +401,27 @@ fn form_value(name: &str, value: String) -> Result<serde_json::Value, ApiError> 
         },
         _ => Ok(serde_json::Value::String(value)),
     }
+}
+
+/// A text field's value: UTF-8 text, not a file (`curl -F prompt=@file`) nor bytes that would be
+/// read with replacement characters.
+async fn field_text(field: Field<'_>, name: &str) -> Result<String, ApiError> {
+    if let Some(file) = field.file_name() {
+        return Err(ApiError::field(
+            name,
+            format!(
+                "{name} is a file (`{}`) where text belongs: give it as a text field",
+                file.chars().take(40).collect::<String>()
+            ),
+        ));
+    }
+    let bytes = field.bytes().await.map_err(multipart_error)?;
+    String::from_utf8(bytes.to_vec()).map_err(|e| {
+        ApiError::field(
+            name,
+            format!("{name} is not UTF-8 text: {}", e.utf8_error()),
+        )
+    })
 }
 
 fn multipart_error(error: axum::extract::multipart::MultipartError) -> ApiError {

@@ -1,6 +1,8 @@
 //! Request fields shared by every route, checked here so that each error names its field: sizes,
 //! counts, seeds, output formats, LoRA names (resolved in `--lora-dir`, never a client's path).
 use std::collections::BTreeMap;
+use std::fmt;
+use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 
 use klein::limits::{
@@ -10,8 +12,39 @@ use klein::pipeline::lora::inspect;
 use klein::pipeline::request::check_token_budget;
 use klein::pipeline::{LoraSpec, Pipeline};
 use klein::stages::output::ImageFormat;
+use serde::de::{Deserialize, Deserializer, Error as _, SeqAccess, Visitor};
 
 use super::error::ApiError;
+
+/// A JSON array of at most `MAX` items (`#[serde(deserialize_with = "at_most::<_, _, 16>")]`),
+/// refused at the item past it: a client's array of millions is not built, on the HTTP threads,
+/// before its length is checked.
+pub(crate) fn at_most<'de, D, T, const MAX: usize>(deserializer: D) -> Result<Vec<T>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    struct Bounded<T, const MAX: usize>(PhantomData<T>);
+    impl<'de, T: Deserialize<'de>, const MAX: usize> Visitor<'de> for Bounded<T, MAX> {
+        type Value = Vec<T>;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            write!(f, "an array of at most {MAX} items")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+            let mut items = Vec::new();
+            while let Some(item) = seq.next_element()? {
+                if items.len() == MAX {
+                    return Err(A::Error::custom(format!(
+                        "more than {MAX} items: at most {MAX} are taken"
+                    )));
+                }
+                items.push(item);
+            }
+            Ok(items)
+        }
+    }
+    deserializer.deserialize_seq(Bounded::<T, MAX>(PhantomData))
+}
 
 /// `size`: `WxH` (each 16 to [`MAX_SIDE`]) or `auto` (the first reference's size, else the
 /// bundle's default).
@@ -136,25 +169,46 @@ pub(crate) fn check_response_format(format: Option<&str>) -> Result<(), ApiError
     }
 }
 
-/// The names of the format fields: OpenAI's, or the native route's.
-pub(crate) const OPENAI_FORMAT_FIELDS: [&str; 2] = ["output_format", "output_compression"];
-pub(crate) const NATIVE_FORMAT_FIELDS: [&str; 2] = ["format", "quality"];
+/// The fields that name the output format and its JPEG quality, and the lowest quality each
+/// takes: OpenAI's `output_compression` runs 0 to 100 (0 is written at quality 1), klein's own
+/// `quality` 1 to 100.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FormatFields {
+    format: &'static str,
+    quality: &'static str,
+    lowest: u64,
+}
+
+pub(crate) const OPENAI_FORMAT_FIELDS: FormatFields = FormatFields {
+    format: "output_format",
+    quality: "output_compression",
+    lowest: 0,
+};
+pub(crate) const NATIVE_FORMAT_FIELDS: FormatFields = FormatFields {
+    format: "format",
+    quality: "quality",
+    lowest: 1,
+};
 
 /// The output format (`png`, `jpeg`, `webp`) and the JPEG quality (1-100; default 90, as
-/// `klein generate --quality`), from the fields named `fields`.
+/// `klein generate --quality`), from the fields `fields` names.
 pub(crate) fn image_format(
     format: Option<&str>,
     compression: Option<u64>,
-    fields: [&str; 2],
+    fields: FormatFields,
 ) -> Result<ImageFormat, ApiError> {
-    let [format_field, quality_field] = fields;
+    let FormatFields {
+        format: format_field,
+        quality: quality_field,
+        lowest,
+    } = fields;
     let quality = match compression {
         None => 90,
-        Some(q @ 1..=100) => q as u8,
+        Some(q) if (lowest..=100).contains(&q) => q.max(1) as u8,
         Some(q) => {
             return Err(ApiError::field(
                 quality_field,
-                format!("{quality_field} {q}: give a JPEG quality of 1 to 100"),
+                format!("{quality_field} {q}: give a JPEG quality of {lowest} to 100"),
             ))
         }
     };
@@ -290,6 +344,22 @@ mod tests {
     }
 
     #[test]
+    fn arrays_are_refused_past_their_bound() {
+        #[derive(Debug, serde::Deserialize)]
+        struct Body {
+            #[serde(default, deserialize_with = "at_most::<_, _, 2>")]
+            names: Vec<String>,
+        }
+        let parse = |json: &str| serde_json::from_str::<Body>(json).map(|b| b.names);
+        assert_eq!(parse(r#"{"names": ["a", "b"]}"#).unwrap(), ["a", "b"]);
+        assert!(parse("{}").unwrap().is_empty());
+        // Refused at the third item: what follows it is never read (here, not even valid JSON).
+        let error = parse(r#"{"names": ["a", "b", "c", oops"#).unwrap_err();
+        assert!(error.to_string().contains("more than 2 items"), "{error}");
+        assert!(parse(r#"{"names": "a"}"#).is_err());
+    }
+
+    #[test]
     fn formats() {
         assert_eq!(
             image_format(Some("JPEG"), Some(70), OPENAI_FORMAT_FIELDS).unwrap(),
@@ -306,13 +376,25 @@ mod tests {
                 .as_deref(),
             Some("format")
         );
+        // OpenAI's range is 0 to 100, klein's own 1 to 100.
         assert_eq!(
-            image_format(None, Some(0), OPENAI_FORMAT_FIELDS)
-                .unwrap_err()
-                .param
-                .as_deref(),
-            Some("output_compression")
+            image_format(Some("jpeg"), Some(0), OPENAI_FORMAT_FIELDS).unwrap(),
+            ImageFormat::Jpeg { quality: 1 }
         );
+        assert_eq!(
+            image_format(Some("webp"), Some(0), OPENAI_FORMAT_FIELDS).unwrap(),
+            ImageFormat::WebP
+        );
+        for (fields, field) in [
+            (OPENAI_FORMAT_FIELDS, "output_compression"),
+            (NATIVE_FORMAT_FIELDS, "quality"),
+        ] {
+            let bad = [101].iter().chain((fields.lowest == 1).then_some(&0));
+            for &q in bad {
+                let error = image_format(None, Some(q), fields).unwrap_err();
+                assert_eq!(error.param.as_deref(), Some(field), "{q}");
+            }
+        }
         assert!(check_response_format(Some("url")).is_err());
     }
 

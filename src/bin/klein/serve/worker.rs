@@ -4,8 +4,7 @@ use std::ops::ControlFlow;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::Receiver;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use klein::pipeline::{Inpaint, LoraSpec, Pipeline, Progress, Request};
@@ -15,13 +14,12 @@ use klein::stages::output::{encode_image, ImageFormat};
 use klein::stages::reference::decode_image_bytes;
 
 use super::error::{ApiError, ErrorKind};
-use super::jobs::{lock, InpaintUpload, Job, JobEvent, JobOutput, MaskKind, Queue};
+use super::jobs::{cancelled, InpaintUpload, Job, JobEvent, JobOutput, MaskKind, Queue};
 use super::metrics::Metrics;
 
-/// What every worker shares: the queue's receiver, its counts, the metrics, and how many
-/// pipelines have loaded their graphs.
+/// What every worker shares: the queue, the metrics, and how many pipelines have loaded their
+/// graphs.
 pub(crate) struct Shared {
-    pub(crate) jobs: Mutex<Receiver<Job>>,
     /// `--max-pixels`: images x width x height of one request.
     pub(crate) max_pixels: u64,
     pub(crate) queue: Arc<Queue>,
@@ -50,12 +48,9 @@ pub(crate) fn run(index: usize, mut pipeline: Pipeline, shared: Arc<Shared>) {
     };
     shared.loaded.fetch_add(1, Ordering::SeqCst);
     loop {
-        // One worker waits on the receiver at a time; the others wait on the lock.
-        let job = match lock(&shared.jobs).recv() {
-            Ok(job) => job,
-            Err(_) => return, // closed and empty: shutting down
+        let Some(job) = shared.queue.take() else {
+            return; // closed and empty: shutting down
         };
-        shared.queue.waiting.fetch_sub(1, Ordering::SeqCst);
         if job.cancel.load(Ordering::SeqCst) {
             let _ = job.events.send(JobEvent::Done(Err(cancelled())));
             continue;
@@ -86,10 +81,6 @@ pub(crate) fn run(index: usize, mut pipeline: Pipeline, shared: Arc<Shared>) {
         // The client may be gone; its handle's drop already counted it.
         let _ = job.events.send(JobEvent::Done(result));
     }
-}
-
-fn cancelled() -> ApiError {
-    ApiError::new(ErrorKind::Cancelled, "cancelled before it finished")
 }
 
 /// The request field of a size the pipeline refused (an error about `width` or `height`, the
@@ -177,16 +168,7 @@ fn run_job(
     let (width, height) = pipeline
         .output_size(&request)
         .map_err(|e| ApiError::from_klein(&e, size_param(&e, spec.size_field)))?;
-    let pixels = u64::from(width) * u64::from(height) * spec.num_images as u64;
-    if pixels > max_pixels {
-        return Err(ApiError::field(
-            "size",
-            format!(
-                "{} image(s) of {width}x{height} are {pixels} pixels; this server takes at most {max_pixels} per request (--max-pixels)",
-                spec.num_images
-            ),
-        ));
-    }
+    check_pixels(width, height, spec.num_images, max_pixels)?;
     let mut on_progress = |event: Progress| {
         let event = match event {
             Progress::StageStarted(stage) => JobEvent::StageStarted(stage.label()),
@@ -266,6 +248,25 @@ fn run_job(
             .collect(),
         warnings,
     })
+}
+
+/// `--max-pixels`: `num_images` images of `width` x `height` at most `max_pixels` in all.
+pub(crate) fn check_pixels(
+    width: u32,
+    height: u32,
+    num_images: usize,
+    max_pixels: u64,
+) -> Result<(), ApiError> {
+    let pixels = u64::from(width) * u64::from(height) * num_images as u64;
+    if pixels > max_pixels {
+        return Err(ApiError::field(
+            "size",
+            format!(
+                "{num_images} image(s) of {width}x{height} are {pixels} pixels; this server takes at most {max_pixels} per request (--max-pixels)"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// `error` about `loras`, each named as clients name it (its file stem), never by its path.
