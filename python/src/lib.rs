@@ -168,17 +168,18 @@ impl LoraArg {
 }
 
 /// A reference image as the Python side passes it: a path (read by klein, labelled by the string
-/// as given) or the bytes of an image file with its label.
+/// as given) or the bytes of an image file with its label. Paths and labels are the OS's: a file
+/// name that is not UTF-8 (`os.fsdecode`'s surrogates) is read as it is.
 #[derive(FromPyObject)]
 enum ReferenceArg<'py> {
-    Encoded(Bound<'py, PyBytes>, String),
-    Path(String),
+    Encoded(Bound<'py, PyBytes>, PathBuf),
+    Path(PathBuf),
 }
 
 /// A [`ReferenceArg`] copied out of Python's objects, for use without the GIL.
 enum Reference {
-    Encoded(Vec<u8>, String),
-    Path(String),
+    Encoded(Vec<u8>, PathBuf),
+    Path(PathBuf),
 }
 
 impl From<ReferenceArg<'_>> for Reference {
@@ -204,18 +205,23 @@ struct InpaintArgs {
 }
 
 impl Reference {
-    fn label(&self) -> &str {
+    fn label(&self) -> &Path {
         match self {
             Reference::Path(path) => path,
             Reference::Encoded(_, label) => label,
         }
     }
 
+    /// The label as the image's text stores it (a name that is not UTF-8 with U+FFFD).
+    fn label_text(&self) -> String {
+        self.label().to_string_lossy().into_owned()
+    }
+
     /// The image as RGB, unprocessed.
     fn decode(&self) -> klein::Result<klein::image::RgbImage> {
         match self {
-            Reference::Path(path) => decode_image(Path::new(path)),
-            Reference::Encoded(bytes, label) => decode_image_bytes(bytes, Path::new(label)),
+            Reference::Path(path) => decode_image(path),
+            Reference::Encoded(bytes, label) => decode_image_bytes(bytes, label),
         }
     }
 
@@ -224,10 +230,8 @@ impl Reference {
     fn decode_mask(&self, transparent: bool) -> klein::Result<klein::image::RgbImage> {
         match (self, transparent) {
             (_, false) => self.decode(),
-            (Reference::Path(path), true) => load_transparent_mask(Path::new(path)),
-            (Reference::Encoded(bytes, label), true) => {
-                decode_transparent_mask(bytes, Path::new(label))
-            }
+            (Reference::Path(path), true) => load_transparent_mask(path),
+            (Reference::Encoded(bytes, label), true) => decode_transparent_mask(bytes, label),
         }
     }
 }
@@ -250,11 +254,11 @@ impl InpaintArgs {
                     mask_rgb,
                     padding,
                     self.strength,
-                    (Path::new(source_label), Path::new(mask_label)),
+                    (source_label, mask_label),
                 )
                 .map_err(|e| match &e {
                     KleinError::Image { path, .. }
-                        if source_label != mask_label && path == Path::new(source_label) =>
+                        if source_label != mask_label && path == source_label =>
                     {
                         source_err(e)
                     }
@@ -262,8 +266,8 @@ impl InpaintArgs {
                 });
         }
         let source = match &self.source {
-            Reference::Path(path) => pipeline.load_source(Path::new(path)),
-            Reference::Encoded(bytes, label) => pipeline.decode_source(bytes, Path::new(label)),
+            Reference::Path(path) => pipeline.load_source(path),
+            Reference::Encoded(bytes, label) => pipeline.decode_source(bytes, label),
         }
         .map_err(source_err)?;
         let mask = match &self.mask {
@@ -423,10 +427,8 @@ impl PyPipeline {
             let sources: Vec<ReferenceSource<'_>> = references
                 .iter()
                 .map(|r| match r {
-                    Reference::Path(path) => ReferenceSource::File(Path::new(path)),
-                    Reference::Encoded(bytes, label) => {
-                        ReferenceSource::Encoded(bytes, Path::new(label))
-                    }
+                    Reference::Path(path) => ReferenceSource::File(path),
+                    Reference::Encoded(bytes, label) => ReferenceSource::Encoded(bytes, label),
                 })
                 .collect();
             request.references = pipeline
@@ -436,7 +438,7 @@ impl PyPipeline {
                     request.height.or(source_size.map(|s| s.1)),
                 )
                 .map_err(|e| Failure::Input(e, "references"))?;
-            let labels: Vec<String> = references.iter().map(|r| r.label().to_string()).collect();
+            let labels: Vec<String> = references.iter().map(Reference::label_text).collect();
             drop(references);
 
             let mut python_error: Option<PyErr> = None;
@@ -483,9 +485,9 @@ impl PyPipeline {
                 let mut text =
                     pipeline.image_metadata(&generation, &request.prompt, &labels, &hash);
                 if let Some(inpaint) = &inpaint {
-                    text.push(("image".into(), inpaint.source.label().to_string()));
+                    text.push(("image".into(), inpaint.source.label_text()));
                     if let Some(mask) = &inpaint.mask {
-                        text.push(("mask_image".into(), mask.label().to_string()));
+                        text.push(("mask_image".into(), mask.label_text()));
                     }
                 }
                 let files = generation

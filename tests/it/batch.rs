@@ -440,6 +440,15 @@ fn batch_flags_are_checked() {
         "more than 67108864 bytes",
         "split it",
     ]);
+    // A preview among the lines' outputs (a run cut short would leave it as a line's, done).
+    let preview = out.join("a.png");
+    batch(
+        &prompts,
+        &out,
+        &[&FAST[..], &["--preview", path_str(&preview)]].concat(),
+    )
+    .assert_user_error(&["--preview", "is in --out-dir", "elsewhere"]);
+    assert!(!preview.exists());
     // A directory no file can be created in (sysfs, also for root): refused before any line runs.
     #[cfg(target_os = "linux")]
     batch(&prompts, Path::new("/sys"), &FAST).assert_user_error(&[

@@ -144,6 +144,27 @@ fn a_preview_over_an_output_or_an_input_is_refused() {
     run.assert_user_error(&["--preview", "is also the source image (--image)"]);
     assert_eq!(std::fs::read(&source).unwrap(), before);
     assert_eq!(files_in(&dir), ["source.png"]);
+
+    // An output not yet written, spelled with `..`.
+    let sub = dir.join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    let roundabout = sub.join("..").join("sub").join("new.png");
+    let run = generate(
+        "a cat",
+        &sub.join("new.png"),
+        &[&FAST[..], &["--preview", path_str(&roundabout)]].concat(),
+    );
+    run.assert_user_error(&["--preview", "is also an output (-o)"]);
+
+    // An output over the mask or a reference: refused, the input kept (in-place edits of the
+    // source image stay allowed).
+    for flag in ["--mask", "--ref"] {
+        let mut args = vec!["--image", path_str(&source), "--strength", "0.5"];
+        args.extend([flag, path_str(&spelled)]);
+        let run = generate("a cat", &source, &[&FAST[..], &args].concat());
+        run.assert_user_error(&["is also", flag, "another file name"]);
+        assert_eq!(std::fs::read(&source).unwrap(), before);
+    }
 }
 
 /// SIGINT while generating: exit 130, no output and no temporary file.

@@ -247,7 +247,21 @@ fn run_batch(
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    let reporter = Reporter::new(args.quiet).with_previews(crate::preview_files(args, 1, &[])?);
+    let previews = crate::preview_files(args, 1, &[])?;
+    // Every PNG of the output directory may be a line's output (and a file there is taken as
+    // done when the batch runs again): a preview there could take a line's name.
+    let out_dir_resolved = out_dir.canonicalize().ok();
+    if let Some(preview) = previews.iter().find(|p| {
+        crate::resolved(p).and_then(|p| p.parent().map(Path::to_path_buf)) == out_dir_resolved
+    }) {
+        return Err(UsageError(format!(
+            "--preview {} is in --out-dir {}, whose PNG files are the lines' outputs; put the preview elsewhere",
+            preview.display(),
+            out_dir.display()
+        ))
+        .into());
+    }
+    let reporter = Reporter::new(args.quiet).with_previews(previews);
     let mut run = BatchRun {
         prompts,
         out_dir,

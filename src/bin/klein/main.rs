@@ -178,13 +178,45 @@ pub(crate) fn preview_files(
     Ok(paths)
 }
 
-/// Whether `a` and `b` name one file: the same file where both exist (links followed), else the
-/// same absolute path.
+/// Whether `a` and `b` name one file: each resolved ([`resolved`]), else compared as absolute paths.
 fn same_file(a: &Path, b: &Path) -> bool {
-    match (a.canonicalize(), b.canonicalize()) {
-        (Ok(a), Ok(b)) => a == b,
+    match (resolved(a), resolved(b)) {
+        (Some(a), Some(b)) => a == b,
         _ => matches!((std::path::absolute(a), std::path::absolute(b)), (Ok(a), Ok(b)) if a == b),
     }
+}
+
+/// `path` with links, `.` and `..` resolved: the file's own where it exists, else its directory's
+/// and its name (`out/../out/a.png` names `out/a.png` before it is written).
+pub(crate) fn resolved(path: &Path) -> Option<PathBuf> {
+    if let Ok(path) = path.canonicalize() {
+        return Some(path);
+    }
+    let name = path.file_name()?;
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty());
+    Some(
+        dir.unwrap_or(Path::new("."))
+            .canonicalize()
+            .ok()?
+            .join(name),
+    )
+}
+
+/// Refuses outputs that are the mask or a reference (the source image may be edited in place):
+/// a mistyped `-o` would otherwise replace an input the user keeps.
+fn check_outputs_spare_inputs(args: &GenerateArgs, outputs: &[PathBuf]) -> anyhow::Result<()> {
+    let inputs = (args.mask.iter().map(|p| ("the mask (--mask)", p)))
+        .chain(args.refs.iter().map(|p| ("a reference (--ref)", p)));
+    for (what, input) in inputs {
+        if let Some(output) = outputs.iter().find(|o| same_file(o, input)) {
+            return Err(UsageError(format!(
+                "output {} is also {what}: writing it would replace that input; give the output another file name",
+                output.display()
+            ))
+            .into());
+        }
+    }
+    Ok(())
 }
 
 /// The files an inpainting request read, for the image's text.
@@ -221,6 +253,7 @@ fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
         args.quality,
     )?;
     let seed = args.seed.unwrap_or_else(random_seed);
+    check_outputs_spare_inputs(args, &paths)?;
     let previews = preview_files(args, usize::from(args.num_images), &paths)?;
     let reporter = Reporter::new(args.quiet).with_previews(previews);
 

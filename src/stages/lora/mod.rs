@@ -14,6 +14,7 @@
 //! delta `scale * B A` (LoRA) or `scale * kron(w1, w2)` (LoKr). What diffusers ignores with a warning
 //! (keys it cannot place, text-encoder keys, DoRA magnitudes) is refused here: a LoRA that loads
 //! "successfully" and changes nothing, or changes less than it should, is worse than an error.
+use std::io::Read;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
@@ -166,6 +167,15 @@ fn mistyped_scale(path: &Path, error: &std::io::Error) -> Option<String> {
         })
 }
 
+/// The first `limit + 1` bytes of `path` at most: more than `limit` means the file is over it.
+fn read_capped(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(limit + 1)
+        .read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
 /// Reads and converts the LoRA file at `path`.
 pub fn read_lora(path: &Path) -> Result<LoraFile> {
     let fail = |reason: String| KleinError::Lora {
@@ -187,11 +197,17 @@ pub fn read_lora(path: &Path) -> Result<LoraFile> {
             "{size} bytes; a LoRA file may have at most {MAX_LORA_FILE_BYTES} bytes"
         )));
     }
-    let bytes = std::fs::read(path).map_err(|source| KleinError::Io {
+    // The size above is 0 for a pipe or a device (`/dev/zero`): the read is bounded too.
+    let bytes = read_capped(path, MAX_LORA_FILE_BYTES).map_err(|source| KleinError::Io {
         path: path.to_path_buf(),
         action: READING_LORA,
         source,
     })?;
+    if bytes.len() as u64 > MAX_LORA_FILE_BYTES {
+        return Err(fail(format!(
+            "more than {MAX_LORA_FILE_BYTES} bytes; a LoRA file may have at most {MAX_LORA_FILE_BYTES} bytes"
+        )));
+    }
     let tensors = SafeTensors::deserialize(&bytes).map_err(|e| {
         fail(format!(
             "not a safetensors file ({e}); klein reads LoRAs saved as .safetensors"
@@ -295,6 +311,13 @@ fn to_f32(dtype: Dtype, data: &[u8]) -> std::result::Result<Vec<f32>, String> {
 mod tests {
     use super::*;
     use ndarray::array;
+
+    /// A device or a pipe has no size to check first: the read itself stops past the bound.
+    #[test]
+    fn reads_stop_past_the_bound() {
+        let bytes = read_capped(Path::new("/dev/zero"), 1000).unwrap();
+        assert_eq!(bytes.len(), 1001);
+    }
 
     #[test]
     fn lokr_rows_are_the_kronecker_product() {
