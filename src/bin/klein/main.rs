@@ -164,16 +164,13 @@ pub(crate) fn preview_files(
     }
     let others = (outputs.iter().map(|p| ("an output (-o)", p)))
         .chain(args.image.iter().map(|p| ("the source image (--image)", p)))
-        .chain(args.mask.iter().map(|p| ("the mask (--mask)", p)))
-        .chain(args.refs.iter().map(|p| ("a reference (--ref)", p)));
-    for (what, other) in others {
-        if let Some(preview) = paths.iter().find(|p| same_file(p, other)) {
-            return Err(UsageError(format!(
-                "--preview {} is also {what}: the previews would overwrite it; give them another file name",
-                preview.display()
-            ))
-            .into());
-        }
+        .chain(inputs_kept(args));
+    if let Some((preview, what)) = first_overlap(&paths, others) {
+        return Err(UsageError(format!(
+            "--preview {} is also {what}: the previews would overwrite it; give them another file name",
+            preview.display()
+        ))
+        .into());
     }
     Ok(paths)
 }
@@ -202,21 +199,37 @@ pub(crate) fn resolved(path: &Path) -> Option<PathBuf> {
     )
 }
 
-/// Refuses outputs that are the mask or a reference (the source image may be edited in place):
-/// a mistyped `-o` would otherwise replace an input the user keeps.
+/// The inputs no file klein writes may replace: the mask and the references (the source image
+/// may be edited in place), each with what it is.
+fn inputs_kept(args: &GenerateArgs) -> impl Iterator<Item = (&'static str, &PathBuf)> {
+    (args.mask.iter().map(|p| ("the mask (--mask)", p)))
+        .chain(args.refs.iter().map(|p| ("a reference (--ref)", p)))
+}
+
+/// The first of `paths` that is one of `others` ([`same_file`]), and what that one is.
+fn first_overlap<'a>(
+    paths: &'a [PathBuf],
+    others: impl Iterator<Item = (&'static str, &'a PathBuf)>,
+) -> Option<(&'a PathBuf, &'static str)> {
+    others.into_iter().find_map(|(what, other)| {
+        paths
+            .iter()
+            .find(|p| same_file(p, other))
+            .map(|p| (p, what))
+    })
+}
+
+/// Refuses outputs that are the mask or a reference: a mistyped `-o` would otherwise replace an
+/// input the user keeps.
 fn check_outputs_spare_inputs(args: &GenerateArgs, outputs: &[PathBuf]) -> anyhow::Result<()> {
-    let inputs = (args.mask.iter().map(|p| ("the mask (--mask)", p)))
-        .chain(args.refs.iter().map(|p| ("a reference (--ref)", p)));
-    for (what, input) in inputs {
-        if let Some(output) = outputs.iter().find(|o| same_file(o, input)) {
-            return Err(UsageError(format!(
-                "output {} is also {what}: writing it would replace that input; give the output another file name",
-                output.display()
-            ))
-            .into());
-        }
+    match first_overlap(outputs, inputs_kept(args)) {
+        Some((output, what)) => Err(UsageError(format!(
+            "output {} is also {what}: writing it would replace that input; give the output another file name",
+            output.display()
+        ))
+        .into()),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// The files an inpainting request read, for the image's text.
