@@ -1233,9 +1233,39 @@ fn a_copied_binary_keeps_its_default_model() {
     assert!(out.is_file());
     let bundled: Vec<String> = files_in(&cache.join("bundled"));
     assert_eq!(bundled.len(), 1, "{bundled:?}");
-    assert!(cache
-        .join("bundled")
-        .join(&bundled[0])
-        .join("manifest.json")
-        .is_file());
+    let copy = cache.join("bundled").join(&bundled[0]);
+    assert!(copy.join("manifest.json").is_file());
+    // A copy damaged in the cache (a file cleaned away, one cut short) is written again.
+    std::fs::remove_file(copy.join("tokenizer.json")).unwrap();
+    let graph = copy.join("transformer.onnx");
+    let len = std::fs::metadata(&graph).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&graph)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    let output = Command::new(&exe)
+        .args(["generate", "a cat", "-o"])
+        .arg(dir.join("again.png"))
+        .args(FAST)
+        .env("ORT_DYLIB_PATH", ort_library())
+        .env("KLEIN_CACHE_DIR", &cache)
+        .env_remove("KLEIN_MODEL")
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(dir.join("again.png").is_file());
+    for name in ["tokenizer.json", "transformer.onnx"] {
+        let shipped = std::fs::read(bundle_dir().join(name)).unwrap();
+        assert!(
+            std::fs::read(copy.join(name)).unwrap() == shipped,
+            "{name} repaired"
+        );
+    }
 }
