@@ -1213,24 +1213,24 @@ fn a_copied_binary_keeps_its_default_model() {
     let dir = temp_dir("cli-installed");
     let exe = dir.join("klein");
     std::fs::copy(env!("CARGO_BIN_EXE_klein"), &exe).unwrap();
-    let out = dir.join("out.png");
     let cache = dir.join("cache");
-    let output = Command::new(&exe)
-        .args(["generate", "a cat", "-o"])
-        .arg(&out)
-        .args(FAST)
-        .env("ORT_DYLIB_PATH", ort_library())
-        .env("KLEIN_CACHE_DIR", &cache)
-        .env_remove("KLEIN_MODEL")
-        .current_dir(&dir)
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    assert!(out.is_file());
+    // `klein generate` with no --model, from the copy, writing `name` in `dir`.
+    let generate_to = |name: &str| {
+        let output = Command::new(&exe)
+            .args(["generate", "a cat", "-o"])
+            .arg(dir.join(name))
+            .args(FAST)
+            .env("ORT_DYLIB_PATH", ort_library())
+            .env("KLEIN_CACHE_DIR", &cache)
+            .env_remove("KLEIN_MODEL")
+            .current_dir(&dir)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "{stderr}");
+        assert!(dir.join(name).is_file());
+    };
+    generate_to("out.png");
     let bundled: Vec<String> = files_in(&cache.join("bundled"));
     assert_eq!(bundled.len(), 1, "{bundled:?}");
     let copy = cache.join("bundled").join(&bundled[0]);
@@ -1245,22 +1245,7 @@ fn a_copied_binary_keeps_its_default_model() {
         .unwrap()
         .set_len(len / 2)
         .unwrap();
-    let output = Command::new(&exe)
-        .args(["generate", "a cat", "-o"])
-        .arg(dir.join("again.png"))
-        .args(FAST)
-        .env("ORT_DYLIB_PATH", ort_library())
-        .env("KLEIN_CACHE_DIR", &cache)
-        .env_remove("KLEIN_MODEL")
-        .current_dir(&dir)
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    assert!(dir.join("again.png").is_file());
+    generate_to("again.png");
     for name in ["tokenizer.json", "transformer.onnx"] {
         let shipped = std::fs::read(bundle_dir().join(name)).unwrap();
         assert!(
