@@ -5,6 +5,9 @@ pub type Result<T, E = KleinError> = std::result::Result<T, E>;
 
 /// The [`KleinError::Io`] action of a LoRA file that cannot be read (its error is about `loras`).
 pub const READING_LORA: &str = "reading the LoRA file";
+/// The [`KleinError::Io`] action of a CPU cache directory that cannot be made (its error is about
+/// `cpu_cache`).
+pub const CREATING_CPU_CACHE: &str = "creating the CPU cache directory";
 
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -92,6 +95,8 @@ impl KleinError {
             KleinError::Lora { .. } => Some("loras"),
             KleinError::Device { .. } => Some("device"),
             KleinError::Io { action, .. } if *action == READING_LORA => Some("loras"),
+            KleinError::Io { action, .. } if *action == CREATING_CPU_CACHE => Some("cpu_cache"),
+            KleinError::RuntimeLibrary(_) => Some("ort_library"),
             _ => None,
         }
     }

@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import math
+import numbers
 import os
 import secrets
 import sys
@@ -103,6 +104,7 @@ _NATIVE_PARAMS = {
     "steps": "num_inference_steps",
     "guidance": "guidance_scale",
     "num_images": "num_images_per_prompt",
+    "ort_library": "ort_lib",
 }
 _U32 = 2**32
 _U64 = 2**64
@@ -332,13 +334,34 @@ def _preview_callback(preview: Any) -> Callable[[int, int, list[tuple[bytes, int
     return native
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _lora_pair(lora: Any) -> bool:
+    """Whether ``lora`` is one ``(path, scale)`` pair (a tuple of LoRAs is a sequence of them)."""
+    return (
+        isinstance(lora, tuple)
+        and len(lora) == 2
+        and isinstance(lora[0], (str, os.PathLike))
+        and isinstance(lora[1], numbers.Real)
+        and not isinstance(lora[1], bool)
+    )
+
+
 def _loras(loras: Any) -> list[str | tuple[str, float]]:
     if loras is None:
         return []
-    if isinstance(loras, (str, os.PathLike, tuple)):
+    if isinstance(loras, (str, os.PathLike)) or _lora_pair(loras):
         loras = [loras]
     elif isinstance(loras, dict):
         loras = list(loras.items())  # {path: scale}
+    elif isinstance(loras, tuple):
+        loras = list(loras)
     elif not isinstance(loras, list):
         raise _invalid(
             f"loras must be a list of (path, scale), 'FILE' or 'FILE:SCALE', or a dict of path: scale; "
@@ -347,7 +370,15 @@ def _loras(loras: Any) -> list[str | tuple[str, float]]:
         )
     specs: list[str | tuple[str, float]] = []
     for index, lora in enumerate(loras):
-        if isinstance(lora, str):
+        if isinstance(lora, str) and not _utf8(lora):
+            # A file name that is not UTF-8 (os.fsdecode's surrogates): "FILE:SCALE" split here,
+            # as the native side splits text, since only a path can carry such a name.
+            path, colon, scale = lora.rpartition(":")
+            try:
+                specs.append((path, float(scale)) if colon and path else (lora, 1.0))
+            except ValueError:
+                specs.append((lora, 1.0))
+        elif isinstance(lora, str):
             specs.append(lora)
         elif isinstance(lora, os.PathLike):
             specs.append((os.fsdecode(lora), 1.0))
@@ -400,7 +431,7 @@ class Pipeline:
         if model is None:
             model = os.environ.get("KLEIN_MODEL") or None
             if model is None:
-                raise InvalidInputError("no model: pass model= (a bundle directory) or set KLEIN_MODEL")
+                raise _invalid("no model: pass model= (a bundle directory) or set KLEIN_MODEL", "model")
         if not isinstance(model, (str, os.PathLike)):
             raise _invalid(
                 f"model must be a bundle directory's path (str or os.PathLike), not {type(model).__name__}", "model"
@@ -421,8 +452,10 @@ class Pipeline:
         }
         try:
             self._native = _klein.Pipeline(os.fsdecode(model), **arguments)
-        except InvalidInputError as error:
-            raise error from None  # klein names the argument (``param``): a LoRA file's is ``loras``
+        except KleinError as error:
+            # klein names the argument (``param``): a LoRA file's is ``loras``, the library's ``ort_lib``.
+            error.param = _NATIVE_PARAMS.get(error.param, error.param)
+            raise error from None
 
     def __call__(
         self,
@@ -504,14 +537,19 @@ class Pipeline:
         (pixels) inpaints only the mask's region, padded, and pastes it back into the whole source
         (the output then has the source's size; the mask must have it too), as diffusers'
         argument of that name. ``height`` and ``width``, which diffusers ignores there, may only
-        give the size the source is generated at (downscaled above 1 megapixel, floored to 16;
-        with ``padding_mask_crop`` the output still has the source's whole size): another is
-        refused, as by ``klein generate``. The other arguments are ``__call__``'s."""
+        give the size the source is generated at once floored to 16 as it is (downscaled above 1
+        megapixel, floored to 16: an 80x72 source takes 80x72 or 80x64; with ``padding_mask_crop``
+        the output still has the source's whole size): another is refused, as by ``klein
+        generate``. The other arguments are ``__call__``'s."""
         sources, masks = _references(image), _references(mask_image, "mask_image")
         if len(sources) != 1 or len(masks) > 1:
             raise _invalid(
                 "inpaint takes one source image and at most one mask_image",
                 "image" if len(sources) != 1 else "mask_image",
+            )
+        if mask_transparent and not masks:
+            raise _invalid(
+                "mask_transparent reads a mask_image's alpha: give mask_image, or leave it out", "mask_transparent"
             )
         return self._run(
             prompt,

@@ -162,7 +162,7 @@ impl Pipeline {
                 &session.coreml.cache_dir,
                 "creating the CoreML model cache directory",
             ),
-            (&session.cpu_cache_dir, "creating the CPU cache directory"),
+            (&session.cpu_cache_dir, crate::error::CREATING_CPU_CACHE),
             (&prompt_cache_dir, "creating the prompt cache directory"),
         ];
         for (cache, action) in caches {

@@ -319,7 +319,12 @@ impl Plan {
                     model.name
                 )))
             }
-            Some(inpaint) => Some(check_inpaint(inpaint, request, steps)?),
+            Some(inpaint) => Some(check_inpaint(
+                inpaint,
+                request,
+                steps,
+                manifest.latents.pixel_multiple,
+            )?),
             None => None,
         };
         let ref_tokens: usize = request
@@ -430,16 +435,22 @@ fn check_finite<'a>(
 }
 
 /// Inpainting's own checks; gives the first step that runs. The output is the source's size (as
-/// diffusers, which ignores `height` and `width` there: klein refuses a different one instead);
+/// diffusers, which ignores `height` and `width` there: klein refuses a different one instead,
+/// once floored to `multiple` as every size is: 80x72 asks for the 80x64 of an 80x72 source);
 /// the mask must be at the source's size, and with several references all must have one size
 /// (diffusers crops the others to the first's).
-fn check_inpaint(inpaint: &Inpaint, request: &Request, steps: usize) -> Result<usize> {
+fn check_inpaint(
+    inpaint: &Inpaint,
+    request: &Request,
+    steps: usize,
+    multiple: u32,
+) -> Result<usize> {
     let source = &inpaint.image;
     for (what, given, size) in [
         ("width", request.width, source.width),
         ("height", request.height, source.height),
     ] {
-        if given.is_some_and(|g| g != size) {
+        if given.is_some_and(|g| g / multiple * multiple != size) {
             return Err(KleinError::request_about(
                 what,
                 format!(

@@ -732,6 +732,15 @@ fn c_requests_inpaint_as_the_rust_api() {
         call(|m| unsafe { klein_output_size(pipeline, &other_size, &mut width, &mut height, m) });
     assert_eq!(status, KLEIN_ERROR_USER, "{message}");
     assert_mentions(&message, &["width 96 was given", "source image's size"]);
+    // The source's own size, given: floored as the output is (72x52 gives 64x48), so taken.
+    let own_size = KleinRequest {
+        width: 72,
+        height: 52,
+        ..request
+    };
+    let (status, message) =
+        call(|m| unsafe { klein_output_size(pipeline, &own_size, &mut width, &mut height, m) });
+    assert_eq!((status, width, height), (KLEIN_OK, 64, 48), "{message}");
 
     // `mask_crop`: a mask of the source's size; the output is the whole source (72x52).
     let full_mask = dir.join("full-mask.png");

@@ -5,6 +5,7 @@ import ast
 import io
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -657,3 +658,52 @@ def test_an_inpainting_reference_is_labelled_as_its_argument(pipe, inpaint_input
         "a hat", image=inpaint_inputs.source, image_reference=synthetic(), num_inference_steps=1, output_type="png"
     )
     assert Image.open(io.BytesIO(png.images[0])).text["references"] == '["image_reference-0"]'
+
+
+def test_names_that_are_not_utf8_tuples_of_loras_and_arguments_named(
+    pipe, tiny_bundle, tiny_lora, tmp_path, monkeypatch
+):
+    """A file whose name is not UTF-8 (``os.fsdecode``'s surrogates) is read as ``model=`` is;
+    a tuple of LoRAs is a sequence of LoRAs, not one pair; errors about one argument name it."""
+    source = tmp_path / "source.png"
+    synthetic().resize((80, 72)).save(source)
+    odd = os.fsdecode(os.fsencode(str(tmp_path)) + b"/\xff.png")
+    shutil.copy(source, odd)
+
+    def images(image):
+        return pipe("a fox", image=image, generator=3, num_inference_steps=1, output_type="np").images
+
+    want = images(str(source))
+    assert np.array_equal(images(odd), want)
+    assert np.array_equal(images(klein.EncodedImage(source.read_bytes(), "a\udcff")), want)
+    # The source's own size, given: floored as the output is (80x72 generates 80x64).
+    out = pipe.inpaint("a fox", image=odd, width=80, height=72, generator=3, num_inference_steps=1)
+    assert out.images[0].size == (80, 64)
+    with pytest.raises(klein.InvalidInputError) as error:
+        pipe.inpaint("a fox", image=str(source), mask_transparent=True)
+    assert error.value.param == "mask_transparent"
+
+    lora = Path(tiny_lora)
+    odd_lora = os.fsdecode(os.fsencode(str(tmp_path)) + b"/\xfe.safetensors")
+    shutil.copy(lora, odd_lora)
+    try:
+        pipe.set_loras((str(lora), odd_lora + ":0.5"))  # a tuple of two LoRAs, one "FILE:SCALE"
+        assert pipe.loras == [(lora, 1.0), (Path(odd_lora), 0.5)]
+        pipe.set_loras((str(lora), 0.25))  # one (path, scale) pair
+        assert pipe.loras == [(lora, 0.25)]
+        pipe.set_loras(((str(lora), 0.5), (odd_lora, 0.25)))
+        assert pipe.loras == [(lora, 0.5), (Path(odd_lora), 0.25)]
+    finally:
+        pipe.set_loras(None)
+
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    for param, call in [
+        ("cpu_cache", lambda: klein.Pipeline(tiny_bundle, cpu_cache=not_a_dir)),
+        ("ort_lib", lambda: klein.Pipeline(tiny_bundle, ort_lib=tmp_path / "missing.so")),
+        ("model", lambda: klein.Pipeline()),  # no KLEIN_MODEL either
+    ]:
+        monkeypatch.delenv("KLEIN_MODEL", raising=False)
+        with pytest.raises(klein.InvalidInputError) as error:
+            call()
+        assert error.value.param == param, str(error.value)
