@@ -42,6 +42,26 @@ impl LoraSpec {
         LoraSpec::new(text, 1.0)
     }
 
+    /// [`LoraSpec::parse`] for a command line's argument, whose file name may not be UTF-8:
+    /// split on its bytes at the last `:` when what follows is a number.
+    pub fn parse_os(text: &std::ffi::OsStr) -> LoraSpec {
+        if let Some(text) = text.to_str() {
+            return LoraSpec::parse(text);
+        }
+        #[cfg(unix)]
+        {
+            use std::os::unix::ffi::OsStrExt;
+            let bytes = text.as_bytes();
+            if let Some(colon) = bytes.iter().rposition(|&b| b == b':').filter(|&i| i > 0) {
+                let scale = std::str::from_utf8(&bytes[colon + 1..]).ok();
+                if let Some(scale) = scale.and_then(|s| s.parse::<f32>().ok()) {
+                    return LoraSpec::new(std::ffi::OsStr::from_bytes(&bytes[..colon]), scale);
+                }
+            }
+        }
+        LoraSpec::new(text, 1.0)
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -321,4 +341,34 @@ fn check_fit(file: &LoraFile, targets: &BTreeMap<String, LoraTarget>) -> Result<
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may unwrap: a failure is a test failure
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_and_scale_split_at_the_last_colon_whatever_the_name() {
+        let spec = LoraSpec::parse("dir:x/style.safetensors:-0.5");
+        assert_eq!(
+            (spec.path(), spec.scale()),
+            (Path::new("dir:x/style.safetensors"), -0.5)
+        );
+        let spec = LoraSpec::parse("style.safetensors:strong");
+        assert_eq!(
+            (spec.path(), spec.scale()),
+            (Path::new("style.safetensors:strong"), 1.0)
+        );
+        #[cfg(unix)]
+        {
+            use std::os::unix::ffi::OsStrExt;
+            let odd = std::ffi::OsStr::from_bytes(b"/tmp/\xfe.safetensors:0.25");
+            let spec = LoraSpec::parse_os(odd);
+            assert_eq!(spec.path().as_os_str().as_bytes(), b"/tmp/\xfe.safetensors");
+            assert_eq!(spec.scale(), 0.25);
+            let whole = std::ffi::OsStr::from_bytes(b"/tmp/\xfe.safetensors");
+            assert_eq!(LoraSpec::parse_os(whole).path().as_os_str(), whole);
+        }
+    }
 }

@@ -125,7 +125,7 @@ pub(crate) struct GenerateArgs {
     #[arg(long, value_name = "PIXELS", requires = "mask", allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(0..=MAX_SIDE as i64))]
     pub(crate) mask_crop: Option<u32>,
     /// LoRA to merge into the transformer, FILE or FILE:SCALE (repeatable, at most 16; scale -100 to 100, default 1; may be negative): diffusers/PEFT, BFL/ai-toolkit, kohya and LoKr (BFL, LyCORIS) .safetensors files
-    #[arg(long = "lora", value_name = "FILE[:SCALE]", value_parser = parse_lora)]
+    #[arg(long = "lora", value_name = "FILE[:SCALE]", value_parser = parse_lora())]
     pub(crate) loras: Vec<LoraSpec>,
     /// Images to generate for the prompt (one batch), 1 to 16
     #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = clap::value_parser!(u16).range(1..=MAX_BATCH as i64))]
@@ -243,13 +243,14 @@ pub(crate) struct InfoArgs {
     #[arg(long)]
     pub(crate) verify: bool,
     /// List what this LoRA would change (layers, rank, scale), FILE or FILE:SCALE (repeatable)
-    #[arg(long = "lora", value_name = "FILE[:SCALE]", value_parser = parse_lora)]
+    #[arg(long = "lora", value_name = "FILE[:SCALE]", value_parser = parse_lora())]
     pub(crate) loras: Vec<LoraSpec>,
 }
 
-/// `FILE` or `FILE:SCALE`.
-fn parse_lora(text: &str) -> Result<LoraSpec, String> {
-    Ok(LoraSpec::parse(text))
+/// `FILE` or `FILE:SCALE`; the file's name need not be UTF-8.
+fn parse_lora() -> impl clap::builder::TypedValueParser<Value = LoraSpec> {
+    use clap::builder::TypedValueParser;
+    clap::builder::OsStringValueParser::new().map(|text| LoraSpec::parse_os(&text))
 }
 
 /// `--host`: an IP address, or a name (`localhost`) looked up to its first address.

@@ -35,7 +35,17 @@ impl AdapterConfig {
         if fields.keys().all(|k| !k.starts_with(PREFIX)) {
             return Ok(None);
         }
-        if field("use_dora").and_then(Value::as_bool) == Some(true) {
+        // PEFT writes these as JSON booleans; anything else would be read as false unseen.
+        let flag = |name: &str| -> Result<bool, String> {
+            match field(name) {
+                None | Some(Value::Null) => Ok(false),
+                Some(Value::Bool(b)) => Ok(*b),
+                Some(v) => Err(format!(
+                    "adapter metadata `{PREFIX}{name}` is {v}; true or false"
+                )),
+            }
+        };
+        if flag("use_dora")? {
             return Err("a DoRA adapter (use_dora); klein applies LoRA and LoKr only".into());
         }
         let number = |name: &str| -> Result<Option<f64>, String> {
@@ -73,7 +83,7 @@ impl AdapterConfig {
             alpha: number("lora_alpha")?.or(number("alpha")?).unwrap_or(8.0),
             rank_pattern: pattern("rank_pattern")?,
             alpha_pattern: pattern("alpha_pattern")?,
-            rslora: field("use_rslora").and_then(Value::as_bool) == Some(true),
+            rslora: flag("use_rslora")?,
         }))
     }
 
@@ -149,6 +159,9 @@ mod tests {
         assert!(metadata(r#"{"transformer.r": -1}"#)
             .unwrap_err()
             .contains("positive"));
+        assert!(metadata(r#"{"transformer.use_rslora": "yes"}"#)
+            .unwrap_err()
+            .contains("true or false"));
         assert!(metadata("[1]").is_err());
         assert!(metadata(r#"{"text_encoder.r": 4}"#).unwrap().is_none());
     }

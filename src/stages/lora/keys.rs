@@ -453,12 +453,23 @@ fn kohya(mut keys: Keys<'_, '_>, config: Option<&AdapterConfig>) -> Result<Vec<U
         let (Some(down), Some(up)) = (down, up) else {
             return Err(format!("`{base}` has only one of lora_down and lora_up"));
         };
+        check_rank(&base, down.nrows())?;
         let rank = down.nrows() as f32;
         let scale = alpha.unwrap_or(rank) / rank;
         updates.extend(split_lora(&base, &modules, up, down, scale, config)?);
     }
     keys.finish(LoraFormat::Kohya)?;
     Ok(updates)
+}
+
+/// A rank of 0 changes nothing (PEFT refuses `r=0`; kohya's alpha / rank is not a number).
+fn check_rank(base: &str, rank: usize) -> Result<(), Fail> {
+    if rank == 0 {
+        return Err(format!(
+            "`{base}` has rank 0 (lora_A/down has no rows): it changes nothing; a LoRA's rank is 1 or more"
+        ));
+    }
+    Ok(())
 }
 
 /// One update per module, each with its block of `up`'s rows (`up` `[out, r]`, `down` `[r, in]`).
@@ -471,6 +482,7 @@ fn split_lora(
     config: Option<&AdapterConfig>,
 ) -> Result<Vec<Update>, Fail> {
     let rank = down.nrows();
+    check_rank(base, rank)?;
     if up.ncols() != rank {
         return Err(format!(
             "`{base}`: lora_B/up is {:?} and lora_A/down {:?}; the rank (up's columns, down's rows) must agree",
@@ -656,6 +668,26 @@ mod tests {
         for update in &updates {
             assert_eq!(update.shape(), (8, 8));
             assert_eq!(update.scale, 0.5);
+        }
+    }
+
+    /// Rank 0 (no rows in down/A) changes nothing: refused as such, in both layouts (kohya's
+    /// alpha / rank had read as "changes ... by up to NaN").
+    #[test]
+    fn rank_zero_is_refused() {
+        for (down, up) in [
+            (
+                "lora_unet_double_blocks_1_img_attn_qkv.lora_down.weight",
+                "lora_unet_double_blocks_1_img_attn_qkv.lora_up.weight",
+            ),
+            (
+                "transformer.transformer_blocks.0.attn.to_q.lora_A.weight",
+                "transformer.transformer_blocks.0.attn.to_q.lora_B.weight",
+            ),
+        ] {
+            let bytes = file(&[(down, &[0, 64], 1.0), (up, &[64, 0], 1.0)]);
+            let error = convert_bytes(&bytes).unwrap_err();
+            assert!(error.contains("rank 0"), "{error}");
         }
     }
 
