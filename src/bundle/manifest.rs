@@ -22,7 +22,9 @@ use super::buckets::StaticShapes;
 use super::component::Component;
 use super::lora_targets::{self, LoraTarget};
 use crate::error::{KleinError, Result};
-use crate::limits::{MAX_SEQUENCE_LENGTH, MAX_SIDE, MAX_TIME_OFFSET_SCALE};
+use crate::limits::{
+    MAX_GUIDANCE, MAX_SEQUENCE_LENGTH, MAX_SIDE, MAX_STEPS, MAX_TIME_OFFSET_SCALE, MIN_SIDE,
+};
 use crate::runtime::{Dtype, OrtVersion, RuntimeInfo};
 use crate::stages::preview::PreviewSpec;
 use crate::stages::reference::ReferenceLimits;
@@ -618,8 +620,34 @@ impl Manifest {
                 "vae.sample_size is 0 (the VAE's tile side in pixels, 1024 in FLUX.2)".to_string(),
             );
         }
-        if self.model.default_steps == 0 {
-            problems.push("model.default_steps is 0".to_string());
+        let model = &self.model;
+        if model.default_steps == 0 || model.default_steps as usize > MAX_STEPS {
+            problems.push(format!(
+                "model.default_steps {} is outside 1..={MAX_STEPS}",
+                model.default_steps
+            ));
+        }
+        if !(model.default_guidance.is_finite()
+            && (0.0..=MAX_GUIDANCE).contains(&model.default_guidance))
+        {
+            problems.push(format!(
+                "model.default_guidance {} is outside 0..={MAX_GUIDANCE}",
+                model.default_guidance
+            ));
+        }
+        for (name, side) in [
+            ("default_width", model.default_width),
+            ("default_height", model.default_height),
+        ] {
+            if !(MIN_SIDE..=MAX_SIDE).contains(&side) {
+                problems.push(format!(
+                    "model.{name} {side} is outside {MIN_SIDE}..={MAX_SIDE} pixels"
+                ));
+            }
+        }
+        // Found here, in the file (the schedule refuses it too, without naming the file).
+        if self.scheduler.shift.num_train_timesteps == 0 {
+            problems.push("scheduler.num_train_timesteps is 0 (FLUX.2 trains on 1000)".to_string());
         }
         if te.hidden_layers.is_empty() {
             problems.push("text_encoder.hidden_layers is empty".to_string());

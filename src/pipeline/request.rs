@@ -536,10 +536,20 @@ pub fn output_size(manifest: &Manifest, request: &Request) -> Result<(u32, u32)>
         .or(first.map(|r| r.height))
         .unwrap_or(manifest.model.default_height);
     let multiple = manifest.latents.pixel_multiple;
-    for (what, value) in [("width", width), ("height", height)] {
+    for (what, value, given) in [
+        ("width", width, request.width),
+        ("height", height, request.height),
+    ] {
         if value < multiple || value > MAX_SIDE {
+            // A size nobody gave is the image's: say so, and how to change it.
+            let whence = match (given, first) {
+                (None, Some(_)) => {
+                    " (the source or first reference image's, as no size was given: resize the image)"
+                }
+                _ => "",
+            };
             return Err(KleinError::request_about(what, format!(
-                "{what} {value} is out of range: it must be between {multiple} and {MAX_SIDE} pixels"
+                "{what} {value}{whence} is out of range: it must be between {multiple} and {MAX_SIDE} pixels"
             )));
         }
     }

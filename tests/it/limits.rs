@@ -286,3 +286,24 @@ fn given_tensors_must_be_finite() {
         .with_prompt_embeds(embeds);
     pipeline.generate(&request, None).unwrap();
 }
+
+/// A size out of range that nobody gave is the image's: the message says so (it read as a width
+/// the request had asked for).
+#[test]
+fn a_size_taken_from_an_image_says_so() {
+    let dir = temp_dir("limits-image-size");
+    let wide = dir.join("wide.png");
+    image::RgbImage::from_pixel(6000, 64, image::Rgb([10, 200, 30]))
+        .save(&wide)
+        .unwrap();
+    let out = dir.join("out.png");
+    let run = generate(
+        "a fox",
+        &out,
+        &["--image", path_str(&wide), "--strength", "0.5", "--steps", "1"],
+    );
+    run.assert_user_error(&[
+        "width 6000 (the source or first reference image's, as no size was given",
+        "between 16 and 4096 pixels",
+    ]);
+}

@@ -294,6 +294,25 @@ fn contradictory_numbers_are_refused() {
             "latents.channels 64",
         ],
     );
+    // The model's defaults and the scheduler's numbers: refused in the file, not blamed on a
+    // request that gave none of them.
+    let dir = bundle("bad-defaults", |m| {
+        m["model"]["default_width"] = json!(0);
+        m["model"]["default_guidance"] = json!(-5.0);
+        m["model"]["default_steps"] = json!(5000);
+        m["scheduler"]["num_train_timesteps"] = json!(0);
+    });
+    let (path, message) = load_error(&dir);
+    assert!(path.ends_with("manifest.json"), "{path:?}");
+    assert_mentions(
+        &message,
+        &[
+            "model.default_width 0 is outside 16..=4096",
+            "model.default_guidance -5 is outside 0..=100",
+            "model.default_steps 5000 is outside 1..=1000",
+            "scheduler.num_train_timesteps is 0",
+        ],
+    );
 }
 
 // ---- hash verification with a stamp ----
