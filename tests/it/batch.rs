@@ -510,6 +510,27 @@ fn inpainting_lines_equal_single_runs() {
     let cropped = read_png(&outputs[1]);
     assert_eq!((cropped.width, cropped.height), (72, 52));
     assert_eq!(cropped.text.get("mask_crop").map(String::as_str), Some("6"));
+
+    // The command line's --strength goes with its --image: lines with their own image are told
+    // so once, and their outputs are as before (taken as done here: nothing reruns).
+    std::fs::remove_file(&outputs[0]).unwrap();
+    let strength = ["--image", path_str(&source), "--strength", "0.5"];
+    let run = batch(
+        &prompts,
+        &out_dir,
+        &[&["--steps", "2"][..], &strength].concat(),
+    );
+    run.assert_success(&[&outputs[0]]);
+    assert_eq!(
+        run.stderr
+            .matches("1 line(s) give their own \"image\": the command line's --strength apply")
+            .count(),
+        1,
+        "{}",
+        run.describe()
+    );
+    let single = std::fs::read(dir.join("single-0.png")).unwrap();
+    assert!(std::fs::read(&outputs[0]).unwrap() == single);
 }
 
 /// The command line's numbers, the lines' defaults, are checked before the bundle or the prompts

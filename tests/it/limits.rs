@@ -300,7 +300,14 @@ fn a_size_taken_from_an_image_says_so() {
     let run = generate(
         "a fox",
         &out,
-        &["--image", path_str(&wide), "--strength", "0.5", "--steps", "1"],
+        &[
+            "--image",
+            path_str(&wide),
+            "--strength",
+            "0.5",
+            "--steps",
+            "1",
+        ],
     );
     run.assert_user_error(&[
         "width 6000 (the source or first reference image's, as no size was given",

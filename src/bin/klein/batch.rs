@@ -284,9 +284,34 @@ fn run_batch(
             .and_then(|bundle| klein::bundle::Manifest::load(&bundle).ok())
             .map(|manifest| manifest.model.name);
     } else {
+        warn_unused_inpaint_flags(args, &to_run);
         run.run_lines(args, to_run, &reporter)?;
     }
     run.finish(&reporter)
+}
+
+/// The command line's `--mask`, `--strength` and `--mask-crop` go with its `--image`: a line
+/// with its own image takes its own (or none). Said once, not left unseen.
+fn warn_unused_inpaint_flags(args: &GenerateArgs, to_run: &ToRun) {
+    let given: Vec<&str> = [
+        (args.mask.is_some(), "--mask"),
+        (args.strength.is_some(), "--strength"),
+        (args.mask_crop.is_some(), "--mask-crop"),
+    ]
+    .into_iter()
+    .filter_map(|(set, flag)| set.then_some(flag))
+    .collect();
+    let own = to_run
+        .iter()
+        .filter(|(_, line, _)| line.image.is_some())
+        .count();
+    if !given.is_empty() && own > 0 {
+        eprintln!(
+            "klein: warning: {own} line(s) give their own \"image\": the command line's {} apply \
+             only to the lines without one (a line gives its own \"mask\", \"strength\", \"mask_crop\")",
+            given.join(", ")
+        );
+    }
 }
 
 /// A line to run: its record's index, the line, and its output file.
