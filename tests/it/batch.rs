@@ -560,3 +560,57 @@ fn command_line_bounds_are_checked_before_the_bundle_is_read() {
     run.assert_user_error(&["/nonexistent/klein-bundle"]);
     assert!(!out_dir.exists(), "{}", run.describe());
 }
+
+/// SIGINT while a line runs: exit 130, and the summary says the batch was interrupted, the lines
+/// not reached `not_run` (they were left `pending`, counted nowhere).
+#[cfg(unix)]
+#[test]
+fn an_interrupted_batch_says_so_in_its_summary() {
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    let dir = temp_dir("batch-interrupt");
+    let prompts = prompts_file(
+        &dir,
+        &[
+            r#"{"prompt": "a", "width": 64, "height": 64, "steps": 1, "seed": 1}"#,
+            r#"{"prompt": "b", "steps": 50, "seed": 2}"#,
+            r#"{"prompt": "c", "seed": 3}"#,
+        ],
+    );
+    let out_dir = dir.join("out");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_klein"))
+        .args(["generate", "--prompts", path_str(&prompts), "--out-dir"])
+        .arg(&out_dir)
+        .env("ORT_DYLIB_PATH", crate::util::ort_library())
+        .env("KLEIN_CACHE_DIR", crate::util::test_cache_dir())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Line 1 done, line 2 (1024x1024, 50 steps) under way.
+    let started = Instant::now();
+    while !out_dir.join("0001.png").exists() {
+        assert!(started.elapsed() < Duration::from_secs(120), "line 1 never finished");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let killed = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("klein: interrupted"), "{stderr}");
+    let summary = summary(&out_dir);
+    assert_eq!(summary["interrupted"], true);
+    assert_eq!(
+        statuses(&summary),
+        [("0001", "ok"), ("0002", "not_run"), ("0003", "not_run")]
+            .map(|(n, s)| (n.to_string(), s.to_string()))
+    );
+    assert_eq!(summary["totals"]["not_run"], 2);
+    assert_eq!(files_in(&out_dir), ["0001.png", "summary.json"]);
+}

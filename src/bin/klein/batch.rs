@@ -3,6 +3,7 @@
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Mutex;
 use std::time::Instant;
 
 use anyhow::Context;
@@ -31,6 +32,30 @@ struct Summary<'a> {
     model: Option<String>,
     lines: &'a [LineRecord],
     totals: Totals,
+    /// Present (true) only in the summary written when the batch is interrupted.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    interrupted: bool,
+}
+
+/// The summary an interrupt writes (its path and bytes: the lines not run yet are `not_run`),
+/// kept up to date with every summary the batch writes.
+static INTERRUPTED_SUMMARY: Mutex<Option<(PathBuf, Vec<u8>)>> = Mutex::new(None);
+
+/// For the interrupt handler: writes the summary that says the batch was interrupted, if a batch
+/// is running.
+pub(crate) fn write_interrupted_summary() {
+    let saved = INTERRUPTED_SUMMARY
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take();
+    if let Some((path, json)) = saved {
+        if write_atomic(&path, &json).is_ok() {
+            eprintln!(
+                "klein: interrupted: {} marks the lines not run",
+                path.display()
+            );
+        }
+    }
 }
 
 #[derive(Serialize, Default)]
@@ -44,7 +69,7 @@ struct Totals {
 }
 
 /// What happened to one line of the prompts file.
-#[derive(Serialize)]
+#[derive(Serialize, Clone)]
 struct LineRecord {
     /// 1-based line number in the prompts file.
     line: usize,
@@ -119,9 +144,13 @@ struct BatchRun<'a> {
 
 impl BatchRun<'_> {
     fn totals(&self) -> Totals {
-        let count = |status| self.records.iter().filter(|r| r.status == status).count();
+        self.totals_of(&self.records)
+    }
+
+    fn totals_of(&self, records: &[LineRecord]) -> Totals {
+        let count = |status| records.iter().filter(|r| r.status == status).count();
         Totals {
-            lines: self.records.len(),
+            lines: records.len(),
             ok: count(Status::Ok),
             skipped: count(Status::Skipped),
             error: count(Status::Error),
@@ -130,20 +159,39 @@ impl BatchRun<'_> {
         }
     }
 
-    /// Writes `summary.json` atomically: a reader never sees half of it.
+    /// Writes `summary.json` atomically: a reader never sees half of it. Keeps the summary an
+    /// interrupt would write ([`write_interrupted_summary`]).
     fn write_summary(&self) -> anyhow::Result<PathBuf> {
+        let path = self.out_dir.join(SUMMARY_FILE);
+        let stopped: Vec<LineRecord> = (self.records.iter().cloned())
+            .map(|mut record| {
+                if record.status == Status::Pending {
+                    record.status = Status::NotRun;
+                    record.message = Some("not run: the batch was interrupted".into());
+                }
+                record
+            })
+            .collect();
+        let interrupted = self.summary_json(&stopped, true)?;
+        *INTERRUPTED_SUMMARY
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((path.clone(), interrupted));
+        write_atomic(&path, &self.summary_json(&self.records, false)?)?;
+        Ok(path)
+    }
+
+    fn summary_json(&self, records: &[LineRecord], interrupted: bool) -> anyhow::Result<Vec<u8>> {
         let summary = Summary {
             prompts: self.prompts.display().to_string(),
             out_dir: self.out_dir.display().to_string(),
             model: self.model.clone(),
-            lines: &self.records,
-            totals: self.totals(),
+            lines: records,
+            totals: self.totals_of(records),
+            interrupted,
         };
-        let path = self.out_dir.join(SUMMARY_FILE);
         let mut json = serde_json::to_vec_pretty(&summary)?;
         json.push(b'\n');
-        write_atomic(&path, &json)?;
-        Ok(path)
+        Ok(json)
     }
 }
 

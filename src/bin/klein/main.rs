@@ -54,10 +54,12 @@ fn main() -> ExitCode {
 }
 
 /// Interrupted (Ctrl-C, SIGTERM, SIGHUP): removes the temporary files of a write in flight, so
-/// that no hidden partial file is left, then exits. Outputs are renamed into place only whole.
+/// that no hidden partial file is left, writes a running batch's summary as interrupted, then
+/// exits. Outputs are renamed into place only whole.
 fn install_interrupt_handler() {
     let handler = ctrlc::set_handler(|| {
         remove_pending_temp_files();
+        batch::write_interrupted_summary();
         exit_at_once(INTERRUPTED);
     });
     if let Err(error) = handler {
