@@ -566,8 +566,7 @@ fn command_line_bounds_are_checked_before_the_bundle_is_read() {
 #[cfg(unix)]
 #[test]
 fn an_interrupted_batch_says_so_in_its_summary() {
-    use std::process::{Command, Stdio};
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
     let dir = temp_dir("batch-interrupt");
     let prompts = prompts_file(
@@ -579,28 +578,23 @@ fn an_interrupted_batch_says_so_in_its_summary() {
         ],
     );
     let out_dir = dir.join("out");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_klein"))
-        .args(["generate", "--prompts", path_str(&prompts), "--out-dir"])
-        .arg(&out_dir)
-        .env("ORT_DYLIB_PATH", crate::util::ort_library())
-        .env("KLEIN_CACHE_DIR", crate::util::test_cache_dir())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Line 1 done, line 2 (1024x1024, 50 steps) under way.
-    let started = Instant::now();
-    while !out_dir.join("0001.png").exists() {
-        assert!(started.elapsed() < Duration::from_secs(120), "line 1 never finished");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    std::thread::sleep(Duration::from_millis(500));
-    let killed = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
-    let output = child.wait_with_output().unwrap();
+    // Interrupted with line 1 done and line 2 (1024x1024, 50 steps) under way.
+    let first = out_dir.join("0001.png");
+    let ready = || {
+        let done = first.exists();
+        if done {
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        done
+    };
+    let args = [
+        "generate",
+        "--prompts",
+        path_str(&prompts),
+        "--out-dir",
+        path_str(&out_dir),
+    ];
+    let output = crate::cli::interrupted_klein(args, ready);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(130), "{stderr}");
     assert!(stderr.contains("klein: interrupted"), "{stderr}");

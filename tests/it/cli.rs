@@ -101,6 +101,43 @@ pub(crate) fn klein<S: AsRef<OsStr>>(args: impl IntoIterator<Item = S>) -> Run {
     klein_env(args, &[("KLEIN_CACHE_DIR", Some(cache.as_os_str()))])
 }
 
+/// `klein <args>` started, then sent SIGINT once `ready` says so (polled every 50 ms, for at most
+/// 120 s); its exit within 30 s of the signal, with its stderr.
+#[cfg(unix)]
+pub(crate) fn interrupted_klein<S: AsRef<OsStr>>(
+    args: impl IntoIterator<Item = S>,
+    ready: impl Fn() -> bool,
+) -> std::process::Output {
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+    let child = Command::new(env!("CARGO_BIN_EXE_klein"))
+        .args(args)
+        .env("ORT_DYLIB_PATH", ort_library())
+        .env("KLEIN_CACHE_DIR", test_cache_dir())
+        .env_remove("KLEIN_MODEL")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while !ready() {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "never ready to interrupt"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let killed = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let signalled = Instant::now();
+    let output = child.wait_with_output().unwrap();
+    assert!(signalled.elapsed() < Duration::from_secs(30));
+    output
+}
+
 /// [`klein`] with environment variables set (`Some`) or removed (`None`).
 pub(crate) fn klein_env<S: AsRef<OsStr>>(
     args: impl IntoIterator<Item = S>,

@@ -171,39 +171,28 @@ fn a_preview_over_an_output_or_an_input_is_refused() {
 #[cfg(unix)]
 #[test]
 fn an_interrupted_run_leaves_nothing() {
-    use std::process::{Command, Stdio};
     use std::time::{Duration, Instant};
 
     let dir = temp_dir("outputs-interrupt");
     let out = dir.join("out.png");
     // The bundle's default 1024x1024 with many steps: long enough to be interrupted.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_klein"))
-        .args([
-            "generate",
-            "a cat",
-            "--steps",
-            "50",
-            "--num-images",
-            "2",
-            "-o",
-        ])
-        .arg(&out)
-        .env("ORT_DYLIB_PATH", crate::util::ort_library())
-        .env("KLEIN_CACHE_DIR", crate::util::test_cache_dir())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
-    let killed = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    let args = [
+        "generate",
+        "a cat",
+        "--steps",
+        "50",
+        "--num-images",
+        "2",
+        "-o",
+    ];
     let started = Instant::now();
-    let status = child.wait().unwrap();
-    assert!(started.elapsed() < Duration::from_secs(30));
-    assert_eq!(status.code(), Some(130), "{status:?}");
+    let output = crate::cli::interrupted_klein(
+        args.iter()
+            .map(std::ffi::OsStr::new)
+            .chain([out.as_os_str()]),
+        || started.elapsed() > Duration::from_millis(1500),
+    );
+    assert_eq!(output.status.code(), Some(130), "{:?}", output.status);
     assert!(
         files_in(&dir).is_empty(),
         "left behind: {:?}",
