@@ -75,6 +75,8 @@ pub fn problems(
     file_size: impl Fn(&str) -> Option<u64>,
 ) -> Vec<String> {
     let mut problems = Vec::new();
+    // A file missing from `files` is said once, with how many targets name it.
+    let mut unlisted: BTreeMap<&str, usize> = BTreeMap::new();
     for (module, t) in targets {
         let [out, inp] = t.shape;
         let want = (out as u64)
@@ -92,11 +94,13 @@ pub fn problems(
                 "lora_targets.{module}: bytes {}+{} past the end of {} ({size} bytes)",
                 t.offset, t.bytes, t.file
             )),
-            None => problems.push(format!(
-                "lora_targets.{module}: file {} is not in the bundle's files",
-                t.file
-            )),
+            None => *unlisted.entry(t.file.as_str()).or_default() += 1,
         }
+    }
+    for (file, count) in unlisted {
+        problems.push(format!(
+            "lora_targets: file {file} ({count} target(s)) is not in the bundle's files"
+        ));
     }
     problems
 }

@@ -540,7 +540,16 @@ impl Manifest {
             path: manifest_path.to_path_buf(),
             reason,
         };
-        let probe: VersionProbe = serde_json::from_slice(bytes)
+        // Not an object at all (`[]`): said so, not as serde names the probe's type.
+        let value: serde_json::Value = serde_json::from_slice(bytes)
+            .map_err(|e| bundle_error(format!("not valid JSON: {e}")))?;
+        if !value.is_object() {
+            return Err(bundle_error(
+                "is not a JSON object; a manifest.json is the object `klein-export convert` writes"
+                    .to_string(),
+            ));
+        }
+        let probe: VersionProbe = serde_json::from_value(value)
             .map_err(|e| bundle_error(format!("not valid JSON: {e}")))?;
         let supported = supported_versions();
         match probe.format_version {

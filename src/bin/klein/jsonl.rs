@@ -230,6 +230,11 @@ fn check_name(name: &str) -> std::result::Result<(), String> {
             WINDOWS_RESERVED.join(", ")
         ));
     }
+    if name.to_ascii_lowercase().ends_with(".png") {
+        return Err(format!(
+            "`{name}` ends with .png; give the name without it (the output is NAME.png)"
+        ));
+    }
     if name.ends_with(['.', ' ']) {
         return Err(format!(
             "`{name}` ends with a dot or a space, which Windows drops from file names"
@@ -287,9 +292,10 @@ mod tests {
             "{\"prompt\": \"x\", \"name\": \"CON\"}",
             "{\"prompt\": \"x\", \"name\": \"nul.tar\"}",
             "{\"prompt\": \"x\", \"name\": \"end.\"}",
+            "{\"prompt\": \"x\", \"name\": \"fox.PNG\"}",
         ]
         .join("\n");
-        // Line 12: `café` in Latin-1 (é is the one byte 0xE9), not UTF-8; line 13: a long name.
+        // Line 13: `café` in Latin-1 (é is the one byte 0xE9), not UTF-8; line 14: a long name.
         let mut bytes = text.into_bytes();
         bytes.extend_from_slice(b"\n{\"prompt\": \"caf\xe9\"}\n");
         let long_name = "n".repeat(300);
@@ -298,7 +304,7 @@ mod tests {
         );
         let parsed = parse_batch(&bytes, Path::new("."));
         let errors: Vec<&LineError> = parsed.iter().filter_map(|p| p.as_ref().err()).collect();
-        assert_eq!(errors.len(), 12, "{parsed:?}");
+        assert_eq!(errors.len(), 13, "{parsed:?}");
         let expect = [
             (1, "0001", "invalid JSON"),
             (2, "0002", "missing field `prompt`"),
@@ -310,8 +316,9 @@ mod tests {
             (9, "CON", "device name on Windows"),
             (10, "nul.tar", "device name on Windows"),
             (11, "end.", "ends with a dot"),
-            (12, "0012", "not UTF-8 text (byte 16 of the line)"),
-            (13, long_name.as_str(), "300 bytes long"),
+            (12, "fox.PNG", "give the name without it"),
+            (13, "0013", "not UTF-8 text (byte 16 of the line)"),
+            (14, long_name.as_str(), "300 bytes long"),
         ];
         for (error, (line, name, needle)) in errors.iter().zip(expect) {
             assert_eq!((error.line, error.name.as_str()), (line, name), "{error:?}");

@@ -85,8 +85,13 @@ pub(crate) fn output_files(
             .filter(|p| !p.as_os_str().is_empty())
             .unwrap_or(Path::new("."));
         if !parent.is_dir() {
+            let why = if parent.exists() {
+                "is not a directory; give a path inside a directory"
+            } else {
+                "does not exist; create it first"
+            };
             return Err(UsageError(format!(
-                "{flag} {}: the directory {} does not exist; create it first",
+                "{flag} {}: {} {why}",
                 path.display(),
                 parent.display()
             ))
