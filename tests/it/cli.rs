@@ -1291,3 +1291,26 @@ fn a_copied_binary_keeps_its_default_model() {
         );
     }
 }
+
+/// Empty values: `--lora ''` is refused as no file (it read as a LoRA named ""), an empty
+/// `KLEIN_MODEL` is no model (the bundled one), as the Python module reads it; an output whose
+/// directory is a file says so (it said the directory did not exist).
+#[test]
+fn empty_values_and_a_file_for_a_directory() {
+    assert_refused(
+        &[&FAST[..], &["--lora", ""]].concat(),
+        &["give a LoRA file"],
+    );
+    let run = klein_env(
+        ["info"],
+        &[
+            ("KLEIN_MODEL", Some(OsStr::new(""))),
+            ("KLEIN_CACHE_DIR", Some(test_cache_dir().as_os_str())),
+        ],
+    );
+    assert!(run.stdout.contains("klein-tiny"), "{}", run.describe());
+    let dir = temp_dir("cli-file-parent");
+    std::fs::write(dir.join("file"), "x").unwrap();
+    let out = dir.join("file").join("out.png");
+    generate("a cat", &out, &FAST).assert_user_error(&["file is not a directory"]);
+}

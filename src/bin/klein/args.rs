@@ -250,7 +250,10 @@ pub(crate) struct InfoArgs {
 /// `FILE` or `FILE:SCALE`; the file's name need not be UTF-8.
 fn parse_lora() -> impl clap::builder::TypedValueParser<Value = LoraSpec> {
     use clap::builder::TypedValueParser;
-    clap::builder::OsStringValueParser::new().map(|text| LoraSpec::parse_os(&text))
+    clap::builder::OsStringValueParser::new().try_map(|text| match text.is_empty() {
+        true => Err("give a LoRA file, FILE or FILE:SCALE".to_string()),
+        false => Ok(LoraSpec::parse_os(&text)),
+    })
 }
 
 /// `--host`: an IP address, or a name (`localhost`) looked up to its first address.
@@ -297,9 +300,11 @@ fn parse_vae_tile_size(text: &str) -> Result<u32, String> {
     Ok(pixels)
 }
 
-/// The bundle to use: `--model`, else `$KLEIN_MODEL`, else the bundled tiny model.
+/// The bundle to use: `--model`, else `$KLEIN_MODEL` (when not empty, as the Python module
+/// reads it), else the bundled tiny model.
 pub(crate) fn default_model(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
-    match model.or_else(|| std::env::var_os("KLEIN_MODEL").map(PathBuf::from)) {
+    let from_env = || std::env::var_os("KLEIN_MODEL").filter(|m| !m.is_empty());
+    match model.or_else(|| from_env().map(PathBuf::from)) {
         Some(model) => Ok(model),
         None => bundled_model(),
     }
