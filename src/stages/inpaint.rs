@@ -38,7 +38,7 @@ pub fn first_step(steps: usize, strength: f64) -> Result<usize> {
         return Err(KleinError::request_about(
             "strength",
             format!(
-                "strength {strength} with {steps} steps leaves no step to run; raise the strength"
+                "strength {strength:?} with {steps} steps leaves no step to run; raise the strength"
             ),
         ));
     }
@@ -102,6 +102,9 @@ mod tests {
             let err = first_step(steps, strength).unwrap_err().to_string();
             assert!(err.contains("strength"), "{err}");
         }
+        // A tiny strength in its short form (it printed 300 digits).
+        let err = first_step(4, 1e-300).unwrap_err().to_string();
+        assert!(err.contains("strength 1e-300 with 4 steps"), "{err}");
     }
 
     #[test]
