@@ -531,7 +531,7 @@ class Pipeline:
         source (the output has its size, floored to multiples of 16), ``mask_image`` where to
         repaint (white; black is kept; None: img2img, everything repainted; ``mask_transparent``:
         its fully transparent pixels instead, as OpenAI's edits, and a mask without alpha is
-        refused), ``image_reference``
+        refused; how a mask is read, so nothing without one), ``image_reference``
         extra references, ``strength`` in (0, 1] the share of the steps that run (default 1.0,
         where diffusers' is 0.8: at 4 steps both run the same schedule). ``padding_mask_crop``
         (pixels) inpaints only the mask's region, padded, and pastes it back into the whole source
@@ -546,10 +546,6 @@ class Pipeline:
             raise _invalid(
                 "inpaint takes one source image and at most one mask_image",
                 "image" if len(sources) != 1 else "mask_image",
-            )
-        if mask_transparent and not masks:
-            raise _invalid(
-                "mask_transparent reads a mask_image's alpha: give mask_image, or leave it out", "mask_transparent"
             )
         return self._run(
             prompt,
