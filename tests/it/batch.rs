@@ -607,4 +607,30 @@ fn an_interrupted_batch_says_so_in_its_summary() {
     );
     assert_eq!(summary["totals"]["not_run"], 2);
     assert_eq!(files_in(&out_dir), ["0001.png", "summary.json"]);
+
+    // Interrupted before any line is done (loading, or in line 1): the summary of this run says
+    // so, not an earlier run's left in place.
+    // Three long lines (1024x1024, 50 steps) into the same directory: its earlier summary is
+    // replaced before the bundle loads.
+    let long = r#"{"prompt": "d", "steps": 50}"#;
+    let slow = dir.join("slow");
+    std::fs::create_dir(&slow).unwrap();
+    let prompts = prompts_file(&slow, &[long, long, long]);
+    std::fs::remove_file(&first).unwrap();
+    let summary_file = out_dir.join("summary.json");
+    let before = std::fs::read(&summary_file).unwrap();
+    let args = [
+        "generate",
+        "--prompts",
+        path_str(&prompts),
+        "--out-dir",
+        path_str(&out_dir),
+    ];
+    let output = crate::cli::interrupted_klein(args, || {
+        std::fs::read(&summary_file).is_ok_and(|now| now != before)
+    });
+    assert_eq!(output.status.code(), Some(130), "{:?}", output.status);
+    let summary = self::summary(&out_dir);
+    assert_eq!(summary["interrupted"], true);
+    assert_eq!(summary["totals"]["not_run"], 3, "{summary}");
 }

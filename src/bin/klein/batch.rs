@@ -37,27 +37,6 @@ struct Summary<'a> {
     interrupted: bool,
 }
 
-/// The summary an interrupt writes (its path and bytes: the lines not run yet are `not_run`),
-/// kept up to date with every summary the batch writes.
-static INTERRUPTED_SUMMARY: Mutex<Option<(PathBuf, Vec<u8>)>> = Mutex::new(None);
-
-/// For the interrupt handler: writes the summary that says the batch was interrupted, if a batch
-/// is running.
-pub(crate) fn write_interrupted_summary() {
-    let saved = INTERRUPTED_SUMMARY
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .take();
-    if let Some((path, json)) = saved {
-        if write_atomic(&path, &json).is_ok() {
-            eprintln!(
-                "klein: interrupted: {} marks the lines not run",
-                path.display()
-            );
-        }
-    }
-}
-
 #[derive(Serialize, Default)]
 struct Totals {
     lines: usize,
@@ -66,6 +45,86 @@ struct Totals {
     error: usize,
     not_run: usize,
     seconds: f64,
+}
+
+/// What an interrupt writes as the summary: the batch's state at its last summary, the lines not
+/// run yet marked `not_run` then (or `ok`, if their output exists by then). Locked while a summary
+/// is written, so that an interrupt waits for that write and no later one replaces its own.
+static INTERRUPTED_SUMMARY: Mutex<Option<Snapshot>> = Mutex::new(None);
+
+/// The summary's parts, as the last summary written had them.
+struct Snapshot {
+    path: PathBuf,
+    prompts: String,
+    out_dir: String,
+    model: Option<String>,
+    records: Vec<LineRecord>,
+    started: Instant,
+}
+
+fn snapshot_lock() -> std::sync::MutexGuard<'static, Option<Snapshot>> {
+    INTERRUPTED_SUMMARY
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// For the interrupt handler: waits for a summary write in flight, runs `cleanup` (the temporary
+/// files of writes in flight), writes a running batch's summary as interrupted, and exits with
+/// `code`, the lock held.
+pub(crate) fn interrupted(cleanup: impl FnOnce(), code: i32) -> ! {
+    let mut snapshot = snapshot_lock();
+    cleanup();
+    if let Some(mut s) = snapshot.take() {
+        for record in &mut s.records {
+            if record.status != Status::Pending {
+                continue;
+            }
+            // Written whole (renamed into place) just before the interrupt: done.
+            let written = record
+                .output
+                .as_deref()
+                .is_some_and(|o| Path::new(o).is_file());
+            record.status = if written { Status::Ok } else { Status::NotRun };
+            record.message = Some(match written {
+                true => "written as the batch was interrupted (its seed is in the PNG)".into(),
+                false => "not run: the batch was interrupted".into(),
+            });
+        }
+        let summary = Summary {
+            prompts: s.prompts,
+            out_dir: s.out_dir,
+            model: s.model,
+            totals: totals_of(&s.records, s.started),
+            lines: &s.records,
+            interrupted: true,
+        };
+        let written = summary_json(&summary).and_then(|json| Ok(write_atomic(&s.path, &json)?));
+        if written.is_ok() {
+            eprintln!(
+                "klein: interrupted: {} marks the lines not run",
+                s.path.display()
+            );
+        }
+    }
+    crate::exit_at_once(code)
+}
+
+fn summary_json(summary: &Summary<'_>) -> anyhow::Result<Vec<u8>> {
+    let mut json = serde_json::to_vec_pretty(summary)?;
+    json.push(b'\n');
+    Ok(json)
+}
+
+fn totals_of(records: &[LineRecord], started: Instant) -> Totals {
+    let count = |status| records.iter().filter(|r| r.status == status).count();
+    Totals {
+        lines: records.len(),
+        ok: count(Status::Ok),
+        skipped: count(Status::Skipped),
+        error: count(Status::Error),
+        not_run: count(Status::NotRun),
+        seconds: seconds(started.elapsed()),
+    }
 }
 
 /// What happened to one line of the prompts file.
@@ -144,54 +203,32 @@ struct BatchRun<'a> {
 
 impl BatchRun<'_> {
     fn totals(&self) -> Totals {
-        self.totals_of(&self.records)
+        totals_of(&self.records, self.started)
     }
 
-    fn totals_of(&self, records: &[LineRecord]) -> Totals {
-        let count = |status| records.iter().filter(|r| r.status == status).count();
-        Totals {
-            lines: records.len(),
-            ok: count(Status::Ok),
-            skipped: count(Status::Skipped),
-            error: count(Status::Error),
-            not_run: count(Status::NotRun),
-            seconds: seconds(self.started.elapsed()),
-        }
-    }
-
-    /// Writes `summary.json` atomically: a reader never sees half of it. Keeps the summary an
-    /// interrupt would write ([`write_interrupted_summary`]).
-    fn write_summary(&self) -> anyhow::Result<PathBuf> {
+    /// Writes `summary.json` atomically: a reader never sees half of it. `last`: the batch is
+    /// done, and an interrupt from now on leaves this summary as it is.
+    fn write_summary(&self, last: bool) -> anyhow::Result<PathBuf> {
         let path = self.out_dir.join(SUMMARY_FILE);
-        let stopped: Vec<LineRecord> = (self.records.iter().cloned())
-            .map(|mut record| {
-                if record.status == Status::Pending {
-                    record.status = Status::NotRun;
-                    record.message = Some("not run: the batch was interrupted".into());
-                }
-                record
-            })
-            .collect();
-        let interrupted = self.summary_json(&stopped, true)?;
-        *INTERRUPTED_SUMMARY
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((path.clone(), interrupted));
-        write_atomic(&path, &self.summary_json(&self.records, false)?)?;
-        Ok(path)
-    }
-
-    fn summary_json(&self, records: &[LineRecord], interrupted: bool) -> anyhow::Result<Vec<u8>> {
+        let mut snapshot = snapshot_lock();
+        *snapshot = (!last).then(|| Snapshot {
+            path: path.clone(),
+            prompts: self.prompts.display().to_string(),
+            out_dir: self.out_dir.display().to_string(),
+            model: self.model.clone(),
+            records: self.records.clone(),
+            started: self.started,
+        });
         let summary = Summary {
             prompts: self.prompts.display().to_string(),
             out_dir: self.out_dir.display().to_string(),
             model: self.model.clone(),
-            lines: records,
-            totals: self.totals_of(records),
-            interrupted,
+            lines: &self.records,
+            totals: self.totals(),
+            interrupted: false,
         };
-        let mut json = serde_json::to_vec_pretty(&summary)?;
-        json.push(b'\n');
-        Ok(json)
+        write_atomic(&path, &summary_json(&summary)?)?;
+        Ok(path)
     }
 }
 
@@ -298,10 +335,17 @@ fn run_batch(
     let previews = crate::preview_files(args, 1, &[])?;
     // Every PNG of the output directory may be a line's output (and a file there is taken as
     // done when the batch runs again): a preview there could take a line's name.
+    // The preview's own directory entry, not where a link there leads: a link named NAME.png
+    // would still take that line's name.
+    let dir_of = |p: &Path| {
+        let dir = p.parent().filter(|d| !d.as_os_str().is_empty());
+        dir.unwrap_or(Path::new(".")).canonicalize().ok()
+    };
     let out_dir_resolved = out_dir.canonicalize().ok();
-    if let Some(preview) = previews.iter().find(|p| {
-        crate::resolved(p).and_then(|p| p.parent().map(Path::to_path_buf)) == out_dir_resolved
-    }) {
+    if let Some(preview) = previews
+        .iter()
+        .find(|p| out_dir_resolved.is_some() && dir_of(p) == out_dir_resolved)
+    {
         return Err(UsageError(format!(
             "--preview {} is in --out-dir {}, whose PNG files are the lines' outputs; put the preview elsewhere",
             preview.display(),
@@ -333,6 +377,9 @@ fn run_batch(
             .map(|manifest| manifest.model.name);
     } else {
         warn_unused_inpaint_flags(args, &to_run);
+        // Before the bundle loads: a summary of this run (every line to run `pending`) replaces
+        // an earlier run's, and an interrupt from now on has one to mark.
+        run.write_summary(false)?;
         run.run_lines(args, to_run, &reporter)?;
     }
     run.finish(&reporter)
@@ -522,7 +569,7 @@ impl BatchRun<'_> {
                 }
             }
             // Kept current while the batch runs: after a crash it says how far it got.
-            if let Err(error) = self.write_summary() {
+            if let Err(error) = self.write_summary(false) {
                 eprintln!("klein: warning: {error:#}");
             }
         }
@@ -532,7 +579,7 @@ impl BatchRun<'_> {
 
     /// 3. The summary, and the exit code.
     fn finish(&self, reporter: &Reporter) -> anyhow::Result<ExitCode> {
-        let summary = self.write_summary()?;
+        let summary = self.write_summary(true)?;
         let totals = self.totals();
         let user_errors = self
             .records

@@ -57,11 +57,7 @@ fn main() -> ExitCode {
 /// that no hidden partial file is left, writes a running batch's summary as interrupted, then
 /// exits. Outputs are renamed into place only whole.
 fn install_interrupt_handler() {
-    let handler = ctrlc::set_handler(|| {
-        remove_pending_temp_files();
-        batch::write_interrupted_summary();
-        exit_at_once(INTERRUPTED);
-    });
+    let handler = ctrlc::set_handler(|| batch::interrupted(remove_pending_temp_files, INTERRUPTED));
     if let Err(error) = handler {
         eprintln!("klein: warning: no interrupt handler ({error}); an interrupted write may leave a temporary file");
     }
@@ -70,7 +66,7 @@ fn install_interrupt_handler() {
 /// Ends the process with `code` without running its exit handlers. ONNX Runtime's handlers tear
 /// down state that a session being created on another thread still uses: an interrupt during a
 /// load then ended in SIGSEGV instead of 130 (1 of 18 runs interrupted 0.2-0.8 s in).
-fn exit_at_once(code: i32) -> ! {
+pub(crate) fn exit_at_once(code: i32) -> ! {
     #[cfg(unix)]
     {
         extern "C" {
@@ -185,12 +181,14 @@ fn same_file(a: &Path, b: &Path) -> bool {
     }
 }
 
-/// `path` with links, `.` and `..` resolved: the file's own where it exists, else its directory's
-/// and its name (`out/../out/a.png` names `out/a.png` before it is written).
+/// `path` with links, `.` and `..` resolved: the file's own where it exists, else (a file not
+/// written yet, or a dangling link, followed as a write follows it) its directory's and its name
+/// (`out/../out/a.png` names `out/a.png` before it is written).
 pub(crate) fn resolved(path: &Path) -> Option<PathBuf> {
     if let Ok(path) = path.canonicalize() {
         return Some(path);
     }
+    let path = klein::fsutil::replaced_file(path);
     let name = path.file_name()?;
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty());
     Some(

@@ -313,6 +313,7 @@ mod tests {
     use ndarray::array;
 
     /// A device or a pipe has no size to check first: the read itself stops past the bound.
+    #[cfg(unix)]
     #[test]
     fn reads_stop_past_the_bound() {
         let bytes = read_capped(Path::new("/dev/zero"), 1000).unwrap();

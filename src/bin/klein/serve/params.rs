@@ -16,8 +16,8 @@ use serde::de::{Deserialize, Deserializer, Error as _, SeqAccess, Visitor};
 
 use super::error::ApiError;
 
-/// A JSON array of at most `MAX` items (`#[serde(deserialize_with = "at_most::<_, _, 16>")]`),
-/// refused at the item past it: a client's array of millions is not built, on the HTTP threads,
+/// A JSON array of at most `MAX` items, or `null` for none (`#[serde(deserialize_with =
+/// "at_most::<_, _, 16>")]`), refused at the item past it: a client's array of millions is not built, on the HTTP threads,
 /// before its length is checked.
 pub(crate) fn at_most<'de, D, T, const MAX: usize>(deserializer: D) -> Result<Vec<T>, D::Error>
 where
@@ -43,7 +43,24 @@ where
             Ok(items)
         }
     }
-    deserializer.deserialize_seq(Bounded::<T, MAX>(PhantomData))
+    /// `null` is no items, as an absent field (`Option<Vec<_>>` took it so).
+    struct Nullable<T, const MAX: usize>(PhantomData<T>);
+    impl<'de, T: Deserialize<'de>, const MAX: usize> Visitor<'de> for Nullable<T, MAX> {
+        type Value = Vec<T>;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            write!(f, "an array of at most {MAX} items, or null")
+        }
+        fn visit_none<E: serde::de::Error>(self) -> Result<Vec<T>, E> {
+            Ok(Vec::new())
+        }
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Vec<T>, E> {
+            Ok(Vec::new())
+        }
+        fn visit_some<D: Deserializer<'de>>(self, inner: D) -> Result<Vec<T>, D::Error> {
+            inner.deserialize_seq(Bounded::<T, MAX>(PhantomData))
+        }
+    }
+    deserializer.deserialize_option(Nullable::<T, MAX>(PhantomData))
 }
 
 /// `size`: `WxH` (each 16 to [`MAX_SIDE`]) or `auto` (the first reference's size, else the
@@ -353,6 +370,7 @@ mod tests {
         let parse = |json: &str| serde_json::from_str::<Body>(json).map(|b| b.names);
         assert_eq!(parse(r#"{"names": ["a", "b"]}"#).unwrap(), ["a", "b"]);
         assert!(parse("{}").unwrap().is_empty());
+        assert!(parse(r#"{"names": null}"#).unwrap().is_empty());
         // Refused at the third item: what follows it is never read (here, not even valid JSON).
         let error = parse(r#"{"names": ["a", "b", "c", oops"#).unwrap_err();
         assert!(error.to_string().contains("more than 2 items"), "{error}");
