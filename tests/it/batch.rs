@@ -19,15 +19,20 @@ fn prompts_file(dir: &Path, lines: &[&str]) -> PathBuf {
     path
 }
 
-/// `klein generate --prompts <prompts> --out-dir <out_dir> <extra...>`.
-fn batch(prompts: &Path, out_dir: &Path, extra: &[&str]) -> Run {
-    let mut args = vec![
+/// `generate --prompts <prompts> --out-dir <out_dir>`.
+fn batch_args<'a>(prompts: &'a Path, out_dir: &'a Path) -> Vec<&'a str> {
+    vec![
         "generate",
         "--prompts",
         path_str(prompts),
         "--out-dir",
         path_str(out_dir),
-    ];
+    ]
+}
+
+/// `klein generate --prompts <prompts> --out-dir <out_dir> <extra...>`.
+fn batch(prompts: &Path, out_dir: &Path, extra: &[&str]) -> Run {
+    let mut args = batch_args(prompts, out_dir);
     args.extend(extra);
     klein(args)
 }
@@ -587,14 +592,7 @@ fn an_interrupted_batch_says_so_in_its_summary() {
         }
         done
     };
-    let args = [
-        "generate",
-        "--prompts",
-        path_str(&prompts),
-        "--out-dir",
-        path_str(&out_dir),
-    ];
-    let output = crate::cli::interrupted_klein(args, ready);
+    let output = crate::cli::interrupted_klein(batch_args(&prompts, &out_dir), ready);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(130), "{stderr}");
     assert!(stderr.contains("klein: interrupted"), "{stderr}");
@@ -619,14 +617,7 @@ fn an_interrupted_batch_says_so_in_its_summary() {
     std::fs::remove_file(&first).unwrap();
     let summary_file = out_dir.join("summary.json");
     let before = std::fs::read(&summary_file).unwrap();
-    let args = [
-        "generate",
-        "--prompts",
-        path_str(&prompts),
-        "--out-dir",
-        path_str(&out_dir),
-    ];
-    let output = crate::cli::interrupted_klein(args, || {
+    let output = crate::cli::interrupted_klein(batch_args(&prompts, &out_dir), || {
         std::fs::read(&summary_file).is_ok_and(|now| now != before)
     });
     assert_eq!(output.status.code(), Some(130), "{:?}", output.status);

@@ -206,19 +206,26 @@ impl BatchRun<'_> {
         totals_of(&self.records, self.started)
     }
 
-    /// Writes `summary.json` atomically: a reader never sees half of it. `last`: the batch is
-    /// done, and an interrupt from now on leaves this summary as it is.
-    fn write_summary(&self, last: bool) -> anyhow::Result<PathBuf> {
-        let path = self.out_dir.join(SUMMARY_FILE);
+    /// Keeps what an interrupt would write (nothing once `last`); the lock it returns holds off
+    /// an interrupt until the summary being written is in place.
+    fn keep_snapshot(&self, last: bool) -> std::sync::MutexGuard<'static, Option<Snapshot>> {
         let mut snapshot = snapshot_lock();
         *snapshot = (!last).then(|| Snapshot {
-            path: path.clone(),
+            path: self.out_dir.join(SUMMARY_FILE),
             prompts: self.prompts.display().to_string(),
             out_dir: self.out_dir.display().to_string(),
             model: self.model.clone(),
             records: self.records.clone(),
             started: self.started,
         });
+        snapshot
+    }
+
+    /// Writes `summary.json` atomically: a reader never sees half of it. `last`: the batch is
+    /// done, and an interrupt from now on leaves this summary as it is.
+    fn write_summary(&self, last: bool) -> anyhow::Result<PathBuf> {
+        let path = self.out_dir.join(SUMMARY_FILE);
+        let _snapshot = self.keep_snapshot(last);
         let summary = Summary {
             prompts: self.prompts.display().to_string(),
             out_dir: self.out_dir.display().to_string(),
@@ -377,9 +384,8 @@ fn run_batch(
             .map(|manifest| manifest.model.name);
     } else {
         warn_unused_inpaint_flags(args, &to_run);
-        // Before the bundle loads: a summary of this run (every line to run `pending`) replaces
-        // an earlier run's, and an interrupt from now on has one to mark.
-        run.write_summary(false)?;
+        // An interrupt from now on (the bundle's load included) has this run's summary to write.
+        drop(run.keep_snapshot(false));
         run.run_lines(args, to_run, &reporter)?;
     }
     run.finish(&reporter)
@@ -515,6 +521,8 @@ impl BatchRun<'_> {
         let mut pipeline = Pipeline::load(&model, options)?;
         let bundle_hash = pipeline.bundle_sha256()?;
         self.model = Some(pipeline.manifest().model.name.clone());
+        // This run's summary (the lines to run `pending`) replaces an earlier run's at once.
+        self.write_summary(false)?;
         reporter.say(format!(
             "model: {} ({}), {} line(s) to run",
             pipeline.manifest().model.name,
