@@ -5,6 +5,7 @@ a time so that a caller can export and free each before the next (the 4B does no
 """
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -274,7 +275,7 @@ class Checkpoint:
     @property
     def is_distilled(self) -> bool:
         # Flux2KleinKVPipeline is step-distilled only: it has no guidance and does not record it.
-        return self.is_kv or bool(self.model_index.get("is_distilled", False))
+        return self.is_kv or self.model_index.get("is_distilled", False)
 
     def _check_scheduler(self):
         cfg = self.scheduler_config
@@ -296,6 +297,16 @@ class Checkpoint:
             unsupported.append(f"time_shift_type={cfg.get('time_shift_type')}")
         if unsupported:
             raise CheckpointError(f"{path}: scheduler options not supported by klein: {', '.join(unsupported)}")
+        # Numbers copied into the manifest: the runtime would refuse them later, without this file.
+        steps = cfg.get("num_train_timesteps", 1000)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise CheckpointError(f"{path}: num_train_timesteps is {steps!r}; a whole number, at least 1 (1000)")
+        shift = cfg.get("shift", 1.0)
+        if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not math.isfinite(shift) or shift <= 0:
+            raise CheckpointError(f"{path}: shift is {shift!r}; a positive number (3.0)")
+        distilled = self.model_index.get("is_distilled", False)
+        if not isinstance(distilled, bool):
+            raise CheckpointError(f"{self.root / 'model_index.json'}: is_distilled is {distilled!r}; true or false")
 
     def load_text_encoder(self, num_layers=None):
         """Qwen3 in float32; with `num_layers`, only the first layers are built and read (the

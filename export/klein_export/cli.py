@@ -317,7 +317,7 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("ranges", help="largest |activation| per module over a diffusers run, against the float16 range")
     r.add_argument("--checkpoint", required=True, help="the diffusers checkpoint to measure")
     r.add_argument("--steps", type=_at_least(1), default=2, help="denoising steps (default 2)")
-    r.add_argument("--size", type=_side, default=64, help="image side in pixels, a multiple of 16 (default 64)")
+    r.add_argument("--size", type=_side, default=64, help="image side in pixels, a multiple of 16 from 64 (default 64)")
     r.add_argument("--top", type=_at_least(1), default=40, help="rows to print (default 40)")
     r.set_defaults(func=_ranges)
 
@@ -345,10 +345,11 @@ def _at_least(low: int):
 
 
 def _side(text: str) -> int:
-    """An argparse type: an image side, a positive multiple of 16 pixels up to 4096."""
-    value = _at_least(16)(text)
+    """An argparse type: an image side, a multiple of 16 pixels from 64 (diffusers' smallest
+    image) up to 4096."""
+    value = _at_least(64)(text)
     if value % 16 or value > 4096:
-        raise argparse.ArgumentTypeError(f"{value}: give a multiple of 16 pixels, 16 to 4096")
+        raise argparse.ArgumentTypeError(f"{value}: give a multiple of 16 pixels, 64 to 4096")
     return value
 
 

@@ -78,6 +78,7 @@ def merge_loras(transformer, loras):
     """Merges `loras` (LoraSpec list) into `transformer` (a Flux2Transformer2DModel) in place."""
     if not loras:
         return transformer
+    import torch
     from diffusers import Flux2KleinPipeline
 
     names = []
@@ -97,6 +98,15 @@ def merge_loras(transformer, loras):
     transformer.set_adapters(names, [lora.scale for lora in loras])
     transformer.fuse_lora(lora_scale=1.0, adapter_names=names)
     transformer.unload_lora()
+    # Factors within bounds can still merge past float32 (an alpha of 1e30): refused, as the
+    # runtime refuses such a merge, not exported as NaN and infinite weights.
+    broken = [name for name, weight in transformer.named_parameters() if not torch.isfinite(weight).all()]
+    if broken:
+        files = ", ".join(str(lora.path) for lora in loras)
+        raise LoraError(
+            f"{files}: merged into the transformer, {first_names(broken)} hold non-finite values "
+            "(NaN or infinity): lower the LoRA's scale, or check its alpha"
+        )
     return transformer
 
 

@@ -178,6 +178,7 @@ def test_a_lora_that_is_no_safetensors_or_has_a_bad_scale_is_named(tiny_checkpoi
     [
         ["ranges", "--checkpoint", "x", "--steps", "0"],
         ["ranges", "--checkpoint", "x", "--size", "7"],
+        ["ranges", "--checkpoint", "x", "--size", "32"],  # diffusers makes no image under 64 px
         ["verify", "--bundle", "x", "--size", "0"],
         ["tiny", "--out", "x", "--seed", str(2**64)],
     ],
@@ -306,3 +307,47 @@ def test_a_graph_entry_of_the_wrong_shape_is_named(bundle_copy, tmp_path, capsys
         err = _run(["quantize", "--bundle", bundle_copy, "--out", tmp_path / "q", "--quantize", "int8"], capsys)
         assert f"{path}: {needle}" in err, err
     assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize(
+    "file, key, value, needle",
+    [
+        ("model_index.json", "is_distilled", "no", "is_distilled is 'no'; true or false"),
+        ("scheduler/scheduler_config.json", "num_train_timesteps", 0, "num_train_timesteps is 0; a whole number"),
+        ("scheduler/scheduler_config.json", "shift", "abc", "shift is 'abc'; a positive number"),
+    ],
+)
+def test_pipeline_settings_of_the_wrong_type_are_named(tiny_checkpoint, tmp_path, capsys, file, key, value, needle):
+    """Settings the manifest copies (a string read as true, numbers the runtime would refuse later
+    without naming this file): refused here, naming the file."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    path = ckpt / file
+    data = json.loads(path.read_text())
+    data[key] = value
+    path.write_text(json.dumps(data))
+    err = _run(["convert", "--checkpoint", ckpt, "--out", tmp_path / "out"], capsys)
+    shown = ckpt / "model_index.json" if file == "model_index.json" else path
+    assert f"{shown}: {needle}" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_lora_whose_merge_overflows_is_refused(tiny_checkpoint, tmp_path, capsys):
+    """Factors and a scale each within bounds whose merge is not finite (kohya's alpha 1e30 over
+    float16 factors): refused, not exported as NaN and infinite weights."""
+    import torch
+    from safetensors.torch import save_file
+
+    base = "lora_unet_double_blocks_0_img_attn_qkv"
+    lora = tmp_path / "alpha.safetensors"
+    save_file(
+        {
+            f"{base}.lora_down.weight": torch.full((4, 64), 0.1, dtype=torch.float16),
+            f"{base}.lora_up.weight": torch.full((192, 4), 0.1, dtype=torch.float16),
+            f"{base}.alpha": torch.tensor(1e30),
+        },
+        lora,
+    )
+    err = _run(["convert", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "out", "--lora", lora], capsys)
+    assert f"{lora}: merged into the transformer" in err and "non-finite values" in err, err
+    assert not (tmp_path / "out").exists()
