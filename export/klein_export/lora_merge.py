@@ -28,13 +28,21 @@ class LoraSpec:
         return {"file": self.path.name, "sha256": digest, "scale": self.scale}
 
 
+def _scale(text: str) -> float:
+    """A scale as the runtime's `--lora` reads it (Rust's float syntax): Python's extras, digit
+    separators (`1_0`, read as 10) and surrounding spaces, are not numbers there."""
+    if "_" in text or text != text.strip():
+        raise ValueError(text)
+    return float(text)
+
+
 def parse_lora(text: str) -> LoraSpec:
     """`FILE` or `FILE:SCALE` (the scale may be negative or above 1)."""
     path, scale = text, 1.0
     head, sep, tail = text.rpartition(":")
     if sep and head:
         try:
-            scale = float(tail)
+            scale = _scale(tail)
             path = head
         except ValueError:
             if not Path(text).is_file() and Path(head).is_file():

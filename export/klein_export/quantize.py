@@ -584,17 +584,21 @@ def save(model: onnx.ModelProto, path: Path):
         onnx.save_model(model, str(path))
 
 
+def _refuse_static(bundle_dir, manifest):
+    if manifest.get("static_shapes"):
+        raise QuantizationError(
+            f"{bundle_dir}: a static-shape bundle is for CoreML, which cannot run quantized graphs; "
+            "quantize a bundle without --static-shapes"
+        )
+
+
 def quantize_bundle(bundle_dir, config: QuantizationConfig, log=print):
     """Quantizes `config.components` of the bundle in `bundle_dir` in place, one graph at a time,
     and rewrites its manifest: each graph's `quantization`, and the size and hash of the files that
     changed (a graph that shrinks under 2 GB loses its `.onnx.data` file)."""
     bundle_dir = Path(bundle_dir)
     manifest = read_manifest(bundle_dir)
-    if manifest.get("static_shapes"):
-        raise QuantizationError(
-            f"{bundle_dir}: a static-shape bundle is for CoreML, which cannot run quantized graphs; "
-            "quantize a bundle without --static-shapes"
-        )
+    _refuse_static(bundle_dir, manifest)
     changed = set()
     calibration = calibration_latents(bundle_dir) if config.method == STATIC else None
     for component in config.components:
@@ -619,7 +623,9 @@ def quantize_copy(bundle, out, config: QuantizationConfig, force=False, log=prin
     """`klein-export quantize`: copies the bundle `bundle` to `out` and quantizes the copy. The copy is
     made in a sibling temporary directory and renamed into place when complete."""
     bundle, out = Path(bundle), Path(out)
-    graphs = read_manifest(bundle)["graphs"]  # a klein bundle, or BundleError before anything is written
+    manifest = read_manifest(bundle)  # a klein bundle, or BundleError before anything is written
+    _refuse_static(bundle, manifest)  # named here, not in the temporary copy
+    graphs = manifest["graphs"]
     for component, graph in graphs.items():  # named in the bundle, not in the temporary copy
         if not (bundle / graph.get("file", "")).is_file():
             raise BundleError(f"{bundle / graph.get('file', component)}: missing (graphs.{component} of the manifest)")

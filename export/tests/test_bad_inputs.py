@@ -170,6 +170,9 @@ def test_a_lora_that_is_no_safetensors_or_has_a_bad_scale_is_named(tiny_checkpoi
     assert f"{lora}: not a safetensors file" in err
     err = _run(["convert", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "out", "--lora", f"{lora}:abc"], capsys)
     assert "the LoRA scale `abc` is not a number" in err
+    # Python's digit separators are no number to the runtime (`1_0` was read as 10).
+    err = _run(["convert", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "out", "--lora", f"{lora}:1_0"], capsys)
+    assert "the LoRA scale `1_0` is not a number" in err
     assert not (tmp_path / "out").exists()
 
 

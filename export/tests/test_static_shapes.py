@@ -199,6 +199,14 @@ def test_non_finite_latents_are_counted_over_every_chunk(tiny_checkpoint, tmp_pa
     assert all((tmp_path / f"out-{i}.png").is_file() for i in (1, 2))
 
 
+def test_quantize_refuses_a_static_bundle_naming_it(static_bundle, tmp_path, capsys):
+    out = tmp_path / "q"
+    assert main(["quantize", "--bundle", str(static_bundle), "--out", str(out), "--quantize", "int8"]) == 2
+    err = capsys.readouterr().err
+    assert f"{static_bundle}: a static-shape bundle is for CoreML" in err, err
+    assert ".partial" not in err and not out.exists()
+
+
 def test_klein_refuses_a_size_or_reference_count_outside_the_buckets(static_bundle, tmp_path):
     ref = tmp_path / "ref.png"
     Image.new("RGB", (64, 64), (200, 30, 30)).save(ref)
