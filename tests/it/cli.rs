@@ -980,8 +980,42 @@ fn missing_reference_is_refused() {
     let file = temp_dir("cli-ref-missing").join("missing.png");
     assert_refused(
         &[&FAST[..], &["--ref", path_str(&file)]].concat(),
-        &[path_str(&file), "open image file"],
+        &["--ref: ", path_str(&file), "open image file"],
     );
+}
+
+/// Each input image is read before the bundle: a mistyped path is refused naming its flag, even
+/// where the bundle itself would fail (here a directory with no manifest).
+#[test]
+fn input_images_are_refused_before_the_bundle_loads_naming_their_flag() {
+    let dir = temp_dir("cli-inputs-first");
+    let missing = dir.join("missing.png");
+    let not_an_image = repo().join("Cargo.toml");
+    let source = solid_png(&dir.join("source.png"), 64, 64);
+    let no_bundle = dir.join("no-bundle");
+    std::fs::create_dir(&no_bundle).unwrap();
+    let model = ["--model", path_str(&no_bundle)];
+    for (flags, needles) in [
+        (
+            vec!["--image", path_str(&missing)],
+            vec!["--image: ", path_str(&missing), "open image file"],
+        ),
+        (
+            vec![
+                "--image",
+                path_str(&not_an_image),
+                "--mask",
+                path_str(&missing),
+            ],
+            vec!["--image: ", "Cargo.toml", "not a PNG, JPEG or WebP"],
+        ),
+        (
+            vec!["--mask", path_str(&missing), "--image", path_str(&source)],
+            vec!["--mask: ", path_str(&missing)],
+        ),
+    ] {
+        assert_refused(&[&FAST[..], &model, &flags].concat(), &needles);
+    }
 }
 
 /// A valid PNG signature and IHDR declaring `width x height` 8-bit RGB, then an empty IDAT and IEND.

@@ -90,15 +90,9 @@ pub(crate) fn interrupted(cleanup: impl FnOnce(), code: i32) -> ! {
                 false => "not run: the batch was interrupted".into(),
             });
         }
-        let summary = Summary {
-            prompts: s.prompts,
-            out_dir: s.out_dir,
-            model: s.model,
-            totals: totals_of(&s.records, s.started),
-            lines: &s.records,
-            interrupted: true,
-        };
-        let written = summary_json(&summary).and_then(|json| Ok(write_atomic(&s.path, &json)?));
+        let written = s
+            .json(true)
+            .and_then(|json| Ok(write_atomic(&s.path, &json)?));
         if written.is_ok() {
             eprintln!(
                 "klein: interrupted: {} marks the lines not run",
@@ -109,10 +103,21 @@ pub(crate) fn interrupted(cleanup: impl FnOnce(), code: i32) -> ! {
     crate::exit_at_once(code)
 }
 
-fn summary_json(summary: &Summary<'_>) -> anyhow::Result<Vec<u8>> {
-    let mut json = serde_json::to_vec_pretty(summary)?;
-    json.push(b'\n');
-    Ok(json)
+impl Snapshot {
+    /// The text of `summary.json` with these parts.
+    fn json(&self, interrupted: bool) -> anyhow::Result<Vec<u8>> {
+        let summary = Summary {
+            prompts: self.prompts.clone(),
+            out_dir: self.out_dir.clone(),
+            model: self.model.clone(),
+            totals: totals_of(&self.records, self.started),
+            lines: &self.records,
+            interrupted,
+        };
+        let mut json = serde_json::to_vec_pretty(&summary)?;
+        json.push(b'\n');
+        Ok(json)
+    }
 }
 
 fn totals_of(records: &[LineRecord], started: Instant) -> Totals {
@@ -206,35 +211,27 @@ impl BatchRun<'_> {
         totals_of(&self.records, self.started)
     }
 
-    /// Keeps what an interrupt would write (nothing once `last`); the lock it returns holds off
-    /// an interrupt until the summary being written is in place.
-    fn keep_snapshot(&self, last: bool) -> std::sync::MutexGuard<'static, Option<Snapshot>> {
-        let mut snapshot = snapshot_lock();
-        *snapshot = (!last).then(|| Snapshot {
+    /// The summary's parts as they are now.
+    fn snapshot(&self) -> Snapshot {
+        Snapshot {
             path: self.out_dir.join(SUMMARY_FILE),
             prompts: self.prompts.display().to_string(),
             out_dir: self.out_dir.display().to_string(),
             model: self.model.clone(),
             records: self.records.clone(),
             started: self.started,
-        });
-        snapshot
+        }
     }
 
-    /// Writes `summary.json` atomically: a reader never sees half of it. `last`: the batch is
-    /// done, and an interrupt from now on leaves this summary as it is.
+    /// Writes `summary.json` atomically: a reader never sees half of it. Keeps what an interrupt
+    /// would write (nothing once `last`: the batch is done, and an interrupt from now on leaves
+    /// this summary as it is), and holds off an interrupt until this summary is in place.
     fn write_summary(&self, last: bool) -> anyhow::Result<PathBuf> {
-        let path = self.out_dir.join(SUMMARY_FILE);
-        let _snapshot = self.keep_snapshot(last);
-        let summary = Summary {
-            prompts: self.prompts.display().to_string(),
-            out_dir: self.out_dir.display().to_string(),
-            model: self.model.clone(),
-            lines: &self.records,
-            totals: self.totals(),
-            interrupted: false,
-        };
-        write_atomic(&path, &summary_json(&summary)?)?;
+        let mut kept = snapshot_lock();
+        let snapshot = self.snapshot();
+        let (path, json) = (snapshot.path.clone(), snapshot.json(false)?);
+        *kept = (!last).then_some(snapshot);
+        write_atomic(&path, &json)?;
         Ok(path)
     }
 }
@@ -283,6 +280,7 @@ pub(crate) fn generate_batch(
     // The command line's numbers (the lines' defaults) before anything is read; a line's own are
     // checked when it runs, and a bad one is reported in the summary.
     crate::command_line_request(args, "").check_bounds()?;
+    crate::check_input_images(args)?;
     let text = read_prompts(prompts)?;
     let lines = text
         .split(|&b| b == b'\n')
@@ -385,7 +383,7 @@ fn run_batch(
     } else {
         warn_unused_inpaint_flags(args, &to_run);
         // An interrupt from now on (the bundle's load included) has this run's summary to write.
-        drop(run.keep_snapshot(false));
+        *snapshot_lock() = Some(run.snapshot());
         run.run_lines(args, to_run, &reporter)?;
     }
     run.finish(&reporter)

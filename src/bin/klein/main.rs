@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use anyhow::Context;
 use clap::Parser;
 use klein::bundle::Manifest;
 use klein::fsutil::{remove_pending_temp_files, write_all_atomic};
@@ -199,6 +200,19 @@ pub(crate) fn resolved(path: &Path) -> Option<PathBuf> {
     )
 }
 
+/// Reads the header of each image the command line names before the bundle loads (seconds to
+/// minutes for a full-size model): a mistyped path, or a file that is no image klein reads, is
+/// refused at once, naming its flag. A file whose header reads may still fail to decode later.
+pub(crate) fn check_input_images(args: &GenerateArgs) -> anyhow::Result<()> {
+    let flagged = (args.image.iter().map(|p| ("--image", p)))
+        .chain(args.mask.iter().map(|p| ("--mask", p)))
+        .chain(args.refs.iter().map(|p| ("--ref", p)));
+    for (flag, path) in flagged {
+        klein::stages::reference::read_header(path).context(flag)?;
+    }
+    Ok(())
+}
+
 /// The inputs no file klein writes may replace: the mask and the references (the source image
 /// may be edited in place), each with what it is.
 fn inputs_kept(args: &GenerateArgs) -> impl Iterator<Item = (&'static str, &PathBuf)> {
@@ -276,6 +290,7 @@ fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<()> {
     // Every number the user gave, before anything is read or loaded.
     request.check_bounds()?;
     check_reference_count(args.refs.len())?;
+    check_input_images(args)?;
 
     // Every error of `Pipeline::load` names the bundle or the file in it.
     let mut pipeline = Pipeline::load(
