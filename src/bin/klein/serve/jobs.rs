@@ -106,7 +106,6 @@ pub(crate) enum JobEvent {
 
 /// A queued job, as a pipeline's worker receives it.
 pub(crate) struct Job {
-    id: String,
     pub(crate) spec: JobSpec,
     pub(crate) cancel: Arc<AtomicBool>,
     pub(crate) events: UnboundedSender<JobEvent>,
@@ -183,14 +182,13 @@ impl Queue {
         }
         let (events, receiver) = unbounded_channel();
         let mut handle = JobHandle {
-            id: id.clone(),
+            id,
             events: receiver,
             cancel: cancel.clone(),
             queue: self.clone(),
             finished: false,
         };
         let job = Job {
-            id,
             spec,
             cancel,
             events,
@@ -252,21 +250,22 @@ impl Queue {
         lock(&self.waiting).jobs.len()
     }
 
-    /// Takes the job `id` out of the queue if it still waits there.
-    fn remove_waiting(&self, id: &str) -> Option<Job> {
+    /// Takes the job whose cancel flag is `cancel` out of the queue if it still waits there. The
+    /// flag, not the id, names it: once a job has finished, a new request may reuse its id.
+    fn remove_waiting(&self, cancel: &Arc<AtomicBool>) -> Option<Job> {
         let mut waiting = lock(&self.waiting);
-        let index = waiting.jobs.iter().position(|job| job.id == id)?;
+        let index = (waiting.jobs.iter()).position(|job| Arc::ptr_eq(&job.cancel, cancel))?;
         waiting.jobs.remove(index)
     }
 
     /// Cancels the job `id`; false when no running or queued job has it. A queued one leaves
     /// the queue now, and its client gets its answer (cancelled) at once.
     pub(crate) fn cancel(&self, id: &str) -> bool {
-        match lock(&self.jobs).get(id) {
-            Some(flag) => flag.store(true, Ordering::SeqCst),
-            None => return false,
-        }
-        if let Some(job) = self.remove_waiting(id) {
+        let Some(flag) = lock(&self.jobs).get(id).cloned() else {
+            return false;
+        };
+        flag.store(true, Ordering::SeqCst);
+        if let Some(job) = self.remove_waiting(&flag) {
             let _ = job.events.send(JobEvent::Done(Err(cancelled())));
         }
         true
@@ -344,7 +343,7 @@ impl Drop for JobHandle {
             self.cancel.store(true, Ordering::SeqCst);
             self.queue.metrics.count_abandoned();
             // A job still waiting leaves the queue (and frees its uploads) now.
-            drop(self.queue.remove_waiting(&self.id));
+            drop(self.queue.remove_waiting(&self.cancel));
         }
         lock(&self.queue.jobs).remove(&self.id);
     }
@@ -404,7 +403,10 @@ mod tests {
         }
         let third = queue.submit(spec(), Some("c".into())).unwrap();
         let job = queue.take().unwrap();
-        assert_eq!(job.id, "c");
+        assert!(
+            Arc::ptr_eq(&job.cancel, &third.handle.cancel),
+            "the job of c"
+        );
         assert_eq!(queue.waiting(), 0);
         drop(third);
         queue.close();
