@@ -16,13 +16,12 @@ use std::sync::{Mutex, PoisonError};
 
 use crate::error::{KleinError, Result};
 
-/// Temporary files that exist now (written or kept aside), for [`remove_pending_temp_files`].
+/// Temporary files that exist now (written or kept aside), for [`remove_pending`].
 static PENDING: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
 /// Removes every temporary file a write of this process has in flight (staged outputs are lost;
-/// files kept aside are put back). For a signal handler before it exits; the library does not
-/// install one.
-pub fn remove_pending_temp_files() {
+/// files kept aside are put back).
+pub(super) fn remove_pending() {
     let pending = std::mem::take(&mut *PENDING.lock().unwrap_or_else(PoisonError::into_inner));
     for path in pending {
         let _ = std::fs::remove_file(path);

@@ -1,5 +1,5 @@
 //! File-system helpers shared by the bundle checks, the caches and the outputs: atomic writes
-//! (`atomic`) and streamed SHA-256.
+//! (`atomic`), working directories (`work_dir`) and streamed SHA-256.
 use std::fs::File;
 use std::io::Read;
 use std::path::Path;
@@ -9,10 +9,19 @@ use sha2::{Digest, Sha256};
 use crate::error::{KleinError, Result};
 
 mod atomic;
+mod work_dir;
 pub use atomic::{
-    check_writable, remove_pending_temp_files, replaced_file, write_all_atomic, write_atomic,
-    MAX_FILE_NAME_BYTES,
+    check_writable, replaced_file, write_all_atomic, write_atomic, MAX_FILE_NAME_BYTES,
 };
+pub use work_dir::{remove_stale, WorkDir};
+
+/// Removes every temporary file a write of this process has in flight (staged outputs are lost;
+/// files kept aside are put back) and every working directory it is filling ([`WorkDir`]). For a
+/// signal handler before it exits; the library does not install one.
+pub fn remove_pending_temp_files() {
+    atomic::remove_pending();
+    work_dir::remove_pending();
+}
 
 /// Read buffer for hashing: large enough that hashing, not system calls, sets the pace.
 const HASH_BUFFER_BYTES: usize = 1 << 20;

@@ -23,6 +23,7 @@ use rayon::prelude::*;
 
 use crate::bundle::lora_targets::{LoraTarget, WeightDtype, WeightLayout};
 use crate::error::{KleinError, Result};
+use crate::fsutil::{remove_stale, WorkDir};
 use crate::runtime::onnx_proto::redirect_initializers;
 use crate::runtime::{Initializer, InitializerData};
 use crate::stages::lora::Update;
@@ -34,8 +35,6 @@ const ALIGN: u64 = 64 * 1024;
 const LORA_DATA: &str = "lora.data";
 /// Scratch directories are `.klein-lora-<pid>-<n>` (hidden: one may be inside a bundle).
 const SCRATCH_PREFIX: &str = ".klein-lora-";
-/// Age after which a scratch directory is taken as left behind.
-const STALE_AFTER: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 
 /// One LoRA's update of a weight: the update, the user's scale, and the LoRA file (for messages).
 pub(crate) type Contribution<'a> = (&'a Update, f32, &'a Path);
@@ -47,17 +46,7 @@ pub(crate) struct MergedGraph {
     /// Initializers the runtime replaces (patched bytes; injected external weights).
     pub initializers: Vec<Initializer>,
     /// Removed when the graph is dropped, after the session is created.
-    _scratch: Option<Scratch>,
-}
-
-/// A directory removed when dropped.
-struct Scratch(PathBuf);
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        // A directory left behind (another process holds it open) is only disk space.
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+    _scratch: Option<WorkDir>,
 }
 
 /// The transformer graph of the bundle at `dir` with `by_module` merged in; `scratch_root` holds
@@ -127,7 +116,7 @@ fn redirect(
     dir: &Path,
     graph_path: &Path,
     scratch_root: &Path,
-) -> Result<Option<(PathBuf, Scratch)>> {
+) -> Result<Option<(PathBuf, WorkDir)>> {
     let graph = std::fs::read(graph_path)
         .map_err(io(graph_path, "reading the graph to merge a LoRA into"))?;
     let mut moved = BTreeMap::new();
@@ -150,7 +139,7 @@ fn redirect(
     else {
         return Ok(None);
     };
-    let scratch_dir = scratch.0.clone();
+    let scratch_dir = scratch.path().to_path_buf();
     let data_path = scratch_dir.join(LORA_DATA);
     let data = File::create(&data_path).map_err(io(&data_path, "writing merged LoRA weights"))?;
     data.set_len(end)
@@ -169,18 +158,17 @@ fn redirect(
 
 /// A new scratch directory in `root` holding hard links to `files` of the bundle at `dir`;
 /// `None` when it cannot be made (read-only, or another file system than the bundle's).
-fn linked_scratch(root: &Path, dir: &Path, files: &BTreeSet<String>) -> Option<Scratch> {
+fn linked_scratch(root: &Path, dir: &Path, files: &BTreeSet<String>) -> Option<WorkDir> {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);
-    remove_stale(root);
-    let path = root.join(format!(
+    remove_stale(root, |name| name.starts_with(SCRATCH_PREFIX));
+    let scratch = WorkDir::create(root.join(format!(
         "{SCRATCH_PREFIX}{}-{}",
         std::process::id(),
         COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::create_dir_all(&path).ok()?;
-    let scratch = Scratch(path);
+    )))
+    .ok()?;
     for file in files {
-        std::fs::hard_link(dir.join(file), scratch.0.join(file)).ok()?;
+        std::fs::hard_link(dir.join(file), scratch.path().join(file)).ok()?;
     }
     Some(scratch)
 }
@@ -192,30 +180,6 @@ fn io(path: &Path, action: &'static str) -> impl FnOnce(std::io::Error) -> Klein
         path,
         action,
         source,
-    }
-}
-
-/// Scratch directories older than a day: left by a process that died while creating a session
-/// (a live one keeps its directory for seconds to minutes).
-fn remove_stale(scratch_root: &Path) {
-    let Ok(entries) = std::fs::read_dir(scratch_root) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let stale = entry
-            .metadata()
-            .and_then(|m| m.modified())
-            .ok()
-            .and_then(|t| t.elapsed().ok())
-            .is_some_and(|age| age > STALE_AFTER);
-        if stale
-            && entry
-                .file_name()
-                .to_string_lossy()
-                .starts_with(SCRATCH_PREFIX)
-        {
-            let _ = std::fs::remove_dir_all(entry.path());
-        }
     }
 }
 

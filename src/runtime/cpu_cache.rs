@@ -21,12 +21,14 @@ use sha2::{Digest, Sha256};
 
 use super::cpu_features::detected_features;
 use super::device::OptimizationLevel;
-use crate::fsutil::hex;
+use crate::fsutil::{hex, remove_stale, WorkDir};
 
 /// Bumped when the layout of an entry changes.
 const CACHE_FORMAT: &str = "klein-cpu-cache-1";
 /// The file of an entry that lists its other files' sizes and modification times.
 const STAMP_FILE: &str = "files";
+/// An entry being saved is `<key>.partial-<pid>`.
+const PARTIAL: &str = "partial-";
 
 /// What the cache holds for one graph.
 #[derive(Debug, PartialEq, Eq)]
@@ -98,36 +100,34 @@ impl CacheEntry {
         }
     }
 
-    /// A fresh folder to save into, and the graph file to save there.
-    pub(super) fn start(&self) -> std::io::Result<(PathBuf, PathBuf)> {
-        let partial = self
-            .dir
-            .with_extension(format!("partial-{}", std::process::id()));
-        if partial.exists() {
-            std::fs::remove_dir_all(&partial)?;
+    /// A fresh folder to save into (removed unless [`CacheEntry::finish`] makes it the entry), and
+    /// the graph file to save there. Folders that processes killed while saving left in the cache
+    /// are removed once a day old.
+    pub(super) fn start(&self) -> std::io::Result<(WorkDir, PathBuf)> {
+        if let Some(root) = self.dir.parent() {
+            remove_stale(root, |name| name.contains(PARTIAL));
         }
-        std::fs::create_dir_all(&partial)?;
-        let file = partial.join(&self.file);
+        let partial = WorkDir::create(
+            self.dir
+                .with_extension(format!("{PARTIAL}{}", std::process::id())),
+        )?;
+        let file = partial.path().join(&self.file);
         Ok((partial, file))
     }
 
     /// Makes the saved `partial` folder the entry. Another process that finished first wins; this
-    /// copy is then removed.
-    pub(super) fn finish(&self, partial: &Path) -> std::io::Result<()> {
-        let stamp = files_stamp(partial)
+    /// copy is then removed, as it is when this fails.
+    pub(super) fn finish(&self, partial: WorkDir) -> std::io::Result<()> {
+        let stamp = files_stamp(partial.path())
             .ok_or_else(|| std::io::Error::other("its files' sizes and times cannot be read"))?;
-        std::fs::write(partial.join(STAMP_FILE), stamp)?;
+        std::fs::write(partial.path().join(STAMP_FILE), stamp)?;
         if self.dir.exists() {
-            return std::fs::remove_dir_all(partial);
+            return Ok(());
         }
-        std::fs::rename(partial, &self.dir).or_else(|error| {
-            let _ = std::fs::remove_dir_all(partial);
-            if self.dir.exists() {
-                Ok(())
-            } else {
-                Err(error)
-            }
-        })
+        match std::fs::rename(partial.path(), &self.dir) {
+            Err(_) if self.dir.exists() => Ok(()),
+            renamed => renamed,
+        }
     }
 
     /// Removes an entry ONNX Runtime could not load (truncated by a full disk, say).
@@ -279,15 +279,30 @@ mod tests {
             Saved::Missing,
             "a partial folder is not an entry"
         );
-        entry.finish(&partial).unwrap();
+        let folder = partial.path().to_path_buf();
+        entry.finish(partial).unwrap();
         assert_eq!(std::fs::read(entry.intact().unwrap()).unwrap(), b"graph");
-        assert!(!partial.exists());
+        assert!(!folder.exists());
         // A second writer that finishes later leaves the first entry and removes its own copy.
         let (partial, file) = entry.start().unwrap();
         std::fs::write(&file, b"other").unwrap();
-        entry.finish(&partial).unwrap();
+        entry.finish(partial).unwrap();
         assert_eq!(std::fs::read(entry.intact().unwrap()).unwrap(), b"graph");
-        assert!(!partial.exists());
+        assert!(!folder.exists());
+        // A save that fails (its stamp cannot be written: a full disk, say) leaves no folder.
+        entry.discard();
+        let (partial, file) = entry.start().unwrap();
+        std::fs::create_dir(partial.path().join(STAMP_FILE)).unwrap();
+        std::fs::write(&file, b"graph").unwrap();
+        assert!(entry.finish(partial).is_err());
+        assert!(!folder.exists() && entry.saved() == Saved::Missing);
+        // So does one stopped before it finished.
+        let (partial, _) = entry.start().unwrap();
+        drop(partial);
+        assert!(!folder.exists());
+        let (partial, file) = entry.start().unwrap();
+        std::fs::write(&file, b"graph").unwrap();
+        entry.finish(partial).unwrap();
         // Rewritten in place, same size, a later time: no longer the entry it saved.
         let saved = entry.intact().unwrap();
         let later = std::fs::metadata(&saved).unwrap().modified().unwrap()

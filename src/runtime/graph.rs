@@ -413,23 +413,25 @@ fn build_cached(
         Ok(started) => started,
         Err(error) => {
             warnings.push(format!(
-                "the {name} graph was not saved to the CPU cache: {error}"
+                "the {name} graph was not saved to the CPU cache ({}): {error}",
+                entry.dir().display()
             ));
             return build(&LoadFrom::Bundle);
         }
     };
     match build(&LoadFrom::Save(file)) {
         Ok(session) => {
-            if let Err(error) = entry.finish(&partial) {
+            let dir = partial.path().to_path_buf();
+            if let Err(error) = entry.finish(partial) {
                 warnings.push(format!(
                     "the {name} graph was not saved to the CPU cache ({}): {error}",
-                    partial.display()
+                    dir.display()
                 ));
             }
             Ok(session)
         }
         Err(failure) => {
-            let _ = std::fs::remove_dir_all(&partial);
+            drop(partial);
             let session = build(&LoadFrom::Bundle)?;
             warnings.push(format!(
                 "the {name} graph was not saved to the CPU cache: {}",

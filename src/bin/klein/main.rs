@@ -202,13 +202,17 @@ pub(crate) fn resolved(path: &Path) -> Option<PathBuf> {
 
 /// Reads the header of each image the command line names before the bundle loads (seconds to
 /// minutes for a full-size model): a mistyped path, or a file that is no image klein reads, is
-/// refused at once, naming its flag. A file whose header reads may still fail to decode later.
+/// refused at once, naming its flag. A file whose header reads may still fail to decode later;
+/// a pipe or a device is not read here (it can be read only once) but when it is used.
 pub(crate) fn check_input_images(args: &GenerateArgs) -> anyhow::Result<()> {
     let flagged = (args.image.iter().map(|p| ("--image", p)))
         .chain(args.mask.iter().map(|p| ("--mask", p)))
         .chain(args.refs.iter().map(|p| ("--ref", p)));
     for (flag, path) in flagged {
-        klein::stages::reference::read_header(path).context(flag)?;
+        let read_once = std::fs::metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir());
+        if !read_once {
+            klein::stages::reference::read_header(path).context(flag)?;
+        }
     }
     Ok(())
 }
