@@ -317,7 +317,7 @@ fn graph_file(manifest: &Manifest, component: Component, bucket: Option<usize>) 
 /// name, size and sha256 as the manifest records them (the files were checked against them unless
 /// hashes are not verified; sizes always are). Copies of a bundle share entries. `None` when the
 /// manifest does not list the graph file.
-fn cache_tag(manifest: &Manifest, path: &Path) -> Option<String> {
+pub(crate) fn cache_tag(manifest: &Manifest, path: &Path) -> Option<String> {
     let name = path.file_name()?.to_str()?;
     let data_prefix = format!("{name}.");
     manifest.files.get(name)?;

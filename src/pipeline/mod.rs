@@ -191,7 +191,8 @@ impl Pipeline {
             dir.join(&manifest.tokenizer.file),
             manifest.tokenizer.clone(),
         );
-        let prompt_cache = prompt_cache_dir.map(|cache_dir| PromptCache::new(cache_dir, &manifest));
+        let prompt_cache = prompt_cache_dir
+            .map(|cache_dir| PromptCache::new(cache_dir, &manifest, &session.numerics()));
         let loras = LoraSet::load(&loras, &manifest, dir)?;
         Ok(Pipeline {
             dir: dir.to_path_buf(),

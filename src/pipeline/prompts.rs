@@ -1,6 +1,7 @@
 //! Prompt embeddings kept so that the text encoder runs once per prompt: [`PromptCache`] on disk
-//! across processes (keyed by the bundle's text encoder and tokenizer, their sha256 in the
-//! manifest, and the prompt; one safetensors file per prompt), and [`PromptMemo`] in memory for the
+//! across processes (keyed by the bundle's text encoder and tokenizer files, their sha256 in the
+//! manifest, the tokenizer's template and padding, the device's settings that change outputs, and
+//! the prompt; one safetensors file per prompt), and [`PromptMemo`] in memory for the
 //! prompts a batch uses again.
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -49,20 +50,22 @@ pub enum CacheLookup {
 }
 
 impl PromptCache {
-    /// A cache in `dir` for the bundle described by `manifest`.
-    pub fn new(dir: PathBuf, manifest: &Manifest) -> PromptCache {
-        let file_hash = |name: &str| {
-            manifest
-                .files
-                .get(name)
-                .map(|f| f.sha256.clone())
-                .unwrap_or_default()
-        };
-        let bundle_key = format!(
-            "{}:{}:{}",
-            file_hash(&manifest.graphs.text_encoder.file),
-            file_hash(&manifest.tokenizer.file),
-            manifest.tokenizer.max_sequence_length
+    /// A cache in `dir` for the bundle described by `manifest`, its text encoder run with the
+    /// settings `numerics` ([`crate::runtime::SessionConfig`]'s, those that change outputs).
+    pub fn new(dir: PathBuf, manifest: &Manifest, numerics: &str) -> PromptCache {
+        let encoder = &manifest.graphs.text_encoder.file;
+        let tokenizer = manifest
+            .files
+            .get(&manifest.tokenizer.file)
+            .map(|f| f.sha256.as_str())
+            .unwrap_or_default();
+        // Everything the embeddings depend on: the encoder graph and its weights' files, the
+        // tokenizer's file, how a prompt becomes tokens (template, padding, length), the device.
+        let material = format!(
+            "{}\n{tokenizer}\n{}\n{}\n{numerics}",
+            super::graphs::cache_tag(manifest, std::path::Path::new(encoder)).unwrap_or_default(),
+            serde_json::to_string(&manifest.tokenizer).unwrap_or_default(),
+            serde_json::to_string(&manifest.text_encoder).unwrap_or_default(),
         );
         let shape = [
             1,
@@ -71,7 +74,7 @@ impl PromptCache {
         ];
         PromptCache {
             dir,
-            bundle_key,
+            bundle_key: sha256_hex(material.as_bytes()),
             shape,
         }
     }

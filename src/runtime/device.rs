@@ -309,6 +309,26 @@ pub struct SessionConfig {
 }
 
 impl SessionConfig {
+    /// What of these settings can change a graph's outputs, for caches of outputs (the prompt
+    /// cache): the device (auto in a build with only the CPU is the CPU), the optimisation level,
+    /// TF32 on CUDA, where CoreML runs. Threads and memory settings change no output.
+    pub(crate) fn numerics(&self) -> String {
+        let device = match self.device {
+            Device::Auto if Device::auto_candidates() == [Device::Cpu] => Device::Cpu,
+            device => device,
+        };
+        let level = self.optimization;
+        match device {
+            Device::Cpu => format!("cpu {level:?}"),
+            Device::Cuda(_) => format!("cuda {level:?} tf32={}", self.cuda.tf32),
+            Device::CoreMl => format!("coreml {level:?} {:?}", self.coreml.compute_units),
+            Device::Auto => format!(
+                "auto {level:?} tf32={} {:?}",
+                self.cuda.tf32, self.coreml.compute_units
+            ),
+        }
+    }
+
     /// Runs on `device`.
     pub fn with_device(mut self, device: Device) -> Self {
         self.device = device;
@@ -557,4 +577,40 @@ fn register_coreml(
     Err(LoadFailure::Device(
         "this klein was built without CoreML support; rebuild with `--features coreml`".to_string(),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The prompt cache's device key: settings that change outputs part entries, others do not.
+    #[test]
+    fn numerics_name_what_changes_outputs() {
+        let config = |device| SessionConfig::default().with_device(device);
+        let cpu = config(Device::Cpu).numerics();
+        assert_eq!(cpu, config(Device::Cpu).with_intra_threads(7).numerics());
+        let cuda = config(Device::Cuda(0));
+        let tf32 = cuda
+            .clone()
+            .with_cuda(CudaOptions::default().with_tf32(true));
+        let coreml = config(Device::CoreMl);
+        let on_cpu_only = coreml
+            .clone()
+            .with_coreml(CoreMlOptions::default().with_compute_units(ComputeUnits::CpuOnly));
+        let all = [
+            cpu.clone(),
+            cuda.numerics(),
+            tf32.numerics(),
+            coreml.numerics(),
+            on_cpu_only.numerics(),
+            config(Device::Cpu)
+                .with_optimization(OptimizationLevel::Basic)
+                .numerics(),
+        ];
+        let distinct: std::collections::HashSet<_> = all.iter().collect();
+        assert_eq!(distinct.len(), all.len(), "{all:?}");
+        // Auto in a build with only the CPU is the CPU.
+        let auto = config(Device::Auto).numerics();
+        assert_eq!(auto == cpu, Device::auto_candidates() == [Device::Cpu]);
+    }
 }

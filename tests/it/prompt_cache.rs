@@ -36,12 +36,47 @@ fn rewrite(entry: &Path, values: &[f32], shape: &[usize]) {
 }
 
 fn pipeline(cache: &Path) -> Pipeline {
+    pipeline_of(&repo().join("onnx/klein-tiny"), cache)
+}
+
+fn pipeline_of(bundle: &Path, cache: &Path) -> Pipeline {
     let options = PipelineOptions::default()
         .with_device(Device::Cpu)
         .with_threads(1)
         .with_runtime(RuntimeOptions::default().with_library(ort_library()))
         .with_prompt_cache_dir(cache);
-    Pipeline::load(&repo().join("onnx/klein-tiny"), options).unwrap()
+    Pipeline::load(bundle, options).unwrap()
+}
+
+/// Two bundles with the same text encoder and tokenizer files but another chat template (as a
+/// checkpoint whose template alone changed exports) do not share entries: each prompt's
+/// embeddings are those of its own bundle's template.
+#[test]
+fn bundles_with_another_prompt_template_do_not_share_entries() {
+    let cache = temp_dir("prompt-cache-template");
+    let prompt = "a lighthouse at dusk";
+    let bundle = crate::cli::BundleCopy::new("prompt-cache-template-bundle");
+    let manifest = bundle.file("manifest.json");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    let changed = text.replace("<think>\\n\\n</think>", "<think>\\n</think>");
+    assert_ne!(text, changed, "the template was changed");
+    std::fs::write(&manifest, changed).unwrap();
+    let own = pipeline_of(bundle.path(), &temp_dir("prompt-cache-template-own"))
+        .encode_prompt(prompt, None)
+        .unwrap()
+        .embeds;
+    let original = pipeline(&cache).encode_prompt(prompt, None).unwrap().embeds;
+    assert_ne!(own, original, "the templates give other embeddings");
+    let from_cache = pipeline_of(bundle.path(), &cache)
+        .encode_prompt(prompt, None)
+        .unwrap()
+        .embeds;
+    assert_eq!(from_cache, own, "not the other bundle's entry");
+    assert_eq!(
+        std::fs::read_dir(&cache).unwrap().count(),
+        2,
+        "one entry each"
+    );
 }
 
 #[test]
