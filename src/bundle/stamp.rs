@@ -10,7 +10,7 @@ use sha2::{Digest, Sha256};
 
 use super::manifest::{Manifest, MANIFEST_FILE};
 use crate::error::{KleinError, Result};
-use crate::fsutil::{hex, sha256_file, write_atomic};
+use crate::fsutil::{file_id, hex, sha256_file, write_atomic};
 
 /// Folder of the verification stamps inside the cache directory ([`default_cache_dir`]).
 const STAMP_DIR: &str = "verified";
@@ -25,14 +25,15 @@ impl Manifest {
     /// since the last successful verification.
     ///
     /// The stamp (`<cache_dir>/verified/<key>.json`, the key a hash of the bundle's canonical path
-    /// and of its manifest.json) records each file's size, modification time (ns) and expected
+    /// and of its manifest.json) records each file's size, modification time (ns), identity and expected
     /// sha256. It is used only when all of them still agree, and written after a verification
     /// that passed, unless a file changed while it was hashed or was modified within 2 s of it
     /// (see `RACY_WINDOW`). `cache_dir` `None`, or a stamp that cannot be read or written, means
     /// hashing every time; failures to write are ignored.
     ///
     /// A stamp catches corruption and ordinary edits (any write updates the modification time),
-    /// not an attacker who can also set the time back: use [`Manifest::verify_hashes`] for that.
+    /// and files replaced by others with the old time (another inode); not a file rewritten in
+    /// place whose time is set back: use [`Manifest::verify_hashes`] for that.
     pub fn verify_hashes_cached(
         &self,
         bundle_dir: &Path,
@@ -92,6 +93,7 @@ impl Manifest {
                     StampedFile {
                         bytes: meta.len(),
                         modified_ns: u64::try_from(modified.as_nanos()).ok()?,
+                        file_id: file_id(&meta),
                         sha256: entry.sha256.to_ascii_lowercase(),
                     },
                 ))
@@ -164,6 +166,11 @@ struct StampedFile {
     bytes: u64,
     /// Modification time, nanoseconds since the Unix epoch.
     modified_ns: u64,
+    /// The file's identity on its file system ([`crate::fsutil::file_id`]): a copy put in its
+    /// place with the old time (`rsync -a`, `tar x`, `cp -p` to a new name then moved) is another
+    /// file. Absent from older stamps (0: such a stamp no longer matches).
+    #[serde(default)]
+    file_id: u64,
     /// The sha256 manifest.json gives (lower case), which the file matched.
     sha256: String,
 }

@@ -26,6 +26,22 @@ pub fn remove_pending_temp_files() {
 /// Read buffer for hashing: large enough that hashing, not system calls, sets the pace.
 const HASH_BUFFER_BYTES: usize = 1 << 20;
 
+/// A file's identity on its file system, for stamps that trust size and modification time: its
+/// device and inode number on Unix (a file replaced by another, even with the same time, has
+/// another), else 0.
+pub fn file_id(metadata: &std::fs::Metadata) -> u64 {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        metadata.ino() ^ metadata.dev().rotate_left(32)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = metadata;
+        0
+    }
+}
+
 /// Lower-case hexadecimal of `bytes`.
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()

@@ -10,8 +10,8 @@
 //! weights to uint8 ([`super::cpu_features::converts_int8_weights`]). Anything else changed means another key;
 //! nothing is ever overwritten in place.
 //! An entry is written into `<key>.partial-<pid>` and renamed when complete, so a process stopped
-//! midway leaves no entry that looks whole. Its last file, `files`, records the size and
-//! modification time of the others: an entry whose files changed since (zeroed or rewritten by
+//! midway leaves no entry that looks whole. Its last file, `files`, records the size,
+//! modification time and file identity (inode) of the others: an entry whose files changed since (zeroed or rewritten by
 //! something else, which ONNX Runtime would load without a word and run with the wrong weights)
 //! is not used but saved again, as the bundle's stamps do for its hashes.
 use std::path::{Path, PathBuf};
@@ -21,7 +21,7 @@ use sha2::{Digest, Sha256};
 
 use super::cpu_features::detected_features;
 use super::device::OptimizationLevel;
-use crate::fsutil::{hex, remove_stale, WorkDir};
+use crate::fsutil::{file_id, hex, remove_stale, WorkDir};
 
 /// Bumped when the layout of an entry changes.
 const CACHE_FORMAT: &str = "klein-cpu-cache-1";
@@ -136,8 +136,8 @@ impl CacheEntry {
     }
 }
 
-/// Each file of the folder `dir` but the stamp, one line each: name, size and modification time
-/// (ns), sorted; `None` if one cannot be read.
+/// Each file of the folder `dir` but the stamp, one line each: name, size, modification time (ns)
+/// and [`file_id`], sorted; `None` if one cannot be read.
 fn files_stamp(dir: &Path) -> Option<String> {
     let mut lines = Vec::new();
     for entry in std::fs::read_dir(dir).ok()? {
@@ -149,9 +149,10 @@ fn files_stamp(dir: &Path) -> Option<String> {
         let metadata = entry.metadata().ok()?;
         let modified = metadata.modified().ok()?.duration_since(UNIX_EPOCH).ok()?;
         lines.push(format!(
-            "{name}\t{}\t{}",
+            "{name}\t{}\t{}\t{}",
             metadata.len(),
-            modified.as_nanos()
+            modified.as_nanos(),
+            file_id(&metadata)
         ));
     }
     lines.sort();

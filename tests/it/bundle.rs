@@ -164,6 +164,24 @@ fn pipeline_load_verifies_hashes_with_a_stamp() {
         Some(false)
     );
 
+    // Another file of the same size and time put in a file's place (as `rsync -a` or `tar x`
+    // restore times): not the stamped file, so the bundle is hashed and refused.
+    let decoder = dir.join("vae_decoder.onnx");
+    let stamped = std::fs::metadata(&decoder).unwrap();
+    let replacement = dir.join("replacement");
+    std::fs::write(&replacement, vec![0x5a; stamped.len() as usize]).unwrap();
+    let file = File::options().write(true).open(&replacement).unwrap();
+    file.set_modified(stamped.modified().unwrap()).unwrap();
+    std::fs::rename(&replacement, &decoder).unwrap();
+    match Pipeline::load(&dir, options()) {
+        Err(KleinError::Bundle { reason, .. }) => {
+            assert_mentions(&reason, &["vae_decoder.onnx: sha256 is"])
+        }
+        Err(other) => panic!("expected a sha256 mismatch, got {other:?}"),
+        Ok(_) => panic!("a replaced file passed for the stamped one"),
+    }
+    std::fs::copy(bundle_dir().join("vae_decoder.onnx"), &decoder).unwrap();
+
     // Garbage of the same size, written now.
     let graph = dir.join("transformer.onnx");
     let size = std::fs::metadata(&graph).unwrap().len() as usize;
