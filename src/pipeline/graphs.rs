@@ -100,7 +100,7 @@ impl LoadedGraphs {
                     Some(merged) => load_graph(
                         component.as_str(),
                         &merged.path,
-                        &session,
+                        &session.clone().without_caches(),
                         &merged.initializers,
                     )?,
                     None => load_graph(component.as_str(), &path, &session, &[])?,

@@ -329,6 +329,15 @@ impl SessionConfig {
         }
     }
 
+    /// Keeps this graph out of the caches keyed by the bundle's graph (the CPU cache's tag,
+    /// CoreML's `COREML_CACHE_KEY`): for a graph with LoRA weights merged in, which those entries
+    /// would otherwise give back without them.
+    pub(crate) fn without_caches(mut self) -> Self {
+        self.cache_tag = None;
+        self.coreml.cache_dir = None;
+        self
+    }
+
     /// Runs on `device`.
     pub fn with_device(mut self, device: Device) -> Self {
         self.device = device;

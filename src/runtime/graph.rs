@@ -233,7 +233,8 @@ pub fn load_graph(
             ),
         });
     }
-    // The CPU cache holds graphs as the bundle has them: not with merged LoRA weights.
+    // The CPU cache holds graphs as the bundle has them: not with merged LoRA weights (patched
+    // in here, or in a rewritten copy, whose config has no cache tag).
     let cache = initializers
         .is_empty()
         .then(|| cache_entry(name, config))
