@@ -170,7 +170,11 @@ impl Pipeline {
                 std::fs::create_dir_all(cache).map_err(|source| KleinError::Io {
                     path: cache.clone(),
                     action,
-                    source,
+                    // Not "File exists": a directory is wanted where a file is.
+                    source: match cache.exists() && !cache.is_dir() {
+                        true => std::io::Error::other("a file is there; give a directory"),
+                        false => source,
+                    },
                 })?;
             }
         }

@@ -130,9 +130,18 @@ impl CacheEntry {
         }
     }
 
-    /// Removes an entry ONNX Runtime could not load (truncated by a full disk, say).
-    pub(super) fn discard(&self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
+    /// Removes an entry ONNX Runtime could not load (truncated by a full disk, say), or one whose
+    /// files changed; an error when it is still there (another user's, a read-only cache).
+    pub(super) fn discard(&self) -> std::io::Result<()> {
+        let removed = match std::fs::symlink_metadata(&self.dir) {
+            Ok(found) if found.is_dir() => std::fs::remove_dir_all(&self.dir),
+            Ok(_) => std::fs::remove_file(&self.dir),
+            Err(_) => Ok(()),
+        };
+        match removed {
+            Err(error) if error.kind() != std::io::ErrorKind::NotFound => Err(error),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -291,7 +300,7 @@ mod tests {
         assert_eq!(std::fs::read(entry.intact().unwrap()).unwrap(), b"graph");
         assert!(!folder.exists());
         // A save that fails (its stamp cannot be written: a full disk, say) leaves no folder.
-        entry.discard();
+        entry.discard().unwrap();
         let (partial, file) = entry.start().unwrap();
         std::fs::create_dir(partial.path().join(STAMP_FILE)).unwrap();
         std::fs::write(&file, b"graph").unwrap();
@@ -316,7 +325,7 @@ mod tests {
             .set_modified(later)
             .unwrap();
         assert_eq!(entry.saved(), Saved::Changed);
-        entry.discard();
+        entry.discard().unwrap();
         assert_eq!(entry.saved(), Saved::Missing);
         std::fs::remove_dir_all(&root).unwrap();
     }

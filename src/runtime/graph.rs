@@ -388,27 +388,31 @@ fn build_cached(
     build: impl Fn(&LoadFrom) -> std::result::Result<Session, LoadFailure>,
     warnings: &mut Vec<String>,
 ) -> std::result::Result<Session, LoadFailure> {
-    match entry.saved() {
-        Saved::Intact(saved) => match build(&LoadFrom::Cached(saved.clone())) {
+    let unusable = match entry.saved() {
+        Saved::Intact(saved) => match build(&LoadFrom::Cached(saved)) {
             Ok(session) => return Ok(session),
-            Err(failure) => {
-                warnings.push(format!(
-                    "the CPU cache's copy of the {name} graph ({}) could not be loaded, so it was saved again: {}",
-                    saved.display(),
-                    failure.message()
-                ));
-                entry.discard();
-            }
+            Err(failure) => Some(format!("could not be loaded ({})", failure.message())),
         },
-        Saved::Changed => {
+        Saved::Changed => Some(
+            "is not as it was saved (a file's size, time or inode changed since, or an older \
+             klein saved it)"
+                .to_string(),
+        ),
+        Saved::Missing => None,
+    };
+    if let Some(why) = unusable {
+        let copy = format!(
+            "the CPU cache's copy of the {name} graph ({}) {why}",
+            entry.dir().display()
+        );
+        if let Err(error) = entry.discard() {
             warnings.push(format!(
-                "the CPU cache's copy of the {name} graph ({}) is not as it was saved (a file's size or time \
-                 changed since, or an older klein saved it), so it was saved again",
-                entry.dir().display()
+                "{copy}, and cannot be removed ({error}): the graph was loaded from the bundle; \
+                 remove that copy to use the cache again"
             ));
-            entry.discard();
+            return build(&LoadFrom::Bundle);
         }
-        Saved::Missing => {}
+        warnings.push(format!("{copy}, so it was saved again"));
     }
     let (partial, file) = match entry.start() {
         Ok(started) => started,

@@ -590,6 +590,29 @@ fn a_reference_from_a_pipe_is_read_once() {
     assert_eq!(pixels(&from_pipe), pixels(&from_file));
 }
 
+/// `klein info | head -1`: the reader closes the pipe after one line; the CLI ends as other Unix
+/// tools do (SIGPIPE), not with a panic and its backtrace.
+#[cfg(unix)]
+#[test]
+fn info_into_a_closed_pipe_ends_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let done = Command::new(env!("CARGO_BIN_EXE_klein"))
+        .args(["info", "--verify"])
+        .env("ORT_DYLIB_PATH", ort_library())
+        .env("KLEIN_CACHE_DIR", test_cache_dir())
+        .env_remove("KLEIN_MODEL")
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&done.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(done.status.signal(), Some(13), "ended by SIGPIPE: {stderr}");
+}
+
 #[test]
 fn info_prints_the_bundle_summary_and_verifies_hashes() {
     // The default model: the bundled tiny model, written to the cache directory.
@@ -880,7 +903,7 @@ fn a_file_is_not_a_cache_directory() {
     for option in ["--prompt-cache", "--cpu-cache"] {
         let run = assert_refused(
             &[&FAST[..], &[option, path_str(&file)]].concat(),
-            &[path_str(&file)],
+            &[path_str(&file), "a file is there; give a directory"],
         );
         assert!(
             !run.stderr.contains("seed:"),

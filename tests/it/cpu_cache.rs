@@ -131,6 +131,19 @@ fn a_damaged_entry_is_saved_again_with_a_warning() {
     );
 }
 
+/// A file where an entry's folder should be (left by something else): removed and saved again,
+/// once; it once stayed, and every run warned and saved a copy it then threw away.
+#[test]
+fn a_file_in_an_entrys_place_is_replaced_once() {
+    let cache = temp_dir("cpu-cache-file");
+    let (first, _) = generate(Some(&cache));
+    let entry = saved_transformer(&cache).parent().unwrap().to_path_buf();
+    std::fs::remove_dir_all(&entry).unwrap();
+    std::fs::write(&entry, b"junk").unwrap();
+    assert_saved_again(&cache, &first, "saved again");
+    assert!(entry.is_dir());
+}
+
 /// Weights rewritten in place, same size (zeroed): ONNX Runtime would load them without a word and
 /// make another image. The entry's list of its files' sizes and times no longer agrees, so it is
 /// saved again, with a warning, and the image is the right one.

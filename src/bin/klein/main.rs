@@ -41,7 +41,10 @@ fn main() -> ExitCode {
             install_interrupt_handler();
             generate(*args)
         }
-        Command::Info(args) => info(args).map(|()| ExitCode::SUCCESS),
+        Command::Info(args) => {
+            end_quietly_on_a_closed_pipe();
+            info(args).map(|()| ExitCode::SUCCESS)
+        }
         // The server handles SIGTERM and Ctrl-C itself: it finishes accepted requests first.
         Command::Serve(args) => serve::serve(*args).map(|()| ExitCode::SUCCESS),
     };
@@ -51,6 +54,18 @@ fn main() -> ExitCode {
             eprintln!("klein: error: {error:#}");
             ExitCode::from(if is_user_error(&error) { 2 } else { 1 })
         }
+    }
+}
+
+/// `klein info | head`: the process ends, as other Unix tools do, when the reader closes the pipe
+/// (Rust ignores SIGPIPE, and the next line printed would panic). Only for `info`, which writes
+/// nothing but its report: `generate` keeps its interrupt handler's clean-up, and `serve` handles
+/// closed connections itself.
+fn end_quietly_on_a_closed_pipe() {
+    #[cfg(unix)]
+    // SAFETY: sets a signal's disposition to its default before any other thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
 
