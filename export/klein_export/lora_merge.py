@@ -167,6 +167,26 @@ def _check_file(path):
     if bad:
         verb = "holds" if len(bad) == 1 else "hold"
         raise LoraError(f"{path}: {first_names(bad)} {verb} non-finite values (NaN or infinity)")
+    _check_kohya_keys(path, keys)
+
+
+def _check_kohya_keys(path, keys):
+    """A kohya LoRA's keys that diffusers' converter maps to no layer (it only logs them and merges
+    the rest: another adapter than the file's) are refused, as the runtime refuses keys it cannot
+    place. The converter (the one `lora_state_dict` calls for these files, diffusers pinned) takes
+    out every key it maps; what it leaves is what it would drop."""
+    if not any(".lora_down.weight" in k for k in keys):
+        return
+    from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux2_lora_to_diffusers
+    from safetensors.torch import load_file
+
+    left = load_file(str(path))
+    _convert_kohya_flux2_lora_to_diffusers(left)
+    if left:
+        raise LoraError(
+            f"{path}: {len(left)} kohya keys name no layer of a FLUX.2 transformer ({first_names(sorted(left))}), "
+            "which diffusers would drop while merging the rest: a LoRA for another model (FLUX.1?)"
+        )
 
 
 # safetensors' names of the types a LoRA's tensors may have: the runtime's (src/stages/lora).

@@ -137,6 +137,27 @@ def test_export_time_merge_equals_diffusers(loras, tiny_checkpoint, tmp_path):
     assert_close(got, want, floor, "export-time merge")
 
 
+def test_kohya_keys_diffusers_would_drop_are_refused(loras, tiny_checkpoint, tiny_bundle, tmp_path, capsys):
+    """A kohya key of FLUX.1 (`guidance_in`, which FLUX.2's converter does not map): diffusers logs it
+    and merges the rest; the exporter refuses the file before any export, as the runtime does."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(loras["kohya"]))
+    tensors["lora_unet_guidance_in_in_layer.lora_down.weight"] = torch.zeros(4, 256, dtype=torch.float16)
+    tensors["lora_unet_guidance_in_in_layer.lora_up.weight"] = torch.zeros(64, 4, dtype=torch.float16)
+    lora = tmp_path / "flux1_keys.safetensors"
+    save_file(tensors, str(lora))
+    out = tmp_path / "out"
+    assert main(["convert", "--checkpoint", str(tiny_checkpoint), "--out", str(out), "--lora", str(lora)]) == 2
+    err = capsys.readouterr().err
+    assert f"{lora}: 2 kohya keys name no layer of a FLUX.2 transformer" in err, err
+    assert "lora_unet_guidance_in_in_layer.lora_down.weight" in err, err
+    assert not out.exists()
+    args = ["generate", "x", "-m", tiny_bundle, "--width", "64", "--height", "64", "--steps", "1"]
+    run = subprocess.run([KLEIN, *args, "--lora", lora, "-o", tmp_path / "x.png"], capture_output=True, text=True)
+    assert run.returncode == 2 and "guidance_in" in run.stderr, run.stderr
+
+
 def test_lora_map_covers_every_linear_layer(tiny_checkpoint, tiny_bundle):
     pipe = Flux2KleinPipeline.from_pretrained(str(tiny_checkpoint), dtype=torch.float32)
     targets = json.loads((tiny_bundle / "manifest.json").read_text())["graphs"]["transformer"]["lora_targets"]
