@@ -4,13 +4,13 @@ Every architecture number comes from the checkpoint's own config files. Componen
 a time so that a caller can export and free each before the next (the 4B does not fit otherwise).
 """
 
-import json
 import math
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .config_values import CONFIG_VALUES, check_config_values
 from .errors import CheckpointError, first_names
 from .jsonfile import read_json
 
@@ -33,60 +33,6 @@ EXPECTED_CLASSES = {
     "scheduler": ("FlowMatchEulerDiscreteScheduler",),
     "tokenizer": ("Qwen2Tokenizer", "Qwen2TokenizerFast"),
 }
-
-
-# The sizes of each component's config.json that the export and diffusers read: positive whole
-# numbers, or (a list) lists of them. A string or a fraction there fails deep inside torch.
-CONFIG_SIZES = {
-    "text_encoder": (
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "intermediate_size",
-        "vocab_size",
-    ),
-    "transformer": (
-        "attention_head_dim",
-        "num_attention_heads",
-        "num_layers",
-        "num_single_layers",
-        "joint_attention_dim",
-        "in_channels",
-        "patch_size",
-        "timestep_guidance_channels",
-        ["axes_dims_rope"],
-    ),
-    "vae": (
-        "in_channels",
-        "out_channels",
-        "latent_channels",
-        "layers_per_block",
-        "norm_num_groups",
-        ["block_out_channels"],
-        ["patch_size"],
-    ),
-}
-
-
-def _check_sizes(path: Path, config: dict, keys) -> None:
-    """CheckpointError naming the first of `keys` (a name, or `[name]` for a list) present in
-    `config` whose value is not a positive whole number (a list of them)."""
-
-    def size(value):
-        return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-    for key in keys:
-        listed = isinstance(key, list)
-        name = key[0] if listed else key
-        if name not in config:
-            continue
-        value = config[name]
-        ok = (isinstance(value, list) and value and all(map(size, value))) if listed else size(value)
-        if not ok:
-            want = "a list of positive whole numbers" if listed else "a positive whole number"
-            raise CheckpointError(f"{path}: {name} is {json.dumps(value)}; it must be {want}")
 
 
 def _read_json(path: Path) -> dict:
@@ -153,7 +99,7 @@ class Checkpoint:
             ("transformer", self.transformer_config),
             ("vae", self.vae_config),
         ):
-            _check_sizes(self.root / component / "config.json", config, CONFIG_SIZES[component])
+            check_config_values(self.root / component / "config.json", config, CONFIG_VALUES[component])
         # A diffusers config names its class; one of another model is another checkpoint's.
         for component, config in (("transformer", self.transformer_config), ("vae", self.vae_config)):
             named, expected = config.get("_class_name"), self.model_index[component][1]

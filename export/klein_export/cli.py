@@ -7,9 +7,10 @@ from .errors import CheckpointError, KleinExportError, QuantizationError
 from .lora_merge import parse_lora
 from .precision import PRECISIONS
 from .quantize import BITS, DEFAULT_BLOCK_SIZE, METHODS, QuantizationConfig, default_components, parse_components
+from .signals import Stopped, stops_raised
 
 EXIT_USER_ERROR = 2
-EXIT_INTERRUPTED = 130  # as the klein CLI, and shells, report SIGINT
+EXIT_INTERRUPTED = 130  # as the klein CLI, and shells, report SIGINT (128 + its number, as SIGTERM's 143)
 
 
 def _quantization(args, required=False):
@@ -102,13 +103,14 @@ def _tiny(args):
 
 
 def _verify(args):
+    if not (args.checkpoint or args.against):
+        raise CheckpointError("verify needs --checkpoint (or --against REFERENCE_BUNDLE)")
+    from .verify import check_verifiable, image_cases, verify, verify_images
+
+    for bundle in filter(None, (args.bundle, args.against)):
+        check_verifiable(bundle)
     if args.against:
         return _verify_against(args)
-    if not args.checkpoint:
-        raise CheckpointError("verify needs --checkpoint (or --against REFERENCE_BUNDLE)")
-    if args.images_only and args.no_images:
-        raise CheckpointError("--images-only and --no-images leave nothing to verify")
-    from .verify import image_cases, verify, verify_images
 
     failed = 0
     if not args.images_only:
@@ -127,8 +129,9 @@ def _verify_against(args):
     from .against import component_differences, image_difference
 
     size = 512 if args.size is None else args.size
-    for difference in component_differences(args.bundle, args.against, size, size):
-        print(difference.line(), flush=True)
+    if not args.images_only:
+        for difference in component_differences(args.bundle, args.against, size, size):
+            print(difference.line(), flush=True)
     if args.no_images:
         return 0
     result = image_difference(args.bundle, args.against, size, size)
@@ -291,13 +294,20 @@ def parser() -> argparse.ArgumentParser:
     v = sub.add_parser(
         "verify", help="torch fp32 vs ONNX Runtime per component at several shapes, and the final image vs diffusers"
     )
-    v.add_argument("--checkpoint", help="the checkpoint the bundle was exported from (not needed with --against)")
-    v.add_argument("--bundle", required=True, help="the bundle directory to check")
     v.add_argument(
+        "--bundle",
+        required=True,
+        help="the bundle directory to check (with dynamic shapes: static-shape bundles are refused)",
+    )
+    reference = v.add_mutually_exclusive_group()
+    reference.add_argument(
+        "--checkpoint", help="the checkpoint the bundle was exported from: compare with torch and diffusers"
+    )
+    reference.add_argument(
         "--against",
         metavar="REFERENCE_BUNDLE",
-        help="instead of torch: compare with another bundle of the same checkpoint (its fp32 export), in ONNX Runtime, "
-        "one session at a time: per-component errors and the final image's PSNR",
+        help="instead of --checkpoint: compare with another bundle of the same checkpoint (its fp32 export), in ONNX "
+        "Runtime, one session at a time: per-component errors and the final image's PSNR",
     )
     v.add_argument(
         "--size",
@@ -305,12 +315,13 @@ def parser() -> argparse.ArgumentParser:
         help="image side in pixels: with --against, of the compared images (default 512); with --checkpoint, one "
         "image of that size instead of the two small default cases",
     )
-    v.add_argument("--no-images", action="store_true", help="skip the end-to-end images")
-    v.add_argument(
+    images = v.add_mutually_exclusive_group()
+    images.add_argument("--no-images", action="store_true", help="skip the end-to-end images")
+    images.add_argument(
         "--images-only",
         action="store_true",
-        help="skip the per-component torch comparisons (each holds the component in float32 and float64 and its "
-        "ONNX Runtime session at once: about 4x its float32 weights) and compare the final images only",
+        help="compare the final images only: skip the per-component comparisons (with --checkpoint, each holds the "
+        "component in float32 and float64 and its ONNX Runtime session at once: about 4x its float32 weights)",
     )
     v.set_defaults(func=_verify)
 
@@ -364,7 +375,8 @@ def _seed(text: str) -> int:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
-        return args.func(args)
+        with stops_raised():
+            return args.func(args)
     except (KleinExportError, FileExistsError, FileNotFoundError) as e:
         print(f"klein-export: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -372,6 +384,9 @@ def main(argv=None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(f"klein-export: error: {where}{e.strerror or e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except Stopped as e:  # SIGTERM, SIGHUP: as Ctrl-C
+        print(f"klein-export: stopped by {e}; nothing was written", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:  # Ctrl-C: the partial output is already removed (atomic_directory)
         print("klein-export: interrupted; nothing was written", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -5,14 +5,12 @@ written to a sibling temporary directory and renamed into place only when comple
 export leaves nothing half-written behind.
 """
 
-import contextlib
 import multiprocessing
 import shutil
-import signal
 import sys
-import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import torch
@@ -37,6 +35,7 @@ from .ort_fusions import fuse_for_ort, fuse_transformer, fuse_vae
 from .precision import check_precision, to_float16
 from .preview import fit_preview
 from .quantize import QuantizationConfig, quantize_bundle
+from .signals import stops_ignored
 from .static_shapes import check_refs, make_static, parse_buckets
 from .tokenizer_facts import tokenizer_facts
 from .wrappers import TextEncoder, Transformer, VaeDecoder, VaeEncoder
@@ -58,10 +57,14 @@ def _export_isolated(label, checkpoint_root, out, precision, loras, fused=True):
     # interpreter's -W options, so this one keeps it quiet.
     if RESOURCE_TRACKER_QUIET not in sys.warnoptions:
         sys.warnoptions.append(RESOURCE_TRACKER_QUIET)
+    # Ctrl-C, SIGTERM and SIGHUP are the parent's alone (signals.py): the worker starts with them
+    # ignored, so that it prints no traceback of its own when its whole group is signalled, and is
+    # killed below. So does multiprocessing's resource tracker (started by the pool's queues), which
+    # ignores SIGINT and SIGTERM itself but died of a SIGHUP, relaunched with warnings and tracebacks.
+    with stops_ignored():
+        resource_tracker.ensure_running()
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        # Ctrl-C is the parent's alone: the worker starts with SIGINT ignored (kept through exec; Python
-        # then installs no handler), so it prints no traceback of its own, and is ended below.
-        with _sigint_ignored():
+        with stops_ignored():
             future = pool.submit(_export_component, label, str(checkpoint_root), str(out), precision, loras, fused)
         try:
             return future.result()
@@ -69,24 +72,11 @@ def _export_isolated(label, checkpoint_root, out, precision, loras, fused=True):
             # Interrupted (or failed): the worker is ended, not waited for; the pool's shutdown then
             # returns at once (it hung at exit when the worker outlived an interrupt).
             for child in multiprocessing.active_children():
-                child.terminate()
+                child.kill()
             raise
 
 
 RESOURCE_TRACKER_QUIET = "ignore::UserWarning:multiprocessing.resource_tracker"
-
-
-@contextlib.contextmanager
-def _sigint_ignored():
-    """SIGINT ignored in the block (in the main thread; elsewhere Python cannot change handlers)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _peak_rss_mb() -> float:

@@ -170,6 +170,36 @@ def bundle_files(bundle_dir: Path, known: dict = None, changed=None) -> dict:
     return files
 
 
+def check_files(bundle_dir, manifest: dict):
+    """BundleError naming the first file the manifest's `files` lists that is missing, or whose
+    size or sha256 is not the listed one (replaced, truncated or modified since the export), and
+    the first graph or tokenizer file that `files` does not list."""
+    bundle_dir = Path(bundle_dir)
+    path, files = bundle_dir / MANIFEST, manifest.get("files")
+    again = "copy or export the bundle again"
+    if not isinstance(files, dict):
+        raise BundleError(f"{path}: no files section (the size and sha256 of each file); {again}")
+    tokenizer = manifest.get("tokenizer")
+    needed = [graph["file"] for graph in manifest["graphs"].values()]
+    needed += [tokenizer["file"]] if isinstance(tokenizer, dict) and isinstance(tokenizer.get("file"), str) else []
+    unlisted = [name for name in needed if name not in files]
+    if unlisted:
+        raise BundleError(f"{path}: files does not list {', '.join(unlisted)}, so it cannot be checked; {again}")
+    for name, entry in files.items():
+        if Path(name).name != name or not isinstance(entry, dict):
+            raise BundleError(f"{path}: files.{name} must be a file name in the bundle with its bytes and sha256")
+        file = bundle_dir / name
+        if not file.is_file():
+            raise BundleError(f"{file}: missing (listed in {MANIFEST}); {again}")
+        found = file_entry(file)
+        if found != {"bytes": entry.get("bytes"), "sha256": str(entry.get("sha256")).lower()}:
+            raise BundleError(
+                f"{file}: {found['bytes']} bytes, sha256 {found['sha256'][:12]}..., not the {entry.get('bytes')} "
+                f"bytes, sha256 {str(entry.get('sha256'))[:12]}... {MANIFEST} lists: replaced or modified since "
+                f"the export; {again}"
+            )
+
+
 def write_manifest(manifest: dict, bundle_dir: Path):
     (Path(bundle_dir) / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
 

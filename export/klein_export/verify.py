@@ -19,8 +19,9 @@ import torch
 
 from .checkpoint import Checkpoint
 from .diffusers_reference import reference_images
+from .errors import BundleError
 from .kv_cache import KvTransformer, kv_layers
-from .manifest import check_bundle_of, read_manifest
+from .manifest import check_bundle_of, check_files, read_manifest
 from .ort_pipeline import bundle_image, latent_ids, session, text_ids
 from .quantize import emulate_quantization
 from .tokenizer_facts import tokenizer_facts
@@ -303,6 +304,20 @@ def verify_vae(ckpt, bundle):
     for b, h, w in ((1, 4, 4), (2, 3, 5), (1, 6, 2)):
         latents = torch.randn(b, latent_ch, h, w, generator=g)
         yield dec.compare(f"batch {b}, {h}x{w} latents", (latents,), {"latents": latents.numpy()})
+
+
+def check_verifiable(bundle):
+    """BundleError unless `bundle` is one verify can run: with dynamic shapes (it runs each graph at
+    several batch sizes and shapes), and its files as exported (another graph in a graph's place
+    would fail inside ONNX Runtime)."""
+    manifest = read_manifest(bundle)
+    if manifest.get("static_shapes"):
+        raise BundleError(
+            f"{bundle}: a static-shape bundle (batch 1, its size buckets only), which verify cannot run: it "
+            "verifies bundles with dynamic shapes. Its graphs are those of the same convert without "
+            "--static-shapes with fixed input shapes: verify that bundle"
+        )
+    check_files(bundle, manifest)
 
 
 def verify(checkpoint, bundle, components=("text_encoder", "transformer", "vae")):

@@ -77,6 +77,54 @@ def test_a_corrupt_or_missing_graph_is_named(tiny_checkpoint, bundle_copy, tmp_p
     assert not (tmp_path / "q").exists()
 
 
+def test_files_changed_since_the_export_are_named(tiny_checkpoint, tiny_bundle, bundle_copy, tmp_path, capsys):
+    """A graph swapped for another or a deleted tokenizer: named by quantize (not copied and listed
+    with new hashes) and by verify (not a traceback from ONNX Runtime), as input or as reference."""
+    commands = [
+        ["quantize", "--bundle", bundle_copy, "--out", tmp_path / "q", "--quantize", "int8"],
+        ["verify", "--bundle", bundle_copy, "--checkpoint", tiny_checkpoint, "--no-images"],
+        ["verify", "--bundle", bundle_copy, "--against", tiny_bundle, "--no-images"],
+        ["verify", "--bundle", tiny_bundle, "--against", bundle_copy, "--no-images"],
+    ]
+    graph = bundle_copy / "transformer.onnx"
+    shutil.copyfile(bundle_copy / "vae_decoder.onnx", graph)
+    for args in commands:
+        err = _run(args, capsys)
+        assert f"{graph}: " in err and "manifest.json lists: replaced or modified since the export" in err, err
+    shutil.copyfile(tiny_bundle / "transformer.onnx", graph)
+    (bundle_copy / "tokenizer.json").unlink()
+    for args in commands:
+        err = _run(args, capsys)
+        assert f"{bundle_copy / 'tokenizer.json'}: missing (listed in manifest.json)" in err, err
+    assert not (tmp_path / "q").exists()
+
+
+def test_verify_refuses_a_static_shape_bundle(tiny_checkpoint, tiny_bundle, bundle_copy, capsys):
+    """Its graphs take batch 1 at its buckets only: refused, naming what verify runs (it failed in
+    ONNX Runtime, or passed at a --size that happened to be the first bucket's)."""
+    path = bundle_copy / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["static_shapes"] = {"batch": 1, "seq": 512, "refs": 0, "buckets": [{"width": 64, "height": 64}]}
+    path.write_text(json.dumps(manifest))
+    for reference in (["--checkpoint", tiny_checkpoint], ["--against", tiny_bundle, "--size", "64"]):
+        err = _run(["verify", "--bundle", bundle_copy, *reference], capsys)
+        assert f"{bundle_copy}: a static-shape bundle" in err and "verifies bundles with dynamic shapes" in err, err
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--checkpoint", "c", "--against", "r"], "argument --against: not allowed with argument --checkpoint"),
+        (["--against", "r", "--images-only", "--no-images"], "--no-images: not allowed with argument --images-only"),
+    ],
+)
+def test_verify_options_that_exclude_each_other_are_refused_by_the_parser(args, needle, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["verify", "--bundle", "b", *args])
+    assert exit.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
 def test_an_output_that_holds_the_checkpoint_is_refused(tiny_checkpoint, tmp_path, capsys):
     ckpt = tmp_path / "models" / "ckpt"
     shutil.copytree(tiny_checkpoint, ckpt)
@@ -268,6 +316,16 @@ def test_lora_factors_the_runtime_cannot_read_are_refused_before_any_export(tiny
         ("transformer", "num_attention_heads", 2.5, "num_attention_heads is 2.5"),
         ("vae", "block_out_channels", 32, "block_out_channels is 32; it must be a list of positive whole numbers"),
         ("transformer", "axes_dims_rope", [8, 8], "axes_dims_rope [8, 8] sums to 16, but attention_head_dim is 32"),
+        # Numbers the models compute with: each failed with a traceback, some minutes into the export.
+        ("transformer", "rope_theta", "abc", 'rope_theta is "abc"; it must be a finite positive number'),
+        ("transformer", "eps", float("inf"), "eps is Infinity; it must be a finite positive number"),
+        ("transformer", "mlp_ratio", True, "mlp_ratio is true; it must be a finite positive number"),
+        ("transformer", "guidance_embeds", "no", 'guidance_embeds is "no"; it must be true or false'),
+        ("text_encoder", "rope_theta", "abc", 'rope_theta is "abc"; it must be a finite positive number'),
+        ("text_encoder", "rope_parameters", {"rope_theta": "abc"}, 'rope_parameters.rope_theta is "abc"; it must be'),
+        ("text_encoder", "rms_norm_eps", "x", 'rms_norm_eps is "x"; it must be a finite positive number'),
+        ("vae", "batch_norm_eps", "x", 'batch_norm_eps is "x"; it must be a finite positive number'),
+        ("vae", "sample_size", "x", 'sample_size is "x"; it must be a positive whole number or a list of them'),
         # Another model's class with this model's sizes (its weights would load): still refused.
         (
             "transformer",

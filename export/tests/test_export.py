@@ -190,15 +190,22 @@ def test_unsupported_scheduler_option_is_refused(tiny_checkpoint, tmp_path):
         convert(ckpt, tmp_path / "out")
 
 
-@pytest.mark.parametrize("group", [False, True], ids=["parent-only", "terminal"])
-def test_an_interrupted_convert_ends_at_once_and_leaves_nothing(tiny_checkpoint, tmp_path, group):
+@pytest.mark.parametrize(
+    "name, group",
+    [("SIGINT", False), ("SIGINT", True), ("SIGTERM", False), ("SIGHUP", True)],
+    ids=["parent-only", "terminal", "kill", "hangup"],
+)
+def test_an_interrupted_convert_ends_at_once_and_leaves_nothing(tiny_checkpoint, tmp_path, name, group):
     """Ctrl-C while a component exports in its worker process: `klein-export` exits 130 within seconds
     with its one line, no traceback (the worker's included) and no warning, no output, no process
     left. `parent-only` is `timeout -s INT` or `kill -INT PID` (the worker outlived it and the exit
     hung in 3 of 14 tries); `terminal` signals the whole process group, as a terminal's Ctrl-C.
     The child starts with SIGINT's default action: started from a background job, the test run
     inherits SIGINT ignored, and so would the child (Python then leaves it ignored, and the
-    export ran to its end; a terminal user has the default)."""
+    export ran to its end; a terminal user has the default). `kill` (SIGTERM to the parent) and
+    `hangup` (SIGHUP to the group, as a closed terminal) end it the same way, exit 128 + the
+    signal's number (they ended the parent alone, the worker exporting on and the partial output
+    left behind)."""
     import os
     import signal
     import subprocess
@@ -215,10 +222,11 @@ def test_an_interrupted_convert_ends_at_once_and_leaves_nothing(tiny_checkpoint,
     )
     time.sleep(12)  # the worker is exporting the text encoder (about 35 s in all)
     assert child.poll() is None, "the export was still running when interrupted"
+    signum = getattr(signal, name)
     if group:
-        os.killpg(child.pid, signal.SIGINT)
+        os.killpg(child.pid, signum)
     else:
-        os.kill(child.pid, signal.SIGINT)
+        os.kill(child.pid, signum)
     started = time.monotonic()
     _, err = child.communicate(timeout=60)
     waited = time.monotonic() - started
@@ -227,7 +235,8 @@ def test_an_interrupted_convert_ends_at_once_and_leaves_nothing(tiny_checkpoint,
         if not leftover:
             break
         time.sleep(0.1)
-    assert (child.returncode, err.decode()) == (130, "klein-export: interrupted; nothing was written\n")
+    said = "interrupted" if name == "SIGINT" else f"stopped by {name}"
+    assert (child.returncode, err.decode()) == (128 + signum, f"klein-export: {said}; nothing was written\n")
     assert waited < 15, f"exited {waited:.1f} s after the interrupt"
     assert not leftover, f"processes of the group still running: {leftover}"
     assert list(tmp_path.iterdir()) == []

@@ -617,6 +617,16 @@ def test_verify_against_the_fp32_bundle(tiny_bundle, bundles, capsys):
     assert main(["verify", "--bundle", str(bundles["int8"])]) == 2, "no checkpoint and no --against"
 
 
+def test_verify_against_images_only(tiny_bundle, capsys):
+    """`--images-only` with `--against`: the final image alone, no per-component errors."""
+    assert (
+        main(["verify", "--bundle", str(tiny_bundle), "--against", str(tiny_bundle), "--images-only", "--size", "64"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "rms_rel" not in out and "PSNR    inf dB against the reference bundle" in out, out
+
+
 @pytest.mark.parametrize("name", ["int8", "int4", "int8-dynamic", "int8-static", "int8-7bit"])
 def test_cpu_cache_keeps_quantized_images(bundles, name, tmp_path):
     """`klein generate --cpu-cache`: the first run saves each graph with its prepacked quantized
