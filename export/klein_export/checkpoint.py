@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from . import single_file
 from .config_values import CONFIG_VALUES, check_config_values
 from .errors import CheckpointError, first_names
 from .jsonfile import read_json
@@ -68,8 +69,13 @@ def _stored_shapes(folder: Path) -> dict:
 class Checkpoint:
     """Reads and checks `model_index.json` and every component's config."""
 
-    def __init__(self, root):
+    def __init__(self, root, transformer_file=None):
+        """`transformer_file`: the transformer's weights from that one .safetensors file instead of
+        `root/transformer`'s (single_file.py); its config is still the checkpoint's."""
         self.root = Path(root)
+        self.transformer_file = None if transformer_file is None else Path(transformer_file)
+        # What rebuilds this checkpoint in another process (an export's worker).
+        self.arguments = (str(self.root), None if transformer_file is None else str(transformer_file))
         if not self.root.is_dir():
             what = "not a directory" if self.root.exists() else "no such directory"
             raise CheckpointError(f"{self.root}: {what} (expected a diffusers checkpoint)")
@@ -151,7 +157,11 @@ class Checkpoint:
                 "vae": AutoencoderKLFlux2.from_config(self.vae_config),
             }
         for component, model in models.items():
-            where, stored = self.root / component, _stored_shapes(self.root / component)
+            where, stored = self.root / component, None
+            if component == "transformer" and self.transformer_file is not None:
+                where, stored = self.transformer_file, single_file.stored_shapes(self.transformer_file)
+            config = "the checkpoint's transformer config.json" if stored is not None else "its config.json"
+            stored = _stored_shapes(where) if stored is None else stored
             wanted = {k: list(t.shape) for k, t in model.state_dict().items() if k not in TEXT_ENCODER_UNUSED}
             missing = [k for k in wanted if k not in stored]
             check_complete(where, None, missing)
@@ -163,7 +173,7 @@ class Checkpoint:
                 problem += "; " if wrong and extra else ""
                 problem += f"{len(extra)} weights have no place in the model ({first_names(extra)})" if extra else ""
                 raise CheckpointError(
-                    f"{where}: {problem}: its config.json and its weights are of different models "
+                    f"{where}: {problem}: {config} and these weights are of different models "
                     "(a config of another size, or a file of another checkpoint?)"
                 )
 
@@ -286,6 +296,8 @@ class Checkpoint:
     def load_transformer(self):
         from diffusers import Flux2Transformer2DModel
 
+        if self.transformer_file is not None:
+            return single_file.load_transformer(self.transformer_file, self.transformer_config)
         return self._load(
             lambda: Flux2Transformer2DModel.from_pretrained(
                 self.root / "transformer", torch_dtype=torch.float32, output_loading_info=True

@@ -59,6 +59,7 @@ def _convert(args):
         static_shapes=args.static_shapes,
         refs=args.refs,
         loras=[parse_lora(text) for text in args.lora],
+        transformer=args.transformer,
     )
     print(out)
     return 0
@@ -110,15 +111,17 @@ def _verify(args):
     for bundle in filter(None, (args.bundle, args.against)):
         check_verifiable(bundle)
     if args.against:
+        if args.transformer:
+            raise CheckpointError("--transformer goes with --checkpoint, not --against (which compares two bundles)")
         return _verify_against(args)
 
     failed = 0
     if not args.images_only:
-        for result in verify(args.checkpoint, args.bundle):
+        for result in verify(args.checkpoint, args.bundle, transformer=args.transformer):
             print(result.line(), flush=True)
             failed += not result.ok
     if not args.no_images:
-        for result in verify_images(args.checkpoint, args.bundle, image_cases(args.size)):
+        for result in verify_images(args.checkpoint, args.bundle, image_cases(args.size), args.transformer):
             print(result.line(), flush=True)
             failed += not result.ok
     print(f"{'FAILED' if failed else 'passed'}: {failed} case(s) past tolerance")
@@ -200,6 +203,13 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="diffusers checkpoint -> bundle")
     c.add_argument("--checkpoint", required=True, help="diffusers-format FLUX.2-klein checkpoint directory")
     c.add_argument("--out", required=True, help="bundle directory to write")
+    c.add_argument(
+        "--transformer",
+        metavar="FILE",
+        help="a fine-tuned transformer as one .safetensors file (BFL, ComfyUI or diffusers key names; float32, "
+        "float16 or bfloat16), exported instead of the checkpoint's transformer weights; its architecture is the "
+        "checkpoint's transformer/config.json, and everything else comes from --checkpoint",
+    )
     c.add_argument(
         "--force", action="store_true", help="replace an existing bundle (a bundle or an empty directory only)"
     )
@@ -302,6 +312,11 @@ def parser() -> argparse.ArgumentParser:
     reference = v.add_mutually_exclusive_group()
     reference.add_argument(
         "--checkpoint", help="the checkpoint the bundle was exported from: compare with torch and diffusers"
+    )
+    v.add_argument(
+        "--transformer",
+        metavar="FILE",
+        help="with --checkpoint: the single-file transformer the bundle was converted with (convert --transformer)",
     )
     reference.add_argument(
         "--against",

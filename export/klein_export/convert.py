@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.export import Dim
 
-from . import contract
+from . import contract, single_file
 from .atomic import atomic_directory, check_output
 from .cache_key import stamp_bundle
 from .checkpoint import Checkpoint
@@ -41,13 +41,14 @@ from .tokenizer_facts import tokenizer_facts
 from .wrappers import TextEncoder, Transformer, VaeDecoder, VaeEncoder
 
 
-def _export_component(label, checkpoint_root, out, precision, loras, fused):
-    """Runs in a child process: exports one component, returns its GraphEntry list and the child's peak RSS."""
+def _export_component(label, checkpoint, out, precision, loras, fused):
+    """Runs in a child process: exports one component of `checkpoint` (Checkpoint's arguments), returns
+    its GraphEntry list and the child's peak RSS."""
     options = {"fused": fused}
-    return EXPORTS[label](Checkpoint(checkpoint_root), Path(out), precision, loras, **options), _peak_rss_mb()
+    return EXPORTS[label](Checkpoint(*checkpoint), Path(out), precision, loras, **options), _peak_rss_mb()
 
 
-def _export_isolated(label, checkpoint_root, out, precision, loras, fused=True):
+def _export_isolated(label, checkpoint, out, precision, loras, fused=True):
     """Exports one component in a fresh process, so that its memory is really given back before the
     next one loads (in one process the 4B's text encoder and transformer peaks added up past 22 GB,
     glibc and torch keeping freed weights; each alone peaks at 19-20 GB)."""
@@ -65,7 +66,7 @@ def _export_isolated(label, checkpoint_root, out, precision, loras, fused=True):
         resource_tracker.ensure_running()
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
         with stops_ignored():
-            future = pool.submit(_export_component, label, str(checkpoint_root), str(out), precision, loras, fused)
+            future = pool.submit(_export_component, label, checkpoint, str(out), precision, loras, fused)
         try:
             return future.result()
         except BaseException:
@@ -249,6 +250,7 @@ def convert(
     static_shapes=None,
     refs=0,
     loras=(),
+    transformer=None,
 ):
     """Export every component of `checkpoint` into the bundle directory `out`.
 
@@ -257,16 +259,19 @@ def convert(
     `static_shapes` ("1024x1024,768x1024", static_shapes.py) makes fixed-shape graphs for CoreML,
     per size bucket, each taking `refs` references of the output's size. `loras` (lora_merge.LoraSpec
     list) are merged into the transformer before export, and listed in the manifest's `model.loras`.
+    `transformer`: a single .safetensors file with the transformer's weights (single_file.py), used
+    instead of the checkpoint's, recorded as the manifest's `model.transformer_file`.
     """
     check_precision(precision)
     if quantization is not None and not isinstance(quantization, QuantizationConfig):
         raise TypeError("quantization must be a QuantizationConfig or None")
-    ckpt = Checkpoint(checkpoint)
+    ckpt = Checkpoint(checkpoint, transformer)
     check_variant(ckpt, variant)
     check_loras(ckpt.transformer_config, loras)
     ckpt.check_weights()
     out = Path(out)
     inputs = [(ckpt.root, "the checkpoint")] + [(lora.path, "the LoRA") for lora in loras]
+    inputs += [(ckpt.transformer_file, "the transformer file")] if transformer is not None else []
     check_output(out, force, inputs, error=BundleExistsError)
     buckets = None
     if static_shapes is not None:
@@ -292,7 +297,7 @@ def convert(
         for label in EXPORTS:
             start = time.perf_counter()
             fused = buckets is None
-            entries, child_peak_mb = _export_isolated(label, ckpt.root, tmp, precision, tuple(loras), fused)
+            entries, child_peak_mb = _export_isolated(label, ckpt.arguments, tmp, precision, tuple(loras), fused)
             graphs.update((entry.io.component, entry) for entry in entries)
             seconds = time.perf_counter() - start
             log(f"exported {label} ({precision}) in {seconds:.1f} s (peak RSS {child_peak_mb:.0f} MB)")
@@ -300,6 +305,8 @@ def convert(
         manifest["preview"] = fit_preview(ckpt.load_vae())
         if loras:
             manifest["model"]["loras"] = [lora.to_json() for lora in loras]
+        if transformer is not None:
+            manifest["model"]["transformer_file"] = single_file.source(ckpt.transformer_file)
         if buckets is not None:
             seq = facts["max_sequence_length"]
             manifest["static_shapes"] = make_static(

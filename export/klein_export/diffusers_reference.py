@@ -19,7 +19,7 @@ def load_pipeline(checkpoint, **components):
     the transformer out; the KV pipeline needs one, and its prompt encoding is the plain one's)."""
     from diffusers import Flux2KleinKVPipeline, Flux2KleinPipeline
 
-    kv = Checkpoint(checkpoint).is_kv and "transformer" not in components
+    kv = Checkpoint(checkpoint).is_kv and components.get("transformer", "") is not None
     cls = Flux2KleinKVPipeline if kv else Flux2KleinPipeline
     try:
         pipe = cls.from_pretrained(str(checkpoint), dtype=torch.float32, **components)
@@ -56,13 +56,15 @@ def diffusers_image(
     return out.images[0] * 255
 
 
-def reference_images(checkpoint, cases, steps, prepare=None) -> list:
+def reference_images(checkpoint, cases, steps, prepare=None, transformer=None) -> list:
     """diffusers' image (`diffusers_image`) of each case (`prompt`, `seed`, `width`, `height`), in two
     stages so that the text encoder and the transformer are never in memory together (at the 9B
     widths each is 5 GB in float32): every prompt's embeddings with a pipeline without transformer
     and VAE, then the images from those embeddings with a pipeline without text encoder. The
     pipeline takes given embeddings as they are: the images equal one pipeline's bit for bit.
-    `prepare(pipe)`, if given, is applied to each stage's pipeline before it runs."""
+    `prepare(pipe)`, if given, is applied to each stage's pipeline before it runs. `transformer`: a
+    single file with the transformer's weights (convert --transformer), used instead of the
+    checkpoint's."""
     layers = Checkpoint(checkpoint).text_encoder_out_layers
     pipe = load_pipeline(checkpoint, transformer=None, vae=None)
     if prepare is not None:
@@ -71,7 +73,9 @@ def reference_images(checkpoint, cases, steps, prepare=None) -> list:
         embeds = [pipe.encode_prompt(case["prompt"], text_encoder_out_layers=layers)[0] for case in cases]
     del pipe
     gc.collect()
-    pipe = load_pipeline(checkpoint, text_encoder=None, tokenizer=None)
+    given = {} if transformer is None else {"transformer": Checkpoint(checkpoint, transformer).load_transformer()}
+    pipe = load_pipeline(checkpoint, text_encoder=None, tokenizer=None, **given)
+    del given
     if prepare is not None:
         prepare(pipe)
     images = [

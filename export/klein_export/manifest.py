@@ -4,7 +4,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from . import FORMAT_VERSION, __version__
+from . import FORMAT_VERSION, __version__, single_file
 from .checkpoint import DEFAULT_OUT_LAYERS
 from .contract import COMPONENTS
 from .errors import BundleError
@@ -112,6 +112,16 @@ def check_bundle_of(manifest: dict, bundle, ckpt):
     differences = architecture_differences(manifest, architecture(ckpt))
     if bool(manifest["model"].get("kv_cache")) != ckpt.is_kv:
         differences.append(f"model.kv_cache {bool(manifest['model'].get('kv_cache'))} vs {ckpt.is_kv}")
+    recorded = manifest["model"].get("transformer_file")
+    given = None if ckpt.transformer_file is None else single_file.source(ckpt.transformer_file)
+    if (recorded or {}).get("sha256") != (given or {}).get("sha256"):
+        exported = f"{recorded['file']} (sha256 {recorded['sha256']})" if recorded else "the checkpoint's own"
+        raise BundleError(
+            f"{Path(bundle) / MANIFEST}: its transformer was exported from {exported}, "
+            + (f"not from {ckpt.transformer_file}" if given else "not the checkpoint's own")
+            + ": give verify the --transformer FILE the bundle was converted with"
+            + (" (or none)" if not recorded else "")
+        )
     if differences:
         raise BundleError(
             f"{Path(bundle) / MANIFEST} does not describe the checkpoint {ckpt.root} "

@@ -320,9 +320,10 @@ def check_verifiable(bundle):
     check_files(bundle, manifest)
 
 
-def verify(checkpoint, bundle, components=("text_encoder", "transformer", "vae")):
-    """Yields one CaseResult per component and shape."""
-    ckpt = Checkpoint(checkpoint)
+def verify(checkpoint, bundle, components=("text_encoder", "transformer", "vae"), transformer=None):
+    """Yields one CaseResult per component and shape; `transformer`: the single file the bundle's
+    transformer was exported from (convert --transformer)."""
+    ckpt = Checkpoint(checkpoint, transformer)
     check_bundle_of(read_manifest(bundle), bundle, ckpt)
     steps = {"text_encoder": verify_text_encoder, "transformer": verify_transformer, "vae": verify_vae}
     for component in components:
@@ -367,22 +368,24 @@ def image_cases(size=None):
     return ({**IMAGE_CASES[0], "width": size, "height": size},)
 
 
-def verify_images(checkpoint, bundle, cases=IMAGE_CASES):
+def verify_images(checkpoint, bundle, cases=IMAGE_CASES, transformer=None):
     """Yields one ImageResult per case: the bundle's image against diffusers fp32 (and, for a bundle
     with quantized float32 graphs, against diffusers with the same dequantized weights). The
     diffusers images are made first (`reference_images`: never the text encoder and the transformer
-    in memory at once) and their pipelines freed before the bundle runs."""
-    ckpt = Checkpoint(checkpoint)
+    in memory at once) and their pipelines freed before the bundle runs. `transformer`: as `verify`'s."""
+    ckpt = Checkpoint(checkpoint, transformer)
     manifest = read_manifest(bundle)
     check_bundle_of(manifest, bundle, ckpt)
     graphs, steps = manifest["graphs"], manifest["model"]["default_steps"]
     threshold, label = image_bar(graphs)
-    references = reference_images(checkpoint, cases, steps)
+    references = reference_images(checkpoint, cases, steps, transformer=transformer)
     emulated = [None] * len(cases)
     emulable = any(s.get("quantization") and s["precision"] == "fp32" for s in graphs.values())
     if emulable and not any(is_static(s.get("quantization")) for s in graphs.values()):
         layers = ckpt.text_encoder_out_layers
-        emulated = reference_images(checkpoint, cases, steps, lambda pipe: _dequantize_pipeline(pipe, graphs, layers))
+        emulated = reference_images(
+            checkpoint, cases, steps, lambda pipe: _dequantize_pipeline(pipe, graphs, layers), transformer
+        )
     dynamic = any(is_dynamic(s.get("quantization")) for s in graphs.values())
     for case, reference, dequantized in zip(cases, references, emulated, strict=True):
         name = f"{case['width']}x{case['height']} seed {case['seed']}, {steps} steps"

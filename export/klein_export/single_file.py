@@ -1,0 +1,98 @@
+"""`klein-export convert --transformer FILE`: a fine-tuned transformer shipped as one `.safetensors`
+file (as BFL, ComfyUI and most fine-tunes ship it), exported with the rest of a diffusers checkpoint.
+
+The file's keys may be BFL's (`double_blocks.0.img_attn.qkv.weight`), ComfyUI's (the same under
+`model.diffusion_model.`) or diffusers' own; diffusers' single-file converter
+(`convert_flux2_transformer_checkpoint_to_diffusers`, what `from_single_file` calls) maps them to
+diffusers' names. The model is then built on the meta device and takes the converted tensors, each
+cast to float32 while the file's others are freed: the full-size 4B peaks at its float32 size, not
+at that plus the file's.
+"""
+
+import hashlib
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .errors import CheckpointError, first_names
+
+# Prefixes of a transformer's keys inside a whole-model file (ComfyUI's, BFL's own); the other
+# keys of such a file (the VAE's, the text encoder's) are not the transformer's.
+PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+# safetensors' names of the types a transformer's weights may have here.
+FLOATS = ("F32", "F16", "BF16")
+
+
+def _open(path: Path):
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file (--transformer takes one .safetensors file)")
+    try:
+        return safe_open(str(path), "pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e}); --transformer takes one") from None
+
+
+def _keys(f) -> dict:
+    """The file's transformer keys -> their names without the whole-model prefix."""
+    keys = list(f.keys())
+    prefix = next((p for p in PREFIXES if any(k.startswith(p) for k in keys)), "")
+    return {k: k.removeprefix(prefix) for k in keys if k.startswith(prefix)}
+
+
+def _converted(path: Path, state_dict: dict) -> dict:
+    """`state_dict` under diffusers' names; CheckpointError when the converter cannot map it."""
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+
+    try:
+        return convert_flux2_transformer_checkpoint_to_diffusers(state_dict)
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise CheckpointError(
+            f"{path}: not a FLUX.2 transformer in BFL, ComfyUI or diffusers key names (diffusers' converter "
+            f"stopped at {e}): --transformer takes a FLUX.2-klein transformer"
+        ) from None
+
+
+def stored_shapes(path: Path) -> dict:
+    """diffusers name -> shape of every weight the file gives the transformer (from its header: no
+    data read), for Checkpoint.check_weights; its types checked."""
+    with _open(path) as f:
+        keys = _keys(f)
+        dtypes = {k: f.get_slice(k).get_dtype() for k in keys}
+        other = sorted(k for k, dtype in dtypes.items() if dtype not in FLOATS)
+        if other:
+            kinds = ", ".join(sorted({dtypes[k] for k in other}))
+            raise CheckpointError(
+                f"{path}: {first_names(other)} {'is' if len(other) == 1 else 'are'} {kinds}: --transformer takes "
+                "float32, float16 or bfloat16 weights (a float8 or quantized file: use its bf16 release)"
+            )
+        meta = {name: torch.empty(f.get_slice(k).get_shape(), device="meta") for k, name in keys.items()}
+    return {name: list(t.shape) for name, t in _converted(path, meta).items()}
+
+
+def load_transformer(path: Path, config: dict):
+    """The Flux2Transformer2DModel of `config` (the checkpoint's transformer config) with the file's
+    weights, in float32; CheckpointError naming the file when they are not that model's."""
+    from diffusers import Flux2Transformer2DModel
+
+    with _open(path) as f:
+        state_dict = {name: f.get_tensor(k) for k, name in _keys(f).items()}
+    state_dict = _converted(path, state_dict)
+    for name in list(state_dict):  # one tensor in two types at a time
+        state_dict[name] = state_dict.pop(name).to(torch.float32).contiguous()
+    with torch.device("meta"):
+        model = Flux2Transformer2DModel.from_config(config)
+    try:
+        model.load_state_dict(state_dict, strict=True, assign=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}: its weights are not this checkpoint's transformer's ({e})") from None
+    return model.eval()
+
+
+def source(path: Path) -> dict:
+    """What the manifest records of the file: its name and sha256."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return {"file": path.name, "sha256": digest.hexdigest()}
