@@ -99,6 +99,28 @@ pub struct ModelInfo {
     /// attention K/V on the first step and takes them on the later ones ([`super::kv`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub kv_cache: bool,
+    /// LoRAs merged into the transformer's weights at export (`klein-export convert --lora`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub loras: Vec<ExportedLora>,
+    /// The single file the transformer's weights were exported from (`klein-export convert
+    /// --transformer`): a fine-tune on the base checkpoint's architecture.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transformer_file: Option<SourceFile>,
+}
+
+/// A file a bundle was exported from: its name and sha256.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SourceFile {
+    pub file: String,
+    pub sha256: String,
+}
+
+/// `model.loras[]`: a LoRA merged at export, and its scale.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExportedLora {
+    #[serde(flatten)]
+    pub source: SourceFile,
+    pub scale: f64,
 }
 
 /// `model.variant`.

@@ -590,6 +590,30 @@ fn a_reference_from_a_pipe_is_read_once() {
     assert_eq!(pixels(&from_pipe), pixels(&from_file));
 }
 
+/// What a bundle was exported from beyond its checkpoint: a single-file transformer and LoRAs
+/// merged at export (manifest `model.transformer_file`, `model.loras`), shown by `klein info`.
+#[test]
+fn info_names_the_files_merged_at_export() {
+    let bundle = BundleCopy::new("cli-info-sources");
+    let path = bundle.file("manifest.json");
+    let mut manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    manifest["model"]["transformer_file"] =
+        serde_json::json!({"file": "finetune.safetensors", "sha256": "ab12"});
+    manifest["model"]["loras"] =
+        serde_json::json!([{"file": "style.safetensors", "sha256": "cd34", "scale": 0.8}]);
+    std::fs::write(&path, serde_json::to_vec(&manifest).unwrap()).unwrap();
+    let run = klein(["info", bundle.arg()]);
+    assert_eq!(run.code, Some(0), "{}", run.describe());
+    assert_mentions(
+        &run.stdout,
+        &[
+            "weights:      transformer from finetune.safetensors (sha256 ab12)",
+            "merged LoRA:  style.safetensors at 0.8 (sha256 cd34)",
+        ],
+    );
+}
+
 /// `klein info | head -1`: the reader closes the pipe after one line; the CLI ends as other Unix
 /// tools do (SIGPIPE), not with a panic and its backtrace.
 #[cfg(unix)]

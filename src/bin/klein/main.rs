@@ -397,6 +397,18 @@ fn info(args: InfoArgs) -> anyhow::Result<()> {
         "defaults:     {} steps, guidance {}, {}x{}",
         m.default_steps, m.default_guidance, m.default_width, m.default_height
     );
+    if let Some(source) = &m.transformer_file {
+        println!(
+            "weights:      transformer from {} (sha256 {})",
+            source.file, source.sha256
+        );
+    }
+    for lora in &m.loras {
+        println!(
+            "merged LoRA:  {} at {} (sha256 {})",
+            lora.source.file, lora.scale, lora.source.sha256
+        );
+    }
     let te = &manifest.text_encoder;
     println!(
         "text encoder: hidden {}, layers {:?} of {} ({} in the graph), embeddings {}",
