@@ -147,15 +147,30 @@ class Checkpoint:
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
         layers = max(self.text_encoder_out_layers)
-        te = dict(self.text_encoder_config, num_hidden_layers=layers)
-        if te.get("layer_types"):
-            te["layer_types"] = te["layer_types"][:layers]
-        with torch.device("meta"):
-            models = {
-                "text_encoder": Qwen3ForCausalLM(Qwen3Config.from_dict(te)),
-                "transformer": Flux2Transformer2DModel.from_config(self.transformer_config),
-                "vae": AutoencoderKLFlux2.from_config(self.vae_config),
-            }
+
+        def text_encoder():
+            te = dict(self.text_encoder_config, num_hidden_layers=layers)
+            if te.get("layer_types"):
+                te["layer_types"] = te["layer_types"][:layers]
+            return Qwen3ForCausalLM(Qwen3Config.from_dict(te))
+
+        builders = {
+            "text_encoder": text_encoder,
+            "transformer": lambda: Flux2Transformer2DModel.from_config(self.transformer_config),
+            "vae": lambda: AutoencoderKLFlux2.from_config(self.vae_config),
+        }
+        models = {}
+        for component, build in builders.items():
+            # A config value no check above covers (a block type, an activation) that the library
+            # cannot build a model from: named, not a traceback.
+            try:
+                with torch.device("meta"):
+                    models[component] = build()
+            except Exception as e:
+                raise CheckpointError(
+                    f"{self.root / component / 'config.json'}: the library cannot build the {component} from it "
+                    f"({type(e).__name__}: {e}); is a value of another type or model?"
+                ) from None
         for component, model in models.items():
             where, stored = self.root / component, None
             if component == "transformer" and self.transformer_file is not None:

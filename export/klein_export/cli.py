@@ -106,14 +106,16 @@ def _tiny(args):
 def _verify(args):
     if not (args.checkpoint or args.against):
         raise CheckpointError("verify needs --checkpoint (or --against REFERENCE_BUNDLE)")
+    if args.against and args.transformer:
+        raise CheckpointError("--transformer goes with --checkpoint, not --against (which compares two bundles)")
+    from .manifest import check_transformer_source, read_manifest
     from .verify import check_verifiable, image_cases, verify, verify_images
 
     for bundle in filter(None, (args.bundle, args.against)):
         check_verifiable(bundle)
     if args.against:
-        if args.transformer:
-            raise CheckpointError("--transformer goes with --checkpoint, not --against (which compares two bundles)")
         return _verify_against(args)
+    check_transformer_source(read_manifest(args.bundle), args.bundle, args.transformer)
 
     failed = 0
     if not args.images_only:

@@ -181,7 +181,13 @@ def _check_kohya_keys(path, keys):
     from safetensors.torch import load_file
 
     left = load_file(str(path))
-    _convert_kohya_flux2_lora_to_diffusers(left)
+    try:
+        _convert_kohya_flux2_lora_to_diffusers(left)
+    except (KeyError, ValueError, IndexError, AssertionError, RuntimeError) as e:
+        raise LoraError(
+            f"{path}: diffusers cannot read it as a kohya FLUX.2 LoRA ({type(e).__name__}: {e}): a key of no layer, "
+            "or half of a lora_down/lora_up pair"
+        ) from None
     if left:
         raise LoraError(
             f"{path}: {len(left)} kohya keys name no layer of a FLUX.2 transformer ({first_names(sorted(left))}), "

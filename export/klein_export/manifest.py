@@ -112,20 +112,25 @@ def check_bundle_of(manifest: dict, bundle, ckpt):
     differences = architecture_differences(manifest, architecture(ckpt))
     if bool(manifest["model"].get("kv_cache")) != ckpt.is_kv:
         differences.append(f"model.kv_cache {bool(manifest['model'].get('kv_cache'))} vs {ckpt.is_kv}")
-    recorded = manifest["model"].get("transformer_file")
-    given = None if ckpt.transformer_file is None else single_file.source(ckpt.transformer_file)
-    if (recorded or {}).get("sha256") != (given or {}).get("sha256"):
-        exported = f"{recorded['file']} (sha256 {recorded['sha256']})" if recorded else "the checkpoint's own"
-        raise BundleError(
-            f"{Path(bundle) / MANIFEST}: its transformer was exported from {exported}, "
-            + (f"not from {ckpt.transformer_file}" if given else "not the checkpoint's own")
-            + ": give verify the --transformer FILE the bundle was converted with"
-            + (" (or none)" if not recorded else "")
-        )
     if differences:
         raise BundleError(
             f"{Path(bundle) / MANIFEST} does not describe the checkpoint {ckpt.root} "
             f"(manifest vs checkpoint: {'; '.join(differences)}): a bundle of another model or size"
+        )
+
+
+def check_transformer_source(manifest: dict, bundle, transformer_file) -> None:
+    """BundleError unless the bundle's transformer was exported from `transformer_file` (the single
+    file of `convert --transformer`; None: the checkpoint's own transformer), by sha256."""
+    recorded = manifest["model"].get("transformer_file")
+    given = None if transformer_file is None else single_file.source(Path(transformer_file))
+    if (recorded or {}).get("sha256") != (given or {}).get("sha256"):
+        exported = f"{recorded['file']} (sha256 {recorded['sha256']})" if recorded else "the checkpoint's own"
+        raise BundleError(
+            f"{Path(bundle) / MANIFEST}: its transformer was exported from {exported}, "
+            + (f"not from {transformer_file}" if given else "not the checkpoint's own")
+            + ": give verify the --transformer FILE the bundle was converted with"
+            + (" (or none)" if not recorded else "")
         )
 
 
@@ -201,7 +206,9 @@ def check_files(bundle_dir, manifest: dict):
         file = bundle_dir / name
         if not file.is_file():
             raise BundleError(f"{file}: missing (listed in {MANIFEST}); {again}")
-        found = file_entry(file)
+        # The size first: a truncated file is named without hashing the files before it.
+        size = file.stat().st_size
+        found = file_entry(file) if size == entry.get("bytes") else {"bytes": size, "sha256": "(not hashed)"}
         if found != {"bytes": entry.get("bytes"), "sha256": str(entry.get("sha256")).lower()}:
             raise BundleError(
                 f"{file}: {found['bytes']} bytes, sha256 {found['sha256'][:12]}..., not the {entry.get('bytes')} "

@@ -40,10 +40,17 @@ def _keys(f) -> dict:
     return {k: k.removeprefix(prefix) for k in keys if k.startswith(prefix)}
 
 
+# Keys only diffusers' layout has: such a file is taken as it is (diffusers' converter renames by
+# substring, and would turn `double_stream_modulation_img.linear` into `...linearear`).
+DIFFUSERS_KEYS = ("x_embedder.", "transformer_blocks.", "single_transformer_blocks.")
+
+
 def _converted(path: Path, state_dict: dict) -> dict:
     """`state_dict` under diffusers' names; CheckpointError when the converter cannot map it."""
     from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
 
+    if any(k.startswith(DIFFUSERS_KEYS) for k in state_dict):
+        return state_dict
     try:
         return convert_flux2_transformer_checkpoint_to_diffusers(state_dict)
     except (KeyError, ValueError, RuntimeError) as e:

@@ -326,6 +326,9 @@ def test_lora_factors_the_runtime_cannot_read_are_refused_before_any_export(tiny
         ("text_encoder", "rms_norm_eps", "x", 'rms_norm_eps is "x"; it must be a finite positive number'),
         ("vae", "batch_norm_eps", "x", 'batch_norm_eps is "x"; it must be a finite positive number'),
         ("vae", "sample_size", "x", 'sample_size is "x"; it must be a positive whole number or a list of them'),
+        # Values no check names, that the library cannot build a model from.
+        ("vae", "act_fn", "nope", "the library cannot build the vae from it (ValueError: activation function nope"),
+        ("text_encoder", "layer_types", 5, "the library cannot build the text_encoder from it (TypeError"),
         # Another model's class with this model's sizes (its weights would load): still refused.
         (
             "transformer",

@@ -156,6 +156,13 @@ def test_kohya_keys_diffusers_would_drop_are_refused(loras, tiny_checkpoint, tin
     args = ["generate", "x", "-m", tiny_bundle, "--width", "64", "--height", "64", "--steps", "1"]
     run = subprocess.run([KLEIN, *args, "--lora", lora, "-o", tmp_path / "x.png"], capture_output=True, text=True)
     assert run.returncode == 2 and "guidance_in" in run.stderr, run.stderr
+    # Half of a pair, which diffusers' converter fails on with a KeyError: named, no traceback.
+    tensors = load_file(str(loras["kohya"]))
+    del tensors["lora_unet_double_blocks_0_img_attn_proj.lora_up.weight"]
+    save_file(tensors, str(lora))
+    assert main(["convert", "--checkpoint", str(tiny_checkpoint), "--out", str(out), "--lora", str(lora)]) == 2
+    err = capsys.readouterr().err
+    assert f"{lora}: diffusers cannot read it as a kohya FLUX.2 LoRA (KeyError" in err and "Traceback" not in err, err
 
 
 def test_lora_map_covers_every_linear_layer(tiny_checkpoint, tiny_bundle):

@@ -138,6 +138,18 @@ def test_comfyui_names_and_bf16_weights_load(finetune, tiny_checkpoint, tmp_path
         assert torch.equal(loaded[key], weight.to(torch.bfloat16).float()), key
 
 
+def test_diffusers_names_are_taken_as_they_are(finetune, tiny_checkpoint, tmp_path):
+    """A transformer saved by diffusers (`save_pretrained`'s names) as one file: no renaming (the
+    converter's substring renames would break `...modulation_img.linear`)."""
+    weights, _ = finetune
+    path = tmp_path / "diffusers.safetensors"
+    save_file({k: v.half() for k, v in weights.items()}, str(path))
+    checkpoint = Checkpoint(tiny_checkpoint, path)
+    checkpoint.check_weights()
+    loaded = checkpoint.load_transformer().state_dict()
+    assert all(torch.equal(loaded[k], v.half().float()) for k, v in weights.items())
+
+
 def test_files_that_are_no_flux2_transformer_are_refused(finetune, tiny_checkpoint, tmp_path, capsys):
     _, bfl = finetune
     bfl_weights = load_file(str(bfl))

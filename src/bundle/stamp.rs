@@ -166,9 +166,9 @@ struct StampedFile {
     bytes: u64,
     /// Modification time, nanoseconds since the Unix epoch.
     modified_ns: u64,
-    /// The file's identity on its file system ([`crate::fsutil::file_id`]): a copy put in its
+    /// The file's identity ([`crate::fsutil::file_id`], its inode on Unix): a copy put in its
     /// place with the old time (`rsync -a`, `tar x`, `cp -p` to a new name then moved) is another
-    /// file. Absent from older stamps (0: such a stamp no longer matches).
+    /// file. Absent from older stamps (0: on Unix, such a stamp no longer matches).
     #[serde(default)]
     file_id: u64,
     /// The sha256 manifest.json gives (lower case), which the file matched.

@@ -26,14 +26,14 @@ pub fn remove_pending_temp_files() {
 /// Read buffer for hashing: large enough that hashing, not system calls, sets the pace.
 const HASH_BUFFER_BYTES: usize = 1 << 20;
 
-/// A file's identity on its file system, for stamps that trust size and modification time: its
-/// device and inode number on Unix (a file replaced by another, even with the same time, has
-/// another), else 0.
+/// A file's identity, for stamps that trust size and modification time: its inode number on Unix
+/// (a file replaced by another, even with the same time, has another; the device number is left
+/// out, as some setups change it at every mount), else 0 (no identity: size and time alone).
 pub fn file_id(metadata: &std::fs::Metadata) -> u64 {
     #[cfg(unix)]
     {
         use std::os::unix::fs::MetadataExt;
-        metadata.ino() ^ metadata.dev().rotate_left(32)
+        metadata.ino()
     }
     #[cfg(not(unix))]
     {

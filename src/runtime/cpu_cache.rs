@@ -15,6 +15,7 @@
 //! something else, which ONNX Runtime would load without a word and run with the wrong weights)
 //! is not used but saved again, as the bundle's stamps do for its hashes.
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::UNIX_EPOCH;
 
 use sha2::{Digest, Sha256};
@@ -27,7 +28,7 @@ use crate::fsutil::{file_id, hex, remove_stale, WorkDir};
 const CACHE_FORMAT: &str = "klein-cpu-cache-1";
 /// The file of an entry that lists its other files' sizes and modification times.
 const STAMP_FILE: &str = "files";
-/// An entry being saved is `<key>.partial-<pid>`.
+/// An entry being saved is `<key>.partial-<pid>-<n>` (`n` counts this process's saves).
 const PARTIAL: &str = "partial-";
 
 /// What the cache holds for one graph.
@@ -104,13 +105,15 @@ impl CacheEntry {
     /// the graph file to save there. Folders that processes killed while saving left in the cache
     /// are removed once a day old.
     pub(super) fn start(&self) -> std::io::Result<(WorkDir, PathBuf)> {
+        static SAVES: AtomicUsize = AtomicUsize::new(0);
         if let Some(root) = self.dir.parent() {
-            remove_stale(root, |name| name.contains(PARTIAL));
+            remove_stale(root, is_partial);
         }
-        let partial = WorkDir::create(
-            self.dir
-                .with_extension(format!("{PARTIAL}{}", std::process::id())),
-        )?;
+        let partial = WorkDir::create(self.dir.with_extension(format!(
+            "{PARTIAL}{}-{}",
+            std::process::id(),
+            SAVES.fetch_add(1, Ordering::Relaxed)
+        )))?;
         let file = partial.path().join(&self.file);
         Ok((partial, file))
     }
@@ -143,6 +146,25 @@ impl CacheEntry {
             _ => Ok(()),
         }
     }
+}
+
+/// Whether `name` is that of an entry being saved (`<32 hex digits>.partial-<pid>-<n>`): nothing
+/// else in the cache directory (which may be any directory the user named) is ever swept.
+fn is_partial(name: &str) -> bool {
+    let Some((key, suffix)) = name.split_once('.') else {
+        return false;
+    };
+    let numbers: Vec<&str> = suffix
+        .strip_prefix(PARTIAL)
+        .unwrap_or("")
+        .split('-')
+        .collect();
+    key.len() == 32
+        && key.bytes().all(|b| b.is_ascii_hexdigit())
+        && numbers.len() == 2
+        && numbers
+            .iter()
+            .all(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// Each file of the folder `dir` but the stamp, one line each: name, size, modification time (ns)
@@ -267,6 +289,22 @@ mod tests {
             assert_ne!(dir(base), dir(other), "{other:?}");
         }
         assert!(!cpu_identity().is_empty());
+    }
+
+    #[test]
+    fn only_entries_being_saved_are_partial() {
+        let key = "0123456789abcdef0123456789abcdef";
+        assert!(is_partial(&format!("{key}.partial-12-0")));
+        for other in [
+            format!("{key}.partial-12"),
+            format!("{key}.partial-12-x"),
+            key.to_string(),
+            "foo.partial-backup".to_string(),
+            "0123.partial-1-2".to_string(),
+            format!("{key}.partial-1-2-3"),
+        ] {
+            assert!(!is_partial(&other), "{other}");
+        }
     }
 
     #[test]

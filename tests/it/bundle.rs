@@ -3,7 +3,7 @@
 //! with the shapes of the contract (values are compared by the pipeline's tests, not here).
 
 use std::fs::File;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use klein::bundle::contract::check_graph;
@@ -165,22 +165,9 @@ fn pipeline_load_verifies_hashes_with_a_stamp() {
     );
 
     // Another file of the same size and time put in a file's place (as `rsync -a` or `tar x`
-    // restore times): not the stamped file, so the bundle is hashed and refused.
-    let decoder = dir.join("vae_decoder.onnx");
-    let stamped = std::fs::metadata(&decoder).unwrap();
-    let replacement = dir.join("replacement");
-    std::fs::write(&replacement, vec![0x5a; stamped.len() as usize]).unwrap();
-    let file = File::options().write(true).open(&replacement).unwrap();
-    file.set_modified(stamped.modified().unwrap()).unwrap();
-    std::fs::rename(&replacement, &decoder).unwrap();
-    match Pipeline::load(&dir, options()) {
-        Err(KleinError::Bundle { reason, .. }) => {
-            assert_mentions(&reason, &["vae_decoder.onnx: sha256 is"])
-        }
-        Err(other) => panic!("expected a sha256 mismatch, got {other:?}"),
-        Ok(_) => panic!("a replaced file passed for the stamped one"),
-    }
-    std::fs::copy(bundle_dir().join("vae_decoder.onnx"), &decoder).unwrap();
+    // restore times): not the stamped file (another inode), so the bundle is hashed and refused.
+    #[cfg(unix)]
+    assert_a_replaced_file_is_hashed(&dir, options);
 
     // Garbage of the same size, written now.
     let graph = dir.join("transformer.onnx");
@@ -200,4 +187,24 @@ fn pipeline_load_verifies_hashes_with_a_stamp() {
         Err(KleinError::Bundle { path, .. }) => assert_eq!(path, graph),
         other => panic!("expected the loader to refuse transformer.onnx, got {other:?}"),
     }
+}
+
+/// After a stamp: a file of the stamped size and time put in a graph's place is refused.
+#[cfg(unix)]
+fn assert_a_replaced_file_is_hashed(dir: &Path, options: impl Fn() -> PipelineOptions) {
+    let decoder = dir.join("vae_decoder.onnx");
+    let stamped = std::fs::metadata(&decoder).unwrap();
+    let replacement = dir.join("replacement");
+    std::fs::write(&replacement, vec![0x5a; stamped.len() as usize]).unwrap();
+    let file = File::options().write(true).open(&replacement).unwrap();
+    file.set_modified(stamped.modified().unwrap()).unwrap();
+    std::fs::rename(&replacement, &decoder).unwrap();
+    match Pipeline::load(dir, options()) {
+        Err(KleinError::Bundle { reason, .. }) => {
+            assert_mentions(&reason, &["vae_decoder.onnx: sha256 is"])
+        }
+        Err(other) => panic!("expected a sha256 mismatch, got {other:?}"),
+        Ok(_) => panic!("a replaced file passed for the stamped one"),
+    }
+    std::fs::copy(bundle_dir().join("vae_decoder.onnx"), &decoder).unwrap();
 }

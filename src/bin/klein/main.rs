@@ -84,12 +84,9 @@ fn install_interrupt_handler() {
 /// load then ended in SIGSEGV instead of 130 (1 of 18 runs interrupted 0.2-0.8 s in).
 pub(crate) fn exit_at_once(code: i32) -> ! {
     #[cfg(unix)]
-    {
-        extern "C" {
-            fn _exit(status: std::ffi::c_int) -> !;
-        }
-        // SAFETY: POSIX `_exit` takes any status and does not return.
-        unsafe { _exit(code) }
+    // SAFETY: POSIX `_exit` takes any status and does not return.
+    unsafe {
+        libc::_exit(code)
     }
     #[cfg(not(unix))]
     std::process::exit(code)
