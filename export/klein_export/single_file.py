@@ -2,9 +2,9 @@
 file (as BFL, ComfyUI and most fine-tunes ship it), exported with the rest of a diffusers checkpoint.
 
 The file's keys may be BFL's (`double_blocks.0.img_attn.qkv.weight`), ComfyUI's (the same under
-`model.diffusion_model.`) or diffusers' own; diffusers' single-file converter
-(`convert_flux2_transformer_checkpoint_to_diffusers`, what `from_single_file` calls) maps them to
-diffusers' names. The model is then built on the meta device and takes the converted tensors, each
+`model.diffusion_model.`) or diffusers' own (taken as they are); diffusers' single-file converter
+(`convert_flux2_transformer_checkpoint_to_diffusers`, what `from_single_file` calls) maps the others
+to diffusers' names. The model is then built on the meta device and takes the converted tensors, each
 cast to float32 while the file's others are freed: loading the full-size 4B from a bfloat16 file
 peaked at 16.0 GB (its float32 weights are 15.5 GB).
 """
