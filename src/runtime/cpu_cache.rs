@@ -9,7 +9,7 @@
 //! optimisation level, whether weights are prepacked, and whether the session converted the int8
 //! weights to uint8 ([`super::cpu_features::converts_int8_weights`]). Anything else changed means another key;
 //! nothing is ever overwritten in place.
-//! An entry is written into `<key>.partial-<pid>` and renamed when complete, so a process stopped
+//! An entry is written into `<key>.partial-<pid>-<n>` and renamed when complete, so a process stopped
 //! midway leaves no entry that looks whole. Its last file, `files`, records the size,
 //! modification time and file identity (inode) of the others: an entry whose files changed since (zeroed or rewritten by
 //! something else, which ONNX Runtime would load without a word and run with the wrong weights)
