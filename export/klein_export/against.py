@@ -53,6 +53,10 @@ def check_same_model(bundle, reference):
     kv = [bool(m["model"].get("kv_cache")) for m in (ours, theirs)]
     if kv[0] != kv[1]:
         differences.append(f"model.kv_cache {kv[0]} vs {kv[1]}")
+    # The weights, beyond the architecture: a fine-tune's transformer, LoRAs merged at export.
+    for key in ("transformer_file", "loras"):
+        if ours["model"].get(key) != theirs["model"].get(key):
+            differences.append(f"model.{key} {ours['model'].get(key)} vs {theirs['model'].get(key)}")
     lower = [
         f"{name} {graph.get('precision')}" + (" quantized" if graph.get("quantization") else "")
         for name, graph in theirs["graphs"].items()

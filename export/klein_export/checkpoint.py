@@ -122,7 +122,9 @@ class Checkpoint:
                 "fails otherwise)"
             )
         self.scheduler_config = _read_json(self.root / "scheduler" / "scheduler_config.json")
-        for component in ("text_encoder", "transformer", "vae"):
+        # With a single-file transformer, the checkpoint's own transformer weights are never read.
+        components = ("text_encoder", "vae") if self.transformer_file else ("text_encoder", "transformer", "vae")
+        for component in components:
             weights = weight_files(self.root / component)
             if not weights:
                 variants = ", ".join(sorted(p.name for p in (self.root / component).glob("*.safetensors")))

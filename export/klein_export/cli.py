@@ -111,11 +111,12 @@ def _verify(args):
     from .manifest import check_transformer_source, read_manifest
     from .verify import check_verifiable, image_cases, verify, verify_images
 
+    if not args.against:  # before the bundles are hashed
+        check_transformer_source(read_manifest(args.bundle), args.bundle, args.transformer)
     for bundle in filter(None, (args.bundle, args.against)):
         check_verifiable(bundle)
     if args.against:
         return _verify_against(args)
-    check_transformer_source(read_manifest(args.bundle), args.bundle, args.transformer)
 
     failed = 0
     if not args.images_only:

@@ -301,6 +301,8 @@ def convert(
             graphs.update((entry.io.component, entry) for entry in entries)
             seconds = time.perf_counter() - start
             log(f"exported {label} ({precision}) in {seconds:.1f} s (peak RSS {child_peak_mb:.0f} MB)")
+        kind = "KV" if ckpt.is_kv else "distilled" if ckpt.is_distilled else "base"
+        log(f"a {kind} model (model_index.json of {ckpt.root}): {4 if ckpt.is_distilled else 50} steps by default")
         manifest = build_manifest(ckpt, facts, graphs, name or out.name, variant)
         manifest["preview"] = fit_preview(ckpt.load_vae())
         if loras:

@@ -125,7 +125,7 @@ def check_transformer_source(manifest: dict, bundle, transformer_file) -> None:
     recorded = manifest["model"].get("transformer_file")
     given = None if transformer_file is None else single_file.source(Path(transformer_file))
     if (recorded or {}).get("sha256") != (given or {}).get("sha256"):
-        exported = f"{recorded['file']} (sha256 {recorded['sha256']})" if recorded else "the checkpoint's own"
+        exported = f"{recorded.get('file')} (sha256 {recorded.get('sha256')})" if recorded else "the checkpoint's own"
         raise BundleError(
             f"{Path(bundle) / MANIFEST}: its transformer was exported from {exported}, "
             + (f"not from {transformer_file}" if given else "not the checkpoint's own")

@@ -26,6 +26,11 @@ FLOATS = ("F32", "F16", "BF16")
 
 
 def _open(path: Path):
+    if path.is_dir():
+        raise CheckpointError(
+            f"{path}: a directory; --transformer takes one .safetensors file (a diffusers transformer folder "
+            "belongs in a checkpoint given with --checkpoint)"
+        )
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file (--transformer takes one .safetensors file)")
     try:
@@ -54,11 +59,15 @@ def _converted(path: Path, state_dict: dict) -> dict:
         return state_dict
     try:
         return convert_flux2_transformer_checkpoint_to_diffusers(state_dict)
-    except (KeyError, ValueError, RuntimeError) as e:
+    except Exception as e:  # KeyError, IndexError, ValueError...: a key the converter cannot place
         raise CheckpointError(
             f"{path}: not a FLUX.2 transformer in BFL, ComfyUI or diffusers key names (diffusers' converter "
             f"stopped at {e}): --transformer takes a FLUX.2-klein transformer"
         ) from None
+
+
+# Key parts of LoRA files (PEFT, kohya, LoKr), which --lora takes.
+LORA_KEYS = (".lora_A.", ".lora_B.", ".lora_down.", ".lora_up.", ".lokr_", "lora_unet_")
 
 
 def stored_shapes(path: Path) -> dict:
@@ -66,6 +75,10 @@ def stored_shapes(path: Path) -> dict:
     data read), for Checkpoint.check_weights; its types checked."""
     with _open(path) as f:
         keys = _keys(f)
+        if any(part in k for k in keys for part in LORA_KEYS):
+            raise CheckpointError(
+                f"{path}: a LoRA (its keys are LoRA factors), not a transformer's weights: give it with --lora"
+            )
         dtypes = {k: f.get_slice(k).get_dtype() for k in keys}
         other = sorted(k for k, dtype in dtypes.items() if dtype not in FLOATS)
         if other:
@@ -85,7 +98,7 @@ TORCH_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat1
 def _read(path: Path) -> dict:
     """The file's transformer tensors (their names without the whole-model prefix), each read into
     memory of its own with plain file reads: a memory-mapped file's pages, once touched, would stay
-    in the process's memory beside the float32 copies (4B: 22.4 GB peak instead of 15.5)."""
+    in the process's memory beside the float32 copies (4B: 23.5 GB peak instead of 16.0)."""
     with _open(path) as f:
         names = _keys(f)
     with open(path, "rb") as file:

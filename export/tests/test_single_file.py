@@ -7,14 +7,17 @@ which records where each linear layer's weight is), its other graphs the base ch
 
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from klein_export.against import check_same_model
 from klein_export.checkpoint import Checkpoint
 from klein_export.cli import main
+from klein_export.errors import BundleError
 from klein_export.tiny import build_tiny
 
 # diffusers -> BFL: the inverse of diffusers' FLUX2_TRANSFORMER_KEYS_RENAME_DICT and block maps
@@ -169,6 +172,12 @@ def test_files_that_are_no_flux2_transformer_are_refused(finetune, tiny_checkpoi
     (tmp_path / "text.safetensors").write_text("not safetensors")
     cases["text.safetensors"] = (None, "not a readable safetensors file")
     cases["missing.safetensors"] = (None, "no such file")
+    (tmp_path / "folder").mkdir()
+    cases["folder"] = (None, "a directory; --transformer takes one .safetensors file")
+    pair = {"transformer.x_embedder.lora_A.weight": torch.zeros(2, 128)}
+    pair["transformer.x_embedder.lora_B.weight"] = torch.zeros(64, 2)
+    save_file(pair, str(tmp_path / "lora.safetensors"))
+    cases["lora.safetensors"] = (None, "a LoRA (its keys are LoRA factors), not a transformer's weights: give it")
     for name, (_, needle) in cases.items():
         path, out = tmp_path / name, tmp_path / "out"
         code = main(["convert", "--checkpoint", str(tiny_checkpoint), "--transformer", str(path), "--out", str(out)])
@@ -186,3 +195,20 @@ def test_verify_takes_the_same_file(finetune, exported, tiny_checkpoint, capsys)
     assert "its transformer was exported from finetune.safetensors" in err and "--transformer FILE" in err, err
     assert main([*verify, "--transformer", str(finetune[1])]) == 0
     assert "passed: 0 case(s) past tolerance" in capsys.readouterr().out
+
+
+def test_the_checkpoint_needs_only_its_transformer_config(finetune, tiny_checkpoint, tmp_path):
+    """With a single-file transformer, the checkpoint's own transformer weights are never read: a
+    checkpoint without them (the 4B's are 8 GB) is enough."""
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(tiny_checkpoint, checkpoint)
+    for weights in (checkpoint / "transformer").glob("*.safetensors"):
+        weights.unlink()
+    Checkpoint(checkpoint, finetune[1]).check_weights()
+
+
+def test_bundles_of_other_weights_are_not_compared(exported, tiny_bundle):
+    """`verify --against` compares a bundle with its own fp32 export: the base's is refused, naming
+    the transformer file that sets them apart."""
+    with pytest.raises(BundleError, match="model.transformer_file"):
+        check_same_model(exported, tiny_bundle)
