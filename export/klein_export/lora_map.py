@@ -173,6 +173,12 @@ def add_lora_map(checkpoint, bundle) -> dict:
         raise BundleError(
             f"{bundle}: quantized and static-shape bundles take LoRAs at export only (klein-export convert --lora)"
         )
+    source = manifest["model"].get("transformer_file")
+    if source:
+        raise BundleError(
+            f"{bundle}: its transformer was exported from {source.get('file')} (convert --transformer), which "
+            "wrote its LoRA map; lora-map maps a checkpoint's own transformer"
+        )
     ckpt = Checkpoint(checkpoint)
     check_bundle_of(manifest, bundle, ckpt)  # before loading the transformer: another model's never maps
     model = ckpt.load_transformer()

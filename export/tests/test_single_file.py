@@ -207,6 +207,11 @@ def test_the_checkpoint_needs_only_its_transformer_config(finetune, tiny_checkpo
     Checkpoint(checkpoint, finetune[1]).check_weights()
 
 
+def test_lora_map_leaves_the_map_convert_wrote(exported, tiny_checkpoint, capsys):
+    assert main(["lora-map", "--checkpoint", str(tiny_checkpoint), "--bundle", str(exported)]) == 2
+    assert "exported from finetune.safetensors (convert --transformer)" in capsys.readouterr().err
+
+
 def test_bundles_of_other_weights_are_not_compared(exported, tiny_bundle):
     """`verify --against` compares a bundle with its own fp32 export: the base's is refused, naming
     the transformer file that sets them apart."""
