@@ -174,11 +174,10 @@ class Checkpoint:
                     f"({type(e).__name__}: {e}); is a value of another type or model?"
                 ) from None
         for component, model in models.items():
-            where, stored = self.root / component, None
-            if component == "transformer" and self.transformer_file is not None:
-                where, stored = self.transformer_file, single_file.stored_shapes(self.transformer_file)
-            config = "the checkpoint's transformer config.json" if stored is not None else "its config.json"
-            stored = _stored_shapes(where) if stored is None else stored
+            single = component == "transformer" and self.transformer_file is not None
+            where = self.transformer_file if single else self.root / component
+            stored = single_file.stored_shapes(where) if single else _stored_shapes(where)
+            config = "the checkpoint's transformer config.json" if single else "its config.json"
             wanted = {k: list(t.shape) for k, t in model.state_dict().items() if k not in TEXT_ENCODER_UNUSED}
             missing = [k for k in wanted if k not in stored]
             check_complete(where, None, missing)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.export import Dim
 
-from . import contract, single_file
+from . import contract
 from .atomic import atomic_directory, check_output
 from .cache_key import stamp_bundle
 from .checkpoint import Checkpoint
@@ -29,7 +29,7 @@ from .fused_rotary import fused_rotary
 from .kv_cache import KvTransformer, kv_layers
 from .lora_map import lora_targets
 from .lora_merge import check_loras, merge_loras
-from .manifest import build_manifest, bundle_files, write_manifest
+from .manifest import build_manifest, bundle_files, source_file, write_manifest
 from .onnx_export import export_graph
 from .ort_fusions import fuse_for_ort, fuse_transformer, fuse_vae
 from .precision import check_precision, to_float16
@@ -308,7 +308,7 @@ def convert(
         if loras:
             manifest["model"]["loras"] = [lora.to_json() for lora in loras]
         if transformer is not None:
-            manifest["model"]["transformer_file"] = single_file.source(ckpt.transformer_file)
+            manifest["model"]["transformer_file"] = source_file(ckpt.transformer_file)
         if buckets is not None:
             seq = facts["max_sequence_length"]
             manifest["static_shapes"] = make_static(

@@ -4,7 +4,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from . import FORMAT_VERSION, __version__, single_file
+from . import FORMAT_VERSION, __version__
 from .checkpoint import DEFAULT_OUT_LAYERS
 from .contract import COMPONENTS
 from .errors import BundleError
@@ -29,6 +29,11 @@ def file_entry(path: Path) -> dict:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def source_file(path: Path) -> dict:
+    """What a manifest records of a file the bundle was exported from: its name and sha256."""
+    return {"file": path.name, "sha256": file_entry(path)["sha256"]}
 
 
 def _versions() -> dict:
@@ -123,7 +128,7 @@ def check_transformer_source(manifest: dict, bundle, transformer_file) -> None:
     """BundleError unless the bundle's transformer was exported from `transformer_file` (the single
     file of `convert --transformer`; None: the checkpoint's own transformer), by sha256."""
     recorded = manifest["model"].get("transformer_file")
-    given = None if transformer_file is None else single_file.source(Path(transformer_file))
+    given = None if transformer_file is None else source_file(Path(transformer_file))
     if (recorded or {}).get("sha256") != (given or {}).get("sha256"):
         exported = f"{recorded.get('file')} (sha256 {recorded.get('sha256')})" if recorded else "the checkpoint's own"
         raise BundleError(

@@ -9,7 +9,6 @@ cast to float32 while the file's others are freed: loading the full-size 4B from
 peaked at 16.0 GB (its float32 weights are 15.5 GB).
 """
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -130,12 +129,3 @@ def load_transformer(path: Path, config: dict):
     except RuntimeError as e:
         raise CheckpointError(f"{path}: its weights are not this checkpoint's transformer's ({e})") from None
     return model.eval()
-
-
-def source(path: Path) -> dict:
-    """What the manifest records of the file: its name and sha256."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return {"file": path.name, "sha256": digest.hexdigest()}
