@@ -53,7 +53,8 @@ pub enum KleinStatus {
     /// Something the caller gave cannot be used: bundle, image file, size, steps, device, ONNX
     /// Runtime library. The message says what would be valid.
     KLEIN_ERROR_USER = 2,
-    /// A graph failed to load or run.
+    /// A graph failed to load or run, or the machine refused what a file needs (a full disk or
+    /// quota, memory).
     KLEIN_ERROR_RUNTIME = 3,
     /// The progress callback returned non-zero.
     KLEIN_CANCELLED = 4,

@@ -101,10 +101,18 @@ impl KleinError {
         }
     }
 
-    /// True when the error comes from what the user gave (files, options), not from the runtime.
-    /// The CLI exits with code 2 for these.
+    /// True when the error comes from what the user gave (files, options), not from the runtime
+    /// or the machine: a full disk or quota, or memory the system would not give, while reading or
+    /// writing a file is the machine's state, not a bad input. The CLI exits with code 2 for these.
     pub fn is_user_error(&self) -> bool {
-        !matches!(self, KleinError::Inference { .. } | KleinError::Cancelled)
+        use std::io::ErrorKind::{OutOfMemory, QuotaExceeded, StorageFull};
+        match self {
+            KleinError::Inference { .. } | KleinError::Cancelled => false,
+            KleinError::Io { source, .. } => {
+                !matches!(source.kind(), StorageFull | QuotaExceeded | OutOfMemory)
+            }
+            _ => true,
+        }
     }
 }
 
@@ -118,4 +126,36 @@ pub fn chain(error: &dyn std::error::Error) -> String {
         source = cause.source();
     }
     message
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn io(kind: std::io::ErrorKind) -> KleinError {
+        KleinError::Io {
+            path: PathBuf::from("out.png"),
+            action: "writing the image",
+            source: kind.into(),
+        }
+    }
+
+    #[test]
+    fn a_full_disk_is_not_a_user_error() {
+        use std::io::ErrorKind::*;
+        for kind in [StorageFull, QuotaExceeded, OutOfMemory] {
+            assert!(!io(kind).is_user_error(), "{kind:?}");
+        }
+        for kind in [NotFound, PermissionDenied, IsADirectory, InvalidData] {
+            assert!(io(kind).is_user_error(), "{kind:?}");
+        }
+        // ENOSPC as the OS reports it, not only a kind made by hand.
+        #[cfg(unix)]
+        assert!(!KleinError::Io {
+            path: PathBuf::from("out.png"),
+            action: "writing the image",
+            source: std::io::Error::from_raw_os_error(libc::ENOSPC),
+        }
+        .is_user_error());
+    }
 }

@@ -11,21 +11,46 @@ import torch
 from .errors import BundleError
 from .manifest import read_manifest
 
+# ONNX Runtime's names of the manifest's element types.
+_ORT_TYPES = {
+    "float32": "tensor(float)",
+    "float16": "tensor(float16)",
+    "bfloat16": "tensor(bfloat16)",
+    "int64": "tensor(int64)",
+}
 
-def session(bundle, file: str) -> ort.InferenceSession:
-    """A CPU session (2 threads) on the graph `file` of `bundle`."""
+
+def session(bundle, spec: dict) -> ort.InferenceSession:
+    """A CPU session (2 threads) on the graph of the manifest entry `spec` (`graphs.*`), its inputs
+    and outputs checked against the entry's: a graph that does not match its manifest (files swapped
+    with their hashes rewritten, a hand-edited manifest) is a BundleError naming the file, not an
+    error from ONNX Runtime when it runs."""
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 2
-    path = Path(bundle) / file
+    path = Path(bundle) / spec["file"]
     try:
-        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime's NoSuchFile, InvalidProtobuf, Fail...
         raise BundleError(f"{path}: ONNX Runtime cannot load it ({e})") from e
+    problems = []
+    sides = (("input", sess.get_inputs(), spec["inputs"]), ("output", sess.get_outputs(), spec["outputs"]))
+    for kind, found, listed in sides:
+        found = {t.name: (t.type, len(t.shape)) for t in found}
+        listed = {t["name"]: (_ORT_TYPES.get(t["dtype"], t["dtype"]), len(t["shape"])) for t in listed}
+        for name in sorted(found.keys() | listed.keys()):
+            if found.get(name) != listed.get(name):
+                want = "none" if name not in listed else f"{listed[name][0]} of rank {listed[name][1]}"
+                got = "none" if name not in found else f"{found[name][0]} of rank {found[name][1]}"
+                problems.append(f"{kind} {name}: manifest.json lists {want}, the graph has {got}")
+    if problems:
+        problems = "; ".join(problems)
+        raise BundleError(f"{path}: the graph does not match manifest.json ({problems}); export the bundle again")
+    return sess
 
 
 def run_graph(bundle, spec: dict, feeds: dict) -> np.ndarray:
     """The first output of the graph of the manifest entry `spec` (`graphs.*`); its session is freed on return."""
-    return session(bundle, spec["file"]).run(None, feeds)[0]
+    return session(bundle, spec).run(None, feeds)[0]
 
 
 def latent_ids(h, w, t=0) -> torch.Tensor:
@@ -115,7 +140,7 @@ def bundle_latents(bundle, prompt, seed, width, height, steps=None) -> np.ndarra
     timesteps = scheduler.timesteps.numpy().astype(np.float32)
 
     # 4. denoise: x += (sigma_{i+1} - sigma_i) * v, float32
-    transformer = session(bundle, graphs["transformer"]["file"])
+    transformer = session(bundle, graphs["transformer"])
     for i in range(steps):
         timestep = np.full((1,), timesteps[i] / np.float32(1000), np.float32)
         feeds = {"latents": x, "prompt_embeds": embeds, "timestep": timestep, "img_ids": img_ids, "txt_ids": txt_ids}

@@ -48,7 +48,7 @@ from .atomic import atomic_directory, check_output
 from .cache_key import stamp_bundle
 from .errors import BundleError, BundleExistsError, QuantizationError
 from .external_data import DataWriter, is_external, load_graph, load_structure, nbytes, read_tensor
-from .manifest import bundle_files, check_files, read_manifest, write_manifest
+from .manifest import MANIFEST, bundle_files, check_files, read_manifest, write_manifest
 from .norm_parts import group_norms_in_parts
 from .onnx_export import EXTERNAL_DATA_THRESHOLD
 from .product_splits import cut_float_products, plan_products, product_nodes
@@ -638,8 +638,12 @@ def quantize_copy(bundle, out, config: QuantizationConfig, force=False, log=prin
             raise QuantizationError(f"{bundle / graphs[component]['file']}: already quantized ({bits} bits)")
     check_files(bundle, manifest)  # a replaced or deleted file would be copied, and listed afresh
     check_output(out, force, [(bundle, "the input bundle")], error=BundleExistsError)
+    left_out = sorted(p.name for p in bundle.iterdir() if p.name != MANIFEST and p.name not in manifest["files"])
+    if left_out:  # a user's notes, an image: not the bundle's, and they would be listed with hashes
+        log(f"not copied (the manifest does not list them): {', '.join(left_out)}")
     with atomic_directory(out) as tmp:
-        shutil.copytree(bundle, tmp, dirs_exist_ok=True)
+        for name in [MANIFEST, *manifest["files"]]:
+            shutil.copy2(bundle / name, tmp / name)
         quantize_bundle(tmp, config, log=log)
     return out
 

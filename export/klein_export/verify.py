@@ -154,7 +154,7 @@ class _Checker:
         self.component, self.module = component, module
         self.precision, self.quantization = spec["precision"], spec.get("quantization")
         self.key_rows = _key_rows(spec)
-        self.session = session(bundle, spec["file"])
+        self.session = session(bundle, spec)
         self.module64 = copy.deepcopy(module).double()
         self.emulated = None  # (module, its float64 copy) with the dequantized weights
 

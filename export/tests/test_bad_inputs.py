@@ -7,6 +7,7 @@ import shutil
 import pytest
 
 from klein_export.cli import main
+from klein_export.manifest import file_entry
 
 
 def _run(args, capsys) -> str:
@@ -97,6 +98,37 @@ def test_files_changed_since_the_export_are_named(tiny_checkpoint, tiny_bundle, 
         err = _run(args, capsys)
         assert f"{bundle_copy / 'tokenizer.json'}: missing (listed in manifest.json)" in err, err
     assert not (tmp_path / "q").exists()
+
+
+def test_a_graph_that_does_not_match_its_manifest_is_named(tiny_checkpoint, tiny_bundle, bundle_copy, capsys):
+    """A graph swapped for another together with its listed hashes (the files check passes): verify
+    names the graph and each tensor that differs, not an ONNX Runtime error when it runs."""
+    graph = bundle_copy / "transformer.onnx"
+    shutil.copyfile(bundle_copy / "vae_decoder.onnx", graph)
+    path = bundle_copy / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["files"]["transformer.onnx"] = file_entry(graph)
+    path.write_text(json.dumps(manifest))
+    for reference in (["--checkpoint", tiny_checkpoint], ["--against", tiny_bundle]):
+        err = _run(["verify", "--bundle", bundle_copy, *reference, "--no-images"], capsys)
+        assert f"{graph}: the graph does not match manifest.json (" in err, err
+        latents = "input latents: manifest.json lists tensor(float) of rank 3, the graph has tensor(float) of rank 4"
+        assert latents in err, err
+        assert "input timestep: manifest.json lists tensor(float) of rank 1, the graph has none" in err, err
+
+
+def test_quantize_copies_only_the_files_of_the_bundle(bundle_copy, tmp_path, capsys):
+    """A file the manifest does not list (a user's notes, an image) is left out of the quantized
+    copy, said so, and not listed in its manifest with a hash."""
+    (bundle_copy / "notes.txt").write_text("mine")
+    (bundle_copy / "previews").mkdir()
+    out = tmp_path / "q"
+    args = ["quantize", "--bundle", bundle_copy, "--out", out, "--quantize", "int8", "--components", "transformer"]
+    assert main([str(a) for a in args]) == 0
+    assert "not copied (the manifest does not list them): notes.txt, previews" in capsys.readouterr().out
+    files = json.loads((out / "manifest.json").read_text())["files"]
+    assert sorted(p.name for p in out.iterdir()) == sorted([*files, "manifest.json"])
+    assert "notes.txt" not in files and (bundle_copy / "notes.txt").exists()
 
 
 def test_verify_refuses_a_static_shape_bundle(tiny_checkpoint, tiny_bundle, bundle_copy, capsys):
