@@ -43,6 +43,9 @@ pub const MAX_LORA_SCALE: f32 = 100.0;
 /// 1 GB in fp32; a full fine-tune's difference is not a LoRA.
 pub const MAX_LORA_FILE_BYTES: u64 = 4 * 1024 * 1024 * 1024;
 
+/// Largest size limit of a prompt cache directory, in MiB (16 TiB): more is no limit at all.
+pub const MAX_PROMPT_CACHE_MIB: u64 = 16 * 1024 * 1024;
+
 /// Largest width or height of a reference file this runtime decodes, to refuse decompression
 /// bombs before allocating.
 pub const MAX_DECODE_SIDE: u32 = 16384;

@@ -50,7 +50,7 @@ mod warnings;
 pub use denoise::{DenoiseContext, ReferenceTokens};
 pub use options::{PipelineOptions, VaeTiling};
 pub use progress::{Progress, ProgressFn, Stage, StepPreview, Timings};
-pub use prompts::{CacheLookup, PromptCache, PromptEmbeds, PromptMemo};
+pub use prompts::{CacheLookup, PromptCache, PromptEmbeds, PromptMemo, DEFAULT_PROMPT_CACHE_MIB};
 pub use request::{Inpaint, MaskCrop, ReferenceSource, Request};
 
 pub use graphs::Placement;
@@ -147,11 +147,13 @@ impl Pipeline {
             verify_hashes,
             cache_dir,
             prompt_cache_dir,
+            prompt_cache_mib,
             loras,
             vae_tiling,
             vae_tile_size,
         } = options;
         request::check_session(&session)?;
+        request::check_prompt_cache_mib(prompt_cache_mib)?;
         lora::check_specs(&loras)?;
         let manifest = Manifest::load(dir)?;
         // Before hashing or loading anything: can this device run the bundle at all?
@@ -195,8 +197,9 @@ impl Pipeline {
             dir.join(&manifest.tokenizer.file),
             manifest.tokenizer.clone(),
         );
-        let prompt_cache = prompt_cache_dir
-            .map(|cache_dir| PromptCache::new(cache_dir, &manifest, &session.numerics()));
+        let prompt_cache = prompt_cache_dir.map(|cache_dir| {
+            PromptCache::new(cache_dir, &manifest, &session.numerics(), prompt_cache_mib)
+        });
         let loras = LoraSet::load(&loras, &manifest, dir)?;
         Ok(Pipeline {
             dir: dir.to_path_buf(),
@@ -368,7 +371,7 @@ impl Pipeline {
             // The cache only saves time: a failure to write it is a warning.
             if let Err(error) = cache.put(prompt, &embeds) {
                 self.warnings.push(format!(
-                    "the prompt cache could not be written: {}",
+                    "the prompt cache could not be updated: {}",
                     crate::error::chain(&error)
                 ));
             }

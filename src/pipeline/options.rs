@@ -22,6 +22,8 @@ pub struct PipelineOptions {
     pub(crate) cache_dir: Option<PathBuf>,
     /// Directory of the on-disk prompt-embedding cache (`None`: no cache).
     pub(crate) prompt_cache_dir: Option<PathBuf>,
+    /// Most MiB the prompt cache's entries may take.
+    pub(crate) prompt_cache_mib: u64,
     /// LoRAs merged into the transformer ([`crate::pipeline::Pipeline::set_loras`]).
     pub(crate) loras: Vec<LoraSpec>,
     /// Tiled VAE decoding and encoding.
@@ -85,6 +87,7 @@ impl Default for PipelineOptions {
             verify_hashes: true,
             cache_dir: None,
             prompt_cache_dir: None,
+            prompt_cache_mib: super::prompts::DEFAULT_PROMPT_CACHE_MIB,
             loras: Vec::new(),
             vae_tiling: VaeTiling::default(),
             vae_tile_size: None,
@@ -177,9 +180,17 @@ impl PipelineOptions {
     }
     /// Keeps prompt embeddings on disk in `dir`, keyed by the bundle and the prompt. `dir` is
     /// created when the pipeline loads (an error if it cannot be); an entry that cannot be written
-    /// later is a warning.
+    /// later is a warning. Past the limit ([`Self::with_prompt_cache_limit_mib`]), the least
+    /// recently used entries are removed.
     pub fn with_prompt_cache_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.prompt_cache_dir = Some(dir.into());
+        self
+    }
+    /// Most MiB the prompt cache directory's entries may take together, those of other bundles
+    /// included (default [`super::DEFAULT_PROMPT_CACHE_MIB`]; 1 to
+    /// [`crate::limits::MAX_PROMPT_CACHE_MIB`]).
+    pub fn with_prompt_cache_limit_mib(mut self, mib: u64) -> Self {
+        self.prompt_cache_mib = mib;
         self
     }
 }

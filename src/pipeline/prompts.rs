@@ -1,10 +1,11 @@
 //! Prompt embeddings kept so that the text encoder runs once per prompt: [`PromptCache`] on disk
 //! across processes (keyed by the bundle's text encoder and tokenizer files, their sha256 in the
 //! manifest, the tokenizer's template and padding, the device's settings that change outputs, and
-//! the prompt; one safetensors file per prompt), and [`PromptMemo`] in memory for the
-//! prompts a batch uses again.
+//! the prompt; one safetensors file per prompt, the least recently used removed past a size
+//! limit), and [`PromptMemo`] in memory for the prompts a batch uses again.
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use ndarray::Array3;
 use safetensors::{tensor::TensorView, Dtype, SafeTensors};
@@ -28,14 +29,24 @@ const META_BUNDLE: &str = "klein.bundle";
 /// Metadata key of the sha256 of the entry's prompt.
 const META_PROMPT: &str = "klein.prompt_sha256";
 
+/// The default limit of a prompt cache directory's entries, in MiB: 4 GiB, about 260 prompts of
+/// the 4B (15.7 MB each: `[1, 512, 7680]` float32).
+pub const DEFAULT_PROMPT_CACHE_MIB: u64 = 4096;
+
+/// Extension of a prompt cache entry's file name (after its 64 hex digits).
+const ENTRY_EXTENSION: &str = ".safetensors";
+
 /// The on-disk cache of prompt embeddings. Entries are checked when read (their bundle and prompt,
-/// dtype, shape, finite values): a bad one is a miss, reported as such, and rewritten.
+/// dtype, shape, finite values): a bad one is a miss, reported as such, and rewritten. Past the
+/// size limit, the least recently used entries of the directory are removed when one is written.
 #[derive(Debug, Clone)]
 pub struct PromptCache {
     dir: PathBuf,
     bundle_key: String,
     /// `[1, max_sequence_length, embed_dim]` of this bundle.
     shape: [usize; 3],
+    /// Most bytes the directory's entries (of every bundle) may take.
+    max_bytes: u64,
 }
 
 /// What a cache lookup found.
@@ -51,8 +62,9 @@ pub enum CacheLookup {
 
 impl PromptCache {
     /// A cache in `dir` for the bundle described by `manifest`, its text encoder run with the
-    /// settings `numerics` ([`crate::runtime::SessionConfig`]'s, those that change outputs).
-    pub fn new(dir: PathBuf, manifest: &Manifest, numerics: &str) -> PromptCache {
+    /// settings `numerics` ([`crate::runtime::SessionConfig`]'s, those that change outputs),
+    /// whose entries take at most `max_mib` MiB together.
+    pub fn new(dir: PathBuf, manifest: &Manifest, numerics: &str, max_mib: u64) -> PromptCache {
         let encoder = &manifest.graphs.text_encoder.file;
         let tokenizer = manifest
             .files
@@ -76,6 +88,7 @@ impl PromptCache {
             dir,
             bundle_key: sha256_hex(material.as_bytes()),
             shape,
+            max_bytes: max_mib.saturating_mul(1024 * 1024),
         }
     }
 
@@ -85,7 +98,7 @@ impl PromptCache {
         hasher.update([0]);
         hasher.update(prompt.as_bytes());
         self.dir
-            .join(format!("{}.safetensors", hex(&hasher.finalize())))
+            .join(format!("{}{ENTRY_EXTENSION}", hex(&hasher.finalize())))
     }
 
     /// The cached embeddings of `prompt`, checked: written for this bundle and this prompt,
@@ -100,7 +113,15 @@ impl PromptCache {
             Err(e) => return self.rejected(&path, &format!("unreadable ({e})")),
         };
         match self.check_entry(&bytes, prompt) {
-            Ok(embeds) => CacheLookup::Hit(embeds),
+            Ok(embeds) => {
+                // Used now: the last to be removed. A cache this process cannot write (shared
+                // read-only) is still read.
+                let _ = std::fs::File::options()
+                    .write(true)
+                    .open(&path)
+                    .and_then(|file| file.set_modified(SystemTime::now()));
+                CacheLookup::Hit(embeds)
+            }
             Err(reason) => self.rejected(&path, &reason),
         }
     }
@@ -172,7 +193,53 @@ impl PromptCache {
                 message: e.to_string(),
             }
         })?;
-        write_atomic(&self.path(prompt), &bytes)
+        let path = self.path(prompt);
+        write_atomic(&path, &bytes)?;
+        self.evict(&path)
+    }
+
+    /// Removes the least recently used entries (the oldest modification time, which a hit renews)
+    /// until the directory's entries take at most the limit; `keep`, the entry just written, stays.
+    /// Only files named as entries are counted and removed: whatever else the directory holds is
+    /// left alone. Entries another process removes meanwhile are skipped.
+    fn evict(&self, keep: &Path) -> Result<()> {
+        let io = |path: &Path, action, source| KleinError::Io {
+            path: path.to_path_buf(),
+            action,
+            source,
+        };
+        let listing = std::fs::read_dir(&self.dir)
+            .map_err(|e| io(&self.dir, "list the prompt cache directory", e))?;
+        let mut total = 0u64;
+        let mut old = Vec::new(); // (modified, path, bytes)
+        for item in listing.flatten() {
+            let name = item.file_name();
+            let Some(hash) = name.to_str().and_then(|n| n.strip_suffix(ENTRY_EXTENSION)) else {
+                continue;
+            };
+            let Ok(meta) = item.metadata() else { continue };
+            if hash.len() != 64 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) || !meta.is_file() {
+                continue;
+            }
+            total += meta.len();
+            if item.path() != keep {
+                let modified = meta.modified().unwrap_or(UNIX_EPOCH);
+                old.push((modified, item.path(), meta.len()));
+            }
+        }
+        old.sort();
+        for (_, path, bytes) in old {
+            if total <= self.max_bytes {
+                break;
+            }
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io(&path, "remove an old prompt cache entry", e)),
+            }
+            total -= bytes;
+        }
+        Ok(())
     }
 }
 

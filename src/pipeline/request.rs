@@ -8,8 +8,8 @@ use super::prompts::PromptEmbeds;
 use crate::bundle::Manifest;
 use crate::error::{KleinError, Result};
 use crate::limits::{
-    MAX_BATCH, MAX_GUIDANCE, MAX_IMAGE_TOKENS, MAX_PROMPT_BYTES, MAX_REFERENCES, MAX_SIDE,
-    MAX_STEPS, MAX_THREADS, MIN_SIDE,
+    MAX_BATCH, MAX_GUIDANCE, MAX_IMAGE_TOKENS, MAX_PROMPT_BYTES, MAX_PROMPT_CACHE_MIB,
+    MAX_REFERENCES, MAX_SIDE, MAX_STEPS, MAX_THREADS, MIN_SIDE,
 };
 use crate::runtime::SessionConfig;
 use crate::stages::inpaint::first_step;
@@ -519,6 +519,16 @@ pub(crate) fn check_session(session: &SessionConfig) -> Result<()> {
                  ONNX Runtime's choice, one per physical core)"
             )));
         }
+    }
+    Ok(())
+}
+
+/// Checks the prompt cache's size limit, in MiB.
+pub(crate) fn check_prompt_cache_mib(mib: u64) -> Result<()> {
+    if mib == 0 || mib > MAX_PROMPT_CACHE_MIB {
+        return Err(KleinError::request(format!(
+            "the prompt cache limit is {mib} MiB: it must be between 1 and {MAX_PROMPT_CACHE_MIB}"
+        )));
     }
     Ok(())
 }

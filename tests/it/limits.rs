@@ -9,8 +9,8 @@ use klein::capi::{
     KleinStatus,
 };
 use klein::limits::{
-    MAX_BATCH_LINES, MAX_GUIDANCE, MAX_IMAGE_TOKENS, MAX_PROMPT_BYTES, MAX_REFERENCES, MAX_SIDE,
-    MAX_STEPS, MAX_THREADS,
+    MAX_BATCH_LINES, MAX_GUIDANCE, MAX_IMAGE_TOKENS, MAX_PROMPT_BYTES, MAX_PROMPT_CACHE_MIB,
+    MAX_REFERENCES, MAX_SIDE, MAX_STEPS, MAX_THREADS,
 };
 
 use crate::capi::{c_paths, call, cpu_options, generate_into};
@@ -40,6 +40,15 @@ fn numbers_past_their_bounds_are_refused_before_the_bundle_is_read() {
             vec![threads.clone()],
         ),
         (vec!["--threads".into(), "0".into()], vec![threads]),
+        (
+            vec![
+                "--prompt-cache".into(),
+                "/no/such/cache".into(),
+                "--prompt-cache-max-mib".into(),
+                (MAX_PROMPT_CACHE_MIB + 1).to_string(),
+            ],
+            vec![format!("between 1 and {MAX_PROMPT_CACHE_MIB}")],
+        ),
         (
             vec!["--guidance".into(), "1e9".into()],
             vec![guidance.clone()],

@@ -181,5 +181,71 @@ fn a_cache_that_cannot_be_made_is_refused_and_one_that_fails_later_warns() {
     std::fs::write(&cache, b"x").unwrap();
     let embeds = p.encode_prompt("a cat", None).unwrap().embeds;
     assert!(embeds.iter().all(|v| v.is_finite()));
-    assert_warned(&mut p, "the prompt cache could not be written");
+    assert_warned(&mut p, "the prompt cache could not be updated");
+}
+
+/// The cache's entries (files named `<64 hex digits>.safetensors`).
+fn cache_entries(cache: &Path) -> std::collections::BTreeSet<std::path::PathBuf> {
+    std::fs::read_dir(cache)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            let name = p.file_name().unwrap().to_str().unwrap();
+            name.strip_suffix(".safetensors")
+                .is_some_and(|hash| hash.len() == 64 && hash.bytes().all(|b| b.is_ascii_hexdigit()))
+        })
+        .collect()
+}
+
+/// Past its size limit the cache removes its least recently used entries when it writes one (a
+/// hit renews an entry), down to the limit; files that are not entries are neither counted nor
+/// removed. Without it a server's cache grew by 15.7 MB per new prompt (the 4B) until the disk
+/// was full.
+#[test]
+fn the_least_recently_used_entries_go_past_the_limit() {
+    let cache = temp_dir("prompt-cache-limit");
+    let options = PipelineOptions::default()
+        .with_device(Device::Cpu)
+        .with_threads(1)
+        .with_runtime(RuntimeOptions::default().with_library(ort_library()))
+        .with_prompt_cache_dir(&cache)
+        .with_prompt_cache_limit_mib(1);
+    let mut p = Pipeline::load(&repo().join("onnx/klein-tiny"), options).unwrap();
+    let mut paths = Vec::new();
+    let mut fit = 1;
+    while paths.len() < fit {
+        let before = cache_entries(&cache);
+        p.encode_prompt(&format!("prompt {}", paths.len()), None)
+            .unwrap();
+        let new: Vec<_> = cache_entries(&cache).difference(&before).cloned().collect();
+        assert_eq!(new.len(), 1, "one entry per prompt");
+        // As many entries as 1 MiB holds.
+        fit = (1 << 20) / std::fs::metadata(&new[0]).unwrap().len() as usize;
+        assert!((2..64).contains(&fit), "{fit} entries fit");
+        paths.push(new[0].clone());
+    }
+    // Prompt 0 the oldest, then 1, ...; a file that is not an entry, larger than the limit.
+    let now = std::time::SystemTime::now();
+    for (i, path) in paths.iter().enumerate() {
+        let age = std::time::Duration::from_secs(1000 - i as u64);
+        let file = std::fs::File::options().write(true).open(path).unwrap();
+        file.set_modified(now - age).unwrap();
+    }
+    let notes = cache.join("notes.safetensors");
+    std::fs::write(&notes, vec![0u8; 2 << 20]).unwrap();
+
+    // A hit renews prompt 0; a new prompt then pushes out prompt 1, the least recently used.
+    let before = cache_entries(&cache);
+    p.encode_prompt("prompt 0", None).unwrap();
+    assert_eq!(cache_entries(&cache), before, "a hit writes nothing");
+    let renewed = std::fs::metadata(&paths[0]).unwrap().modified().unwrap();
+    assert!(renewed > now - std::time::Duration::from_secs(100));
+    p.encode_prompt("a new prompt", None).unwrap();
+    let after = cache_entries(&cache);
+    assert_eq!(after.len(), fit, "at most the limit");
+    assert!(!after.contains(&paths[1]), "the least recently used went");
+    assert!(after.contains(&paths[0]), "the renewed one stayed");
+    assert!(paths[2..].iter().all(|path| after.contains(path)));
+    assert!(notes.exists(), "not an entry: left alone");
+    assert!(p.take_warnings().is_empty());
 }

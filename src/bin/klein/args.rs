@@ -168,6 +168,9 @@ pub(crate) struct LoadArgs {
     /// Directory of an on-disk prompt-embedding cache
     #[arg(long)]
     pub(crate) prompt_cache: Option<PathBuf>,
+    /// Most MiB the prompt cache's entries may take, 1 to 16777216; past it the least recently used are removed [default: 4096]
+    #[arg(long, value_name = "MIB", requires = "prompt_cache", allow_negative_numbers = true, value_parser = whole::<u64>("1 to 16777216"))]
+    pub(crate) prompt_cache_max_mib: Option<u64>,
     /// Do not check the sha256 of the bundle's files before loading. By default they are checked,
     /// and a stamp in $KLEIN_CACHE_DIR (else $XDG_CACHE_HOME/klein, else ~/.cache/klein) skips
     /// the check while no file changes
@@ -334,6 +337,9 @@ pub(crate) fn pipeline_options(
     }
     if let Some(dir) = &args.prompt_cache {
         options = options.with_prompt_cache_dir(dir);
+    }
+    if let Some(mib) = args.prompt_cache_max_mib {
+        options = options.with_prompt_cache_limit_mib(mib);
     }
     if let Some(dir) = &args.cpu_cache {
         options = options.with_cpu_cache_dir(dir);
