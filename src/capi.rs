@@ -102,6 +102,13 @@ pub struct KleinOptions {
     /// (`PipelineOptions::with_release_transformer`): the peak is then the larger of denoising and
     /// decoding, not their sum. For one image per process or little memory; false: kept.
     pub release_transformer: bool,
+    /// Directory where prompt embeddings are kept between calls and processes (created if
+    /// missing; one file per prompt and bundle, 15.7 MB for the 4B): a prompt seen before skips
+    /// the text encoder. NULL: no prompt cache.
+    pub prompt_cache_dir: *const c_char,
+    /// Most MiB the prompt cache's entries may take (the least recently used are removed past
+    /// it); 0: 4096.
+    pub prompt_cache_max_mib: u64,
 }
 
 /// What to generate: `num_images` images of one prompt. Zero-initialise, then set what you need.
@@ -616,6 +623,8 @@ unsafe fn pipeline_options(options: &KleinOptions) -> Result<PipelineOptions, Fa
         cpu_cache_dir,
         vae_tile_size,
         release_transformer,
+        prompt_cache_dir,
+        prompt_cache_max_mib,
     } = *options;
     let mut result = PipelineOptions::default().with_release_transformer(release_transformer);
     // SAFETY: the caller's guarantee.
@@ -642,6 +651,13 @@ unsafe fn pipeline_options(options: &KleinOptions) -> Result<PipelineOptions, Fa
     // SAFETY: the caller's guarantee.
     if let Some(dir) = unsafe { optional_str(cpu_cache_dir, "options.cpu_cache_dir") }? {
         result = result.with_cpu_cache_dir(dir);
+    }
+    // SAFETY: the caller's guarantee.
+    if let Some(dir) = unsafe { optional_str(prompt_cache_dir, "options.prompt_cache_dir") }? {
+        result = result.with_prompt_cache_dir(dir);
+    }
+    if prompt_cache_max_mib > 0 {
+        result = result.with_prompt_cache_limit_mib(prompt_cache_max_mib);
     }
     let mut coreml = CoreMlOptions::default();
     // SAFETY: the caller's guarantee.

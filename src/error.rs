@@ -8,6 +8,9 @@ pub const READING_LORA: &str = "reading the LoRA file";
 /// The [`KleinError::Io`] action of a CPU cache directory that cannot be made (its error is about
 /// `cpu_cache`).
 pub const CREATING_CPU_CACHE: &str = "creating the CPU cache directory";
+/// The [`KleinError::Io`] action of a prompt cache directory that cannot be made (its error is
+/// about `prompt_cache`).
+pub const CREATING_PROMPT_CACHE: &str = "creating the prompt cache directory";
 
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -96,6 +99,9 @@ impl KleinError {
             KleinError::Device { .. } => Some("device"),
             KleinError::Io { action, .. } if *action == READING_LORA => Some("loras"),
             KleinError::Io { action, .. } if *action == CREATING_CPU_CACHE => Some("cpu_cache"),
+            KleinError::Io { action, .. } if *action == CREATING_PROMPT_CACHE => {
+                Some("prompt_cache")
+            }
             KleinError::RuntimeLibrary(_) => Some("ort_library"),
             _ => None,
         }

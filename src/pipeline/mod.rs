@@ -165,7 +165,7 @@ impl Pipeline {
                 "creating the CoreML model cache directory",
             ),
             (&session.cpu_cache_dir, crate::error::CREATING_CPU_CACHE),
-            (&prompt_cache_dir, "creating the prompt cache directory"),
+            (&prompt_cache_dir, crate::error::CREATING_PROMPT_CACHE),
         ];
         for (cache, action) in caches {
             if let Some(cache) = cache {

@@ -526,9 +526,12 @@ pub(crate) fn check_session(session: &SessionConfig) -> Result<()> {
 /// Checks the prompt cache's size limit, in MiB.
 pub(crate) fn check_prompt_cache_mib(mib: u64) -> Result<()> {
     if mib == 0 || mib > MAX_PROMPT_CACHE_MIB {
-        return Err(KleinError::request(format!(
+        return Err(KleinError::request_about(
+            "prompt_cache_mib",
+            format!(
             "the prompt cache limit is {mib} MiB: it must be between 1 and {MAX_PROMPT_CACHE_MIB}"
-        )));
+        ),
+        ));
     }
     Ok(())
 }

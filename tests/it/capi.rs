@@ -220,6 +220,8 @@ pub(crate) fn cpu_options(library: &CStr, threads: u32) -> KleinOptions {
         cpu_cache_dir: ptr::null(),
         vae_tile_size: 0,
         release_transformer: false,
+        prompt_cache_dir: ptr::null(),
+        prompt_cache_max_mib: 0,
     }
 }
 
@@ -318,6 +320,14 @@ fn entry_points_check_their_arguments() {
             },
             &["unknown CoreML compute units `gpu`", "cpu-ane"],
         ),
+        (
+            KleinOptions {
+                prompt_cache_dir: c"/no/such/cache".as_ptr(),
+                prompt_cache_max_mib: u64::MAX,
+                ..options
+            },
+            &["the prompt cache limit", "between 1 and 16777216"],
+        ),
     ];
     for (bad, needles) in refused {
         let (status, message) =
@@ -327,24 +337,28 @@ fn entry_points_check_their_arguments() {
         assert!(pipeline.is_null());
     }
 
-    // The CoreML and CPU cache directories are created at load, whatever the device.
+    // The CoreML, CPU and prompt cache directories are created at load, whatever the device.
     let cache = crate::util::temp_dir("capi-coreml-cache").join("compiled");
     let cache_c = CString::new(cache.to_str().unwrap()).unwrap();
     let cpu_cache = crate::util::temp_dir("capi-cpu-cache").join("graphs");
     let cpu_cache_c = CString::new(cpu_cache.to_str().unwrap()).unwrap();
+    let prompt_cache = crate::util::temp_dir("capi-prompt-cache").join("prompts");
+    let prompt_cache_c = CString::new(prompt_cache.to_str().unwrap()).unwrap();
     let with_cache = KleinOptions {
         coreml_units: c"cpu-gpu".as_ptr(),
         coreml_cache_dir: cache_c.as_ptr(),
         cuda_memory_limit: 1 << 30,
         vae_tiling: c"on".as_ptr(),
         cpu_cache_dir: cpu_cache_c.as_ptr(),
+        prompt_cache_dir: prompt_cache_c.as_ptr(),
+        prompt_cache_max_mib: 1,
         ..options
     };
     let mut other: *mut KleinPipeline = ptr::null_mut();
     let (status, message) =
         call(|m| unsafe { klein_pipeline_load(bundle.as_ptr(), &with_cache, &mut other, m) });
     assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
-    assert!(cache.is_dir() && cpu_cache.is_dir());
+    assert!(cache.is_dir() && cpu_cache.is_dir() && prompt_cache.is_dir());
     unsafe { klein_pipeline_free(other) };
     // A VAE tile size that does not fall on whole latent patches is refused at load.
     let odd_tiles = KleinOptions {

@@ -333,6 +333,9 @@ def test_invalid_input(pipe, tiny_bundle, tmp_path):
         (lambda: pipe.set_loras(5), "loras"),
         (lambda: pipe.set_loras({"a.safetensors"}), "loras"),
         (lambda: klein.Pipeline(tiny_bundle, cpu_cache=5), "cpu_cache"),
+        (lambda: klein.Pipeline(tiny_bundle, prompt_cache=5), "prompt_cache"),
+        (lambda: klein.Pipeline(tiny_bundle, prompt_cache=".", prompt_cache_max_mib="1"), "prompt_cache_max_mib"),
+        (lambda: klein.Pipeline(tiny_bundle, prompt_cache=".", prompt_cache_max_mib=0), "prompt_cache_max_mib"),
         (lambda: klein.Pipeline(tiny_bundle, ort_lib=5), "ort_lib"),
         (lambda: klein.Pipeline(tiny_bundle, vae_tiling=2), "vae_tiling"),
         (lambda: klein.Pipeline(tiny_bundle, threads=-1), "threads"),
@@ -651,6 +654,25 @@ def test_cpu_cache_is_the_cli_file(tiny_bundle, klein_bin, tmp_path):
     assert saved == ["text_encoder.onnx", "transformer.onnx", "vae_decoder.onnx"]
 
 
+def test_prompt_cache_is_the_cli_file(tiny_bundle, klein_bin, tmp_path):
+    """A pipeline with `prompt_cache` writes one entry per prompt, and a later pipeline reads it
+    instead of encoding (an entry rewritten with other values is what comes back); with and
+    without the entry the image is `klein generate`'s."""
+    cli(klein_bin, tiny_bundle, tmp_path / "c.png", "a quay", "--width", "64", "--height", "48", "--seed", "4")
+    cache = tmp_path / "prompts"
+    for _ in range(2):
+        pipe = klein.Pipeline(tiny_bundle, prompt_cache=cache, prompt_cache_max_mib=64)
+        out = pipe("a quay", width=64, height=48, generator=4, output_type="png")
+        assert out.images == [(tmp_path / "c.png").read_bytes()]
+    (entry,) = cache.glob("*.safetensors")
+    data = bytearray(entry.read_bytes())
+    data[-4:] = np.float32(1e3).tobytes()  # the last embedding value, in the entry's data
+    entry.write_bytes(bytes(data))
+    pipe = klein.Pipeline(tiny_bundle, prompt_cache=cache)
+    out = pipe("a quay", width=64, height=48, generator=4, output_type="png")
+    assert out.images != [(tmp_path / "c.png").read_bytes()], "the entry was not read"
+
+
 def test_an_inpainting_reference_is_labelled_as_its_argument(pipe, inpaint_inputs):
     out = pipe.inpaint("a hat", image=inpaint_inputs.source, image_reference=synthetic(), num_inference_steps=1)
     assert out.references == ["image_reference-0"]
@@ -697,6 +719,7 @@ def test_names_that_are_not_utf8_tuples_of_loras_and_arguments_named(
     not_a_dir.write_text("x")
     for param, call in [
         ("cpu_cache", lambda: klein.Pipeline(tiny_bundle, cpu_cache=not_a_dir)),
+        ("prompt_cache", lambda: klein.Pipeline(tiny_bundle, prompt_cache=not_a_dir)),
         ("ort_lib", lambda: klein.Pipeline(tiny_bundle, ort_lib=tmp_path / "missing.so")),
         ("model", lambda: klein.Pipeline()),  # no KLEIN_MODEL either
     ]:
