@@ -197,9 +197,8 @@ impl Pipeline {
             dir.join(&manifest.tokenizer.file),
             manifest.tokenizer.clone(),
         );
-        let prompt_cache = prompt_cache_dir.map(|cache_dir| {
-            PromptCache::new(cache_dir, &manifest, &session.numerics(), prompt_cache_mib)
-        });
+        let prompt_cache = prompt_cache_dir
+            .map(|cache_dir| PromptCache::new(cache_dir, &manifest, prompt_cache_mib));
         let loras = LoraSet::load(&loras, &manifest, dir)?;
         Ok(Pipeline {
             dir: dir.to_path_buf(),
@@ -323,15 +322,11 @@ impl Pipeline {
         mut progress: Option<&mut ProgressFn<'_>>,
     ) -> Result<PromptEmbeds> {
         request::check_prompt(prompt)?;
-        match self.prompt_cache.as_ref().map(|c| c.get(prompt)) {
-            Some(CacheLookup::Hit(embeds)) => {
-                return Ok(PromptEmbeds {
-                    embeds,
-                    truncated: self.tokenizer.get()?.encode(prompt)?.truncated,
-                })
-            }
-            Some(CacheLookup::Rejected(warning)) => self.warnings.push(warning),
-            Some(CacheLookup::Miss) | None => {}
+        // The prompt cache is read before the encoder loads where its device is known, else
+        // (auto with several devices to try) once it has loaded.
+        let numerics = self.encoder_numerics();
+        if let Some(hit) = self.cached_prompt(prompt, numerics.as_deref())? {
+            return Ok(hit);
         }
         // The encoder's files are read ahead of its own page faults, then the transformer's while
         // the encoder computes ([`runtime::prefetch_in_turn`]).
@@ -350,6 +345,17 @@ impl Pipeline {
         runtime::prefetch_in_turn(running, later);
         // The encoder loads while the tokenizer's parse ends ([`ParsedTokenizer`]).
         self.graph(Component::TextEncoder, None, &mut progress)?;
+        // Loaded: its device is known now.
+        let numerics = match numerics {
+            Some(numerics) => numerics,
+            None => {
+                let numerics = self.encoder_numerics();
+                if let Some(hit) = self.cached_prompt(prompt, numerics.as_deref())? {
+                    return Ok(hit);
+                }
+                numerics.unwrap_or_default()
+            }
+        };
         let encoded = self.tokenizer.get()?.encode(prompt)?;
         let seq = encoded.input_ids.len();
         // [L] -> [1, L]
@@ -369,7 +375,7 @@ impl Pipeline {
         })?;
         if let Some(cache) = &self.prompt_cache {
             // The cache only saves time: a failure to write it is a warning.
-            if let Err(error) = cache.put(prompt, &embeds) {
+            if let Err(error) = cache.put(prompt, &numerics, &embeds) {
                 self.warnings.push(format!(
                     "the prompt cache could not be updated: {}",
                     crate::error::chain(&error)
@@ -380,6 +386,40 @@ impl Pipeline {
             embeds,
             truncated: encoded.truncated,
         })
+    }
+
+    /// The text encoder's settings that change its outputs, for the prompt cache: on the device
+    /// it was loaded on, or will be; `None` while that is not known (auto, before the load, in a
+    /// build with several devices to try).
+    fn encoder_numerics(&mut self) -> Option<String> {
+        let ran_on = self
+            .graphs
+            .loaded(Component::TextEncoder)
+            .map(|graph| graph.device());
+        self.session.numerics(ran_on)
+    }
+
+    /// The prompt cache's embeddings of `prompt` encoded with `numerics`, if it has them (`None`
+    /// also without a cache, or while `numerics` is not known); an entry it rejects is a warning.
+    fn cached_prompt(
+        &mut self,
+        prompt: &str,
+        numerics: Option<&str>,
+    ) -> Result<Option<PromptEmbeds>> {
+        let (Some(cache), Some(numerics)) = (&self.prompt_cache, numerics) else {
+            return Ok(None);
+        };
+        match cache.get(prompt, numerics) {
+            CacheLookup::Hit(embeds) => Ok(Some(PromptEmbeds {
+                embeds,
+                truncated: self.tokenizer.get()?.encode(prompt)?.truncated,
+            })),
+            CacheLookup::Rejected(warning) => {
+                self.warnings.push(warning);
+                Ok(None)
+            }
+            CacheLookup::Miss => Ok(None),
+        }
     }
 
     /// Whether the graphs run on the CPU: `--device cpu`, or `auto` in a build with no other

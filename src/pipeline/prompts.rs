@@ -42,6 +42,7 @@ const ENTRY_EXTENSION: &str = ".safetensors";
 #[derive(Debug, Clone)]
 pub struct PromptCache {
     dir: PathBuf,
+    /// What the embeddings depend on in the bundle (the device comes with each lookup).
     bundle_key: String,
     /// `[1, max_sequence_length, embed_dim]` of this bundle.
     shape: [usize; 3],
@@ -61,10 +62,10 @@ pub enum CacheLookup {
 }
 
 impl PromptCache {
-    /// A cache in `dir` for the bundle described by `manifest`, its text encoder run with the
-    /// settings `numerics` ([`crate::runtime::SessionConfig`]'s, those that change outputs),
-    /// whose entries take at most `max_mib` MiB together.
-    pub fn new(dir: PathBuf, manifest: &Manifest, numerics: &str, max_mib: u64) -> PromptCache {
+    /// A cache in `dir` for the bundle described by `manifest`, whose entries take at most
+    /// `max_mib` MiB together. Each lookup and write names the settings its text encoder runs
+    /// with (`numerics`: [`crate::runtime::SessionConfig`]'s that change outputs, the device's).
+    pub fn new(dir: PathBuf, manifest: &Manifest, max_mib: u64) -> PromptCache {
         let encoder = &manifest.graphs.text_encoder.file;
         let tokenizer = manifest
             .files
@@ -72,9 +73,10 @@ impl PromptCache {
             .map(|f| f.sha256.as_str())
             .unwrap_or_default();
         // Everything the embeddings depend on: the encoder graph and its weights' files, the
-        // tokenizer's file, how a prompt becomes tokens (template, padding, length), the device.
+        // tokenizer's file, how a prompt becomes tokens (template, padding, length); the device
+        // with each entry.
         let material = format!(
-            "{}\n{tokenizer}\n{}\n{}\n{numerics}",
+            "{}\n{tokenizer}\n{}\n{}",
             super::graphs::cache_tag(manifest, std::path::Path::new(encoder)).unwrap_or_default(),
             serde_json::to_string(&manifest.tokenizer).unwrap_or_default(),
             serde_json::to_string(&manifest.text_encoder).unwrap_or_default(),
@@ -92,19 +94,25 @@ impl PromptCache {
         }
     }
 
-    fn path(&self, prompt: &str) -> PathBuf {
+    /// The key of the entries of this bundle's encoder run with `numerics`.
+    fn key(&self, numerics: &str) -> String {
+        sha256_hex(format!("{}\n{numerics}", self.bundle_key).as_bytes())
+    }
+
+    fn path(&self, key: &str, prompt: &str) -> PathBuf {
         let mut hasher = Sha256::new();
-        hasher.update(self.bundle_key.as_bytes());
+        hasher.update(key.as_bytes());
         hasher.update([0]);
         hasher.update(prompt.as_bytes());
         self.dir
             .join(format!("{}{ENTRY_EXTENSION}", hex(&hasher.finalize())))
     }
 
-    /// The cached embeddings of `prompt`, checked: written for this bundle and this prompt,
-    /// float32 of shape `[1, L, D]`, every value finite.
-    pub fn get(&self, prompt: &str) -> CacheLookup {
-        let path = self.path(prompt);
+    /// The cached embeddings of `prompt` encoded with `numerics`, checked: written for this
+    /// bundle, device settings and prompt, float32 of shape `[1, L, D]`, every value finite.
+    pub fn get(&self, prompt: &str, numerics: &str) -> CacheLookup {
+        let key = self.key(numerics);
+        let path = self.path(&key, prompt);
         let bytes = match std::fs::read(&path) {
             Ok(bytes) => bytes,
             // Missing, or its directory is (a file in the way): no entry. A cache that cannot be
@@ -112,7 +120,7 @@ impl PromptCache {
             Err(_) if !path.exists() => return CacheLookup::Miss,
             Err(e) => return self.rejected(&path, &format!("unreadable ({e})")),
         };
-        match self.check_entry(&bytes, prompt) {
+        match self.check_entry(&bytes, &key, prompt) {
             Ok(embeds) => {
                 // Used now: the last to be removed. A cache this process cannot write (shared
                 // read-only) is still read.
@@ -134,11 +142,16 @@ impl PromptCache {
     }
 
     /// The embeddings of a valid entry, or why it is not one.
-    fn check_entry(&self, bytes: &[u8], prompt: &str) -> std::result::Result<Array3<f32>, String> {
+    fn check_entry(
+        &self,
+        bytes: &[u8],
+        key: &str,
+        prompt: &str,
+    ) -> std::result::Result<Array3<f32>, String> {
         let (_, metadata) = SafeTensors::read_metadata(bytes)
             .map_err(|e| format!("is not a safetensors file ({e})"))?;
         let meta = metadata.metadata().clone().unwrap_or_default();
-        if meta.get(META_BUNDLE) != Some(&self.bundle_key)
+        if meta.get(META_BUNDLE).map(String::as_str) != Some(key)
             || meta.get(META_PROMPT) != Some(&sha256_hex(prompt.as_bytes()))
         {
             return Err("was written for another bundle or prompt".to_string());
@@ -168,8 +181,9 @@ impl PromptCache {
         Array3::from_shape_vec((b, l, d), values).map_err(|e| e.to_string())
     }
 
-    /// Stores `embeds` for `prompt` (atomically: a reader never sees a partial entry).
-    pub fn put(&self, prompt: &str, embeds: &Array3<f32>) -> Result<()> {
+    /// Stores `embeds` for `prompt` encoded with `numerics` (atomically: a reader never sees a
+    /// partial entry), then removes the least recently used entries past the limit.
+    pub fn put(&self, prompt: &str, numerics: &str, embeds: &Array3<f32>) -> Result<()> {
         std::fs::create_dir_all(&self.dir).map_err(|source| KleinError::Io {
             path: self.dir.clone(),
             action: "create the prompt cache directory",
@@ -184,7 +198,7 @@ impl PromptCache {
             }
         })?;
         let metadata = HashMap::from([
-            (META_BUNDLE.to_string(), self.bundle_key.clone()),
+            (META_BUNDLE.to_string(), self.key(numerics)),
             (META_PROMPT.to_string(), sha256_hex(prompt.as_bytes())),
         ]);
         let bytes = safetensors::serialize([(TENSOR, view)], Some(metadata)).map_err(|e| {
@@ -193,7 +207,7 @@ impl PromptCache {
                 message: e.to_string(),
             }
         })?;
-        let path = self.path(prompt);
+        let path = self.path(&self.key(numerics), prompt);
         write_atomic(&path, &bytes)?;
         self.evict(&path)
     }

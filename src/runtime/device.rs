@@ -310,22 +310,21 @@ pub struct SessionConfig {
 
 impl SessionConfig {
     /// What of these settings can change a graph's outputs, for caches of outputs (the prompt
-    /// cache): the device (auto in a build with only the CPU is the CPU), the optimisation level,
-    /// TF32 on CUDA, where CoreML runs. Threads and memory settings change no output.
-    pub(crate) fn numerics(&self) -> String {
-        let device = match self.device {
+    /// cache), for a graph that runs on `ran_on` (`None`: not loaded yet): the device, the
+    /// optimisation level, TF32 on CUDA, where CoreML runs. Threads and memory settings change no
+    /// output. `None` when the device is not known yet: auto, before the graph loads, in a build
+    /// with several devices to try (in a build with only the CPU, auto is the CPU).
+    pub(crate) fn numerics(&self, ran_on: Option<Device>) -> Option<String> {
+        let device = match ran_on.unwrap_or(self.device) {
             Device::Auto if Device::auto_candidates() == [Device::Cpu] => Device::Cpu,
             device => device,
         };
         let level = self.optimization;
         match device {
-            Device::Cpu => format!("cpu {level:?}"),
-            Device::Cuda(_) => format!("cuda {level:?} tf32={}", self.cuda.tf32),
-            Device::CoreMl => format!("coreml {level:?} {:?}", self.coreml.compute_units),
-            Device::Auto => format!(
-                "auto {level:?} tf32={} {:?}",
-                self.cuda.tf32, self.coreml.compute_units
-            ),
+            Device::Cpu => Some(format!("cpu {level:?}")),
+            Device::Cuda(_) => Some(format!("cuda {level:?} tf32={}", self.cuda.tf32)),
+            Device::CoreMl => Some(format!("coreml {level:?} {:?}", self.coreml.compute_units)),
+            Device::Auto => None,
         }
     }
 
@@ -596,8 +595,11 @@ mod tests {
     #[test]
     fn numerics_name_what_changes_outputs() {
         let config = |device| SessionConfig::default().with_device(device);
-        let cpu = config(Device::Cpu).numerics();
-        assert_eq!(cpu, config(Device::Cpu).with_intra_threads(7).numerics());
+        let cpu = config(Device::Cpu).numerics(None);
+        assert_eq!(
+            cpu,
+            config(Device::Cpu).with_intra_threads(7).numerics(None)
+        );
         let cuda = config(Device::Cuda(0));
         let tf32 = cuda
             .clone()
@@ -608,18 +610,26 @@ mod tests {
             .with_coreml(CoreMlOptions::default().with_compute_units(ComputeUnits::CpuOnly));
         let all = [
             cpu.clone(),
-            cuda.numerics(),
-            tf32.numerics(),
-            coreml.numerics(),
-            on_cpu_only.numerics(),
+            cuda.numerics(None),
+            tf32.numerics(None),
+            coreml.numerics(None),
+            on_cpu_only.numerics(None),
             config(Device::Cpu)
                 .with_optimization(OptimizationLevel::Basic)
-                .numerics(),
+                .numerics(None),
         ];
+        assert!(all.iter().all(Option::is_some));
         let distinct: std::collections::HashSet<_> = all.iter().collect();
         assert_eq!(distinct.len(), all.len(), "{all:?}");
-        // Auto in a build with only the CPU is the CPU.
-        let auto = config(Device::Auto).numerics();
-        assert_eq!(auto == cpu, Device::auto_candidates() == [Device::Cpu]);
+        // Auto: the device it picked once the graph is loaded; before, only in a build with the
+        // CPU alone (the CPU), else unknown.
+        let auto = config(Device::Auto);
+        assert_eq!(auto.numerics(Some(Device::Cpu)), cpu);
+        assert_eq!(auto.numerics(Some(Device::Cuda(0))), cuda.numerics(None));
+        let before_load = auto.numerics(None);
+        match Device::auto_candidates() == [Device::Cpu] {
+            true => assert_eq!(before_load, cpu),
+            false => assert_eq!(before_load, None),
+        }
     }
 }
