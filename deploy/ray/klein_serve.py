@@ -15,6 +15,9 @@ file's ``args``), else an environment variable, else a default:
 | threads | KLEIN_THREADS | ONNX Runtime's choice | threads per operator in a replica |
 | loras | KLEIN_LORAS | none | FILE:SCALE, comma-separated |
 | low_memory | KLEIN_LOW_MEMORY | false | release the text encoder between requests and the transformer before decodes |
+| cpu_cache | KLEIN_CPU_CACHE | none | CPU load cache directory shared by the replicas (later ones load faster) |
+| prompt_cache | KLEIN_PROMPT_CACHE | none | directory of prompt embeddings, shared by the replicas |
+| prompt_cache_max_mib | KLEIN_PROMPT_CACHE_MAX_MIB | 4096 | most MiB its entries take (the least recently used go) |
 | replicas | KLEIN_REPLICAS | 1 | fixed number of replicas |
 | min_replicas, max_replicas | KLEIN_MIN_REPLICAS, KLEIN_MAX_REPLICAS | | autoscaling instead of replicas |
 | target_ongoing_requests | KLEIN_TARGET_ONGOING_REQUESTS | 1 | autoscaling target per replica |
@@ -388,6 +391,9 @@ class KleinDeployment:
         threads: int | None = None,
         loras: list[str] | None = None,
         low_memory: bool = False,
+        cpu_cache: str | None = None,
+        prompt_cache: str | None = None,
+        prompt_cache_max_mib: int | None = None,
         ort_lib: str | None = None,
     ) -> None:
         self.pipe = klein.Pipeline(
@@ -397,6 +403,9 @@ class KleinDeployment:
             loras=loras or [],
             keep_text_encoder=not low_memory,
             release_transformer=low_memory,
+            cpu_cache=cpu_cache,
+            prompt_cache=prompt_cache,
+            prompt_cache_max_mib=prompt_cache_max_mib,
             ort_lib=ort_lib,
         )
 
@@ -473,6 +482,9 @@ SETTINGS = {
     "threads": "KLEIN_THREADS",
     "loras": "KLEIN_LORAS",
     "low_memory": "KLEIN_LOW_MEMORY",
+    "cpu_cache": "KLEIN_CPU_CACHE",
+    "prompt_cache": "KLEIN_PROMPT_CACHE",
+    "prompt_cache_max_mib": "KLEIN_PROMPT_CACHE_MAX_MIB",
     "replicas": "KLEIN_REPLICAS",
     "min_replicas": "KLEIN_MIN_REPLICAS",
     "max_replicas": "KLEIN_MAX_REPLICAS",
@@ -538,6 +550,12 @@ def app_builder(args: dict[str, Any]) -> Application:
     else:
         options["num_replicas"] = number("replicas", int, 1, 1)
     loras = setting("loras")
+    if setting("prompt_cache_max_mib") is not None and setting("prompt_cache") is None:
+        raise ValueError("prompt_cache_max_mib needs prompt_cache (the directory it limits)")
+
+    def directory(name: str) -> str | None:  # replicas may run in another directory
+        return str(Path(setting(name)).resolve()) if setting(name) is not None else None
+
     return KleinDeployment.options(**options).bind(
         # Replicas may run in another directory: the bundle by its absolute path.
         model=str(Path(model).resolve()),
@@ -545,5 +563,10 @@ def app_builder(args: dict[str, Any]) -> Application:
         threads=number("threads", int, 0, 1) if setting("threads") is not None else None,
         loras=[spec.strip() for spec in loras.split(",") if spec.strip()] if loras else [],
         low_memory=_flag(setting("low_memory") or "false"),
+        cpu_cache=directory("cpu_cache"),
+        prompt_cache=directory("prompt_cache"),
+        prompt_cache_max_mib=(
+            number("prompt_cache_max_mib", int, 0, 1) if setting("prompt_cache_max_mib") is not None else None
+        ),
         ort_lib=setting("ort_lib"),
     )

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import requests
@@ -79,8 +80,16 @@ def expected(klein_bin, tiny_bundle, repo, tmp_path_factory) -> dict[str, bytes]
 
 
 @pytest.fixture(scope="module")
-def serve_url(repo, tiny_bundle):
-    """A local Ray cluster with the deployment at 2 replicas; its base URL."""
+def ray_caches(tmp_path_factory) -> dict[str, Path]:
+    """The CPU cache and prompt cache directories the replicas share."""
+    root = tmp_path_factory.mktemp("ray-caches")
+    return {"cpu_cache": root / "cpu", "prompt_cache": root / "prompts"}
+
+
+@pytest.fixture(scope="module")
+def serve_url(repo, tiny_bundle, ray_caches):
+    """A local Ray cluster with the deployment at 2 replicas sharing a CPU cache and a prompt
+    cache; its base URL."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if str(repo) not in sys.path:
         sys.path.insert(0, str(repo))
@@ -108,6 +117,8 @@ def serve_url(repo, tiny_bundle):
                 "num_cpus": "1",
                 "threads": "1",
                 "graceful_shutdown_timeout_s": "2",
+                **{name: str(path) for name, path in ray_caches.items()},
+                "prompt_cache_max_mib": "64",
             }
         )
         deployed = threading.Event()
@@ -358,6 +369,15 @@ def test_two_replicas_answer_the_cli_files_and_survive_a_killed_replica(serve_ur
     )
 
 
+def test_replicas_share_their_caches(serve_url, ray_caches):
+    """After the requests above (every image the CLI's file), the replicas' shared caches hold
+    each graph the CPU runs and an entry for each prompt the replicas encoded."""
+    saved = sorted(path.name for path in ray_caches["cpu_cache"].glob("*/*.onnx"))
+    assert {"text_encoder.onnx", "transformer.onnx", "vae_decoder.onnx"} <= set(saved), saved
+    entries = list(ray_caches["prompt_cache"].glob("*.safetensors"))
+    assert len(entries) >= len(JOBS), [entry.name for entry in entries]
+
+
 def test_app_builder_checks_its_settings(repo, tiny_bundle):
     """A bad setting is named when the application is built, not when its replicas fail to start."""
     if str(repo) not in sys.path:
@@ -370,9 +390,16 @@ def test_app_builder_checks_its_settings(repo, tiny_bundle):
         ({"model": model, "replicas": "abc"}, "replicas='abc': give a whole number of at least 1"),
         ({"model": model, "num_gpus": "-1"}, "num_gpus=-1.0"),
         ({"model": model, "max_replicas": "1", "min_replicas": "3"}, "max_replicas=1"),
+        ({"model": model, "prompt_cache": "p", "prompt_cache_max_mib": "0"}, "prompt_cache_max_mib=0: give"),
+        ({"model": model, "prompt_cache_max_mib": "5"}, "prompt_cache_max_mib needs prompt_cache"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             klein_serve.app_builder(args)
     # A Serve config's YAML list of LoRAs is taken as the list it is (it was one spec, "['a:0.5']").
     app = klein_serve.app_builder({"model": model, "loras": ["a.safetensors:0.5", "b.safetensors"]})
     assert app._bound_deployment.init_kwargs["loras"] == ["a.safetensors:0.5", "b.safetensors"]
+    # Cache directories by their absolute paths, as the replicas (in other directories) need them.
+    app = klein_serve.app_builder({"model": model, "cpu_cache": "c", "prompt_cache": "p"})
+    kwargs = app._bound_deployment.init_kwargs
+    assert (kwargs["cpu_cache"], kwargs["prompt_cache"]) == (str(Path("c").resolve()), str(Path("p").resolve()))
+    assert kwargs["prompt_cache_max_mib"] is None
