@@ -33,7 +33,10 @@ def session(bundle, spec: dict) -> ort.InferenceSession:
     except Exception as e:  # onnxruntime's NoSuchFile, InvalidProtobuf, Fail...
         raise BundleError(f"{path}: ONNX Runtime cannot load it ({e})") from e
     problems = []
-    sides = (("input", sess.get_inputs(), spec["inputs"]), ("output", sess.get_outputs(), spec["outputs"]))
+    sides = (
+        ("input", sess.get_inputs(), spec.get("inputs", [])),
+        ("output", sess.get_outputs(), spec.get("outputs", [])),
+    )
     for kind, found, listed in sides:
         found = {t.name: (t.type, len(t.shape)) for t in found}
         listed = {t["name"]: (_ORT_TYPES.get(t["dtype"], t["dtype"]), len(t["shape"])) for t in listed}

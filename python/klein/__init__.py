@@ -105,7 +105,6 @@ _NATIVE_PARAMS = {
     "guidance": "guidance_scale",
     "num_images": "num_images_per_prompt",
     "ort_library": "ort_lib",
-    "prompt_cache_mib": "prompt_cache_max_mib",
 }
 _U32 = 2**32
 _U64 = 2**64

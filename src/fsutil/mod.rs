@@ -42,6 +42,28 @@ pub fn file_id(metadata: &std::fs::Metadata) -> u64 {
     }
 }
 
+/// Sets `path`'s modification time to now, as a write would: on Unix with `futimens(fd, NULL)`,
+/// which any process that may write the file may do (setting an explicit time, as std's
+/// `set_modified` does, is for the file's owner only, so another user's files in a shared cache
+/// could not be renewed).
+#[allow(unsafe_code)]
+pub fn touch(path: &Path) -> std::io::Result<()> {
+    let file = File::options().write(true).open(path)?;
+    #[cfg(unix)]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a valid open descriptor; NULL times mean "now" for both.
+        match unsafe { libc::futimens(file.as_raw_fd(), std::ptr::null()) } {
+            0 => Ok(()),
+            _ => Err(std::io::Error::last_os_error()),
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        file.set_modified(std::time::SystemTime::now())
+    }
+}
+
 /// Lower-case hexadecimal of `bytes`.
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -78,6 +100,25 @@ pub fn sha256_file(path: &Path) -> Result<String> {
 #[allow(clippy::unwrap_used)] // tests may unwrap: a failure is a test failure
 mod tests {
     use super::*;
+
+    #[test]
+    fn touch_sets_the_modification_time_to_now() {
+        let path = std::env::temp_dir().join(format!("klein-touch-{}", std::process::id()));
+        std::fs::write(&path, b"x").unwrap();
+        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+        File::options()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        touch(&path).unwrap();
+        let modified = std::fs::metadata(&path).unwrap().modified().unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert!(modified > old + std::time::Duration::from_secs(3000));
+        assert_eq!(std::fs::read(&path).ok(), None, "removed");
+        assert!(touch(&path).is_err(), "a missing file is an error");
+    }
 
     #[test]
     fn hashes_as_sha256sum() {

@@ -43,6 +43,7 @@ mod lora_merge;
 pub mod metadata;
 pub mod options;
 pub mod progress;
+pub mod prompt_cache;
 pub mod prompts;
 pub mod request;
 mod warnings;
@@ -50,7 +51,8 @@ mod warnings;
 pub use denoise::{DenoiseContext, ReferenceTokens};
 pub use options::{PipelineOptions, VaeTiling};
 pub use progress::{Progress, ProgressFn, Stage, StepPreview, Timings};
-pub use prompts::{CacheLookup, PromptCache, PromptEmbeds, PromptMemo, DEFAULT_PROMPT_CACHE_MIB};
+pub use prompt_cache::{CacheLookup, PromptCache, DEFAULT_PROMPT_CACHE_MIB};
+pub use prompts::{PromptEmbeds, PromptMemo};
 pub use request::{Inpaint, MaskCrop, ReferenceSource, Request};
 
 pub use graphs::Placement;
@@ -153,7 +155,7 @@ impl Pipeline {
             vae_tile_size,
         } = options;
         request::check_session(&session)?;
-        request::check_prompt_cache_mib(prompt_cache_mib)?;
+        request::check_prompt_cache_mib(prompt_cache_mib, prompt_cache_dir.is_some())?;
         lora::check_specs(&loras)?;
         let manifest = Manifest::load(dir)?;
         // Before hashing or loading anything: can this device run the bundle at all?
@@ -197,8 +199,10 @@ impl Pipeline {
             dir.join(&manifest.tokenizer.file),
             manifest.tokenizer.clone(),
         );
-        let prompt_cache = prompt_cache_dir
-            .map(|cache_dir| PromptCache::new(cache_dir, &manifest, prompt_cache_mib));
+        let prompt_cache = prompt_cache_dir.map(|cache_dir| {
+            let mib = prompt_cache_mib.unwrap_or(DEFAULT_PROMPT_CACHE_MIB);
+            PromptCache::new(cache_dir, &manifest, mib)
+        });
         let loras = LoraSet::load(&loras, &manifest, dir)?;
         Ok(Pipeline {
             dir: dir.to_path_buf(),
@@ -322,10 +326,11 @@ impl Pipeline {
         mut progress: Option<&mut ProgressFn<'_>>,
     ) -> Result<PromptEmbeds> {
         request::check_prompt(prompt)?;
-        // The prompt cache is read before the encoder loads where its device is known, else
-        // (auto with several devices to try) once it has loaded.
-        let numerics = self.encoder_numerics();
-        if let Some(hit) = self.cached_prompt(prompt, numerics.as_deref())? {
+        // The prompt cache is read before the encoder loads, keyed by the device it will likely
+        // run on (auto's guess, or where it ran before), and again once it has loaded if auto
+        // picked another device.
+        let likely = self.encoder_numerics();
+        if let Some(hit) = self.cached_prompt(prompt, &likely)? {
             return Ok(hit);
         }
         // The encoder's files are read ahead of its own page faults, then the transformer's while
@@ -345,17 +350,12 @@ impl Pipeline {
         runtime::prefetch_in_turn(running, later);
         // The encoder loads while the tokenizer's parse ends ([`ParsedTokenizer`]).
         self.graph(Component::TextEncoder, None, &mut progress)?;
-        // Loaded: its device is known now.
-        let numerics = match numerics {
-            Some(numerics) => numerics,
-            None => {
-                let numerics = self.encoder_numerics();
-                if let Some(hit) = self.cached_prompt(prompt, numerics.as_deref())? {
-                    return Ok(hit);
-                }
-                numerics.unwrap_or_default()
+        let numerics = self.encoder_numerics();
+        if numerics != likely {
+            if let Some(hit) = self.cached_prompt(prompt, &numerics)? {
+                return Ok(hit);
             }
-        };
+        }
         let encoded = self.tokenizer.get()?.encode(prompt)?;
         let seq = encoded.input_ids.len();
         // [L] -> [1, L]
@@ -388,25 +388,31 @@ impl Pipeline {
         })
     }
 
-    /// The text encoder's settings that change its outputs, for the prompt cache: on the device
-    /// it was loaded on, or will be; `None` while that is not known (auto, before the load, in a
-    /// build with several devices to try).
-    fn encoder_numerics(&mut self) -> Option<String> {
-        let ran_on = self
-            .graphs
-            .loaded(Component::TextEncoder)
-            .map(|graph| graph.device());
-        self.session.numerics(ran_on)
+    /// The text encoder's settings that change its outputs, for the prompt cache, on the device
+    /// it runs on: loaded, or loaded before (its session since released), or for auto the
+    /// device it will likely get ([`Device::likely`]).
+    fn encoder_numerics(&mut self) -> String {
+        let ran_on = match self.graphs.loaded(Component::TextEncoder) {
+            Some(graph) => Some(graph.device()),
+            None => self
+                .graphs
+                .placements()
+                .iter()
+                .find(|placement| placement.component == Component::TextEncoder)
+                .map(|placement| placement.device),
+        };
+        let device = ran_on.unwrap_or_else(|| {
+            let spec = &self.manifest.graphs.text_encoder;
+            let skip = support::auto_skip(spec.precision, spec.quantization.as_ref());
+            self.session.device.likely(&skip)
+        });
+        self.session.numerics(device)
     }
 
     /// The prompt cache's embeddings of `prompt` encoded with `numerics`, if it has them (`None`
-    /// also without a cache, or while `numerics` is not known); an entry it rejects is a warning.
-    fn cached_prompt(
-        &mut self,
-        prompt: &str,
-        numerics: Option<&str>,
-    ) -> Result<Option<PromptEmbeds>> {
-        let (Some(cache), Some(numerics)) = (&self.prompt_cache, numerics) else {
+    /// also without a cache); an entry it rejects is a warning.
+    fn cached_prompt(&mut self, prompt: &str, numerics: &str) -> Result<Option<PromptEmbeds>> {
+        let Some(cache) = &self.prompt_cache else {
             return Ok(None);
         };
         match cache.get(prompt, numerics) {

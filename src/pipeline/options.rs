@@ -22,8 +22,8 @@ pub struct PipelineOptions {
     pub(crate) cache_dir: Option<PathBuf>,
     /// Directory of the on-disk prompt-embedding cache (`None`: no cache).
     pub(crate) prompt_cache_dir: Option<PathBuf>,
-    /// Most MiB the prompt cache's entries may take.
-    pub(crate) prompt_cache_mib: u64,
+    /// Most MiB the prompt cache's entries may take (`None`: the default).
+    pub(crate) prompt_cache_mib: Option<u64>,
     /// LoRAs merged into the transformer ([`crate::pipeline::Pipeline::set_loras`]).
     pub(crate) loras: Vec<LoraSpec>,
     /// Tiled VAE decoding and encoding.
@@ -87,7 +87,7 @@ impl Default for PipelineOptions {
             verify_hashes: true,
             cache_dir: None,
             prompt_cache_dir: None,
-            prompt_cache_mib: super::prompts::DEFAULT_PROMPT_CACHE_MIB,
+            prompt_cache_mib: None,
             loras: Vec::new(),
             vae_tiling: VaeTiling::default(),
             vae_tile_size: None,
@@ -188,9 +188,9 @@ impl PipelineOptions {
     }
     /// Most MiB the prompt cache directory's entries may take together, those of other bundles
     /// included (default [`super::DEFAULT_PROMPT_CACHE_MIB`]; 1 to
-    /// [`crate::limits::MAX_PROMPT_CACHE_MIB`]).
+    /// [`crate::limits::MAX_PROMPT_CACHE_MIB`]); refused without [`Self::with_prompt_cache_dir`].
     pub fn with_prompt_cache_limit_mib(mut self, mib: u64) -> Self {
-        self.prompt_cache_mib = mib;
+        self.prompt_cache_mib = Some(mib);
         self
     }
 }

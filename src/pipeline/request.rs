@@ -523,17 +523,21 @@ pub(crate) fn check_session(session: &SessionConfig) -> Result<()> {
     Ok(())
 }
 
-/// Checks the prompt cache's size limit, in MiB.
-pub(crate) fn check_prompt_cache_mib(mib: u64) -> Result<()> {
-    if mib == 0 || mib > MAX_PROMPT_CACHE_MIB {
-        return Err(KleinError::request_about(
-            "prompt_cache_mib",
-            format!(
-            "the prompt cache limit is {mib} MiB: it must be between 1 and {MAX_PROMPT_CACHE_MIB}"
-        ),
-        ));
+/// Checks the prompt cache's size limit, in MiB, where one is given: within its bounds, and with
+/// a cache directory to limit.
+pub(crate) fn check_prompt_cache_mib(mib: Option<u64>, has_dir: bool) -> Result<()> {
+    let param = "prompt_cache_max_mib";
+    match mib {
+        Some(mib) if mib == 0 || mib > MAX_PROMPT_CACHE_MIB => Err(KleinError::request_about(
+            param,
+            format!("{param} is {mib}: it must be between 1 and {MAX_PROMPT_CACHE_MIB} (MiB)"),
+        )),
+        Some(_) if !has_dir => Err(KleinError::request_about(
+            param,
+            format!("{param} needs a prompt cache directory (prompt_cache) to limit"),
+        )),
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 /// Output size in pixels for a request: explicit, else the first reference's, else the bundle's

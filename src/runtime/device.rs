@@ -79,6 +79,31 @@ impl Device {
         candidates.push(Device::Cpu);
         candidates
     }
+
+    /// The device a graph is likely to run on before it loads: this one, or for auto the first
+    /// device it may try (not in `skip`) whose execution provider the loaded ONNX Runtime library
+    /// has. A guess: that provider can still fail when the session is created (no GPU), and auto
+    /// then goes on to the next device.
+    pub(crate) fn likely(self, skip: &[(Device, String)]) -> Device {
+        #[cfg(any(feature = "cuda", feature = "coreml"))]
+        use ort::ep::ExecutionProvider;
+        if self != Device::Auto {
+            return self;
+        }
+        let has_provider = |device: Device| match device {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => ort::ep::CUDA::is_available().unwrap_or(false),
+            #[cfg(feature = "coreml")]
+            Device::CoreMl => ort::ep::CoreML::is_available().unwrap_or(false),
+            Device::Cpu => true,
+            _ => false,
+        };
+        Device::auto_candidates()
+            .into_iter()
+            .filter(|device| !skip.iter().any(|(skipped, _)| skipped == device))
+            .find(|&device| has_provider(device))
+            .unwrap_or(Device::Cpu)
+    }
 }
 
 impl fmt::Display for Device {
@@ -309,22 +334,20 @@ pub struct SessionConfig {
 }
 
 impl SessionConfig {
-    /// What of these settings can change a graph's outputs, for caches of outputs (the prompt
-    /// cache), for a graph that runs on `ran_on` (`None`: not loaded yet): the device, the
-    /// optimisation level, TF32 on CUDA, where CoreML runs. Threads and memory settings change no
-    /// output. `None` when the device is not known yet: auto, before the graph loads, in a build
-    /// with several devices to try (in a build with only the CPU, auto is the CPU).
-    pub(crate) fn numerics(&self, ran_on: Option<Device>) -> Option<String> {
-        let device = match ran_on.unwrap_or(self.device) {
-            Device::Auto if Device::auto_candidates() == [Device::Cpu] => Device::Cpu,
-            device => device,
-        };
+    /// What of these settings can change the outputs of a graph that runs on `device`, for caches
+    /// of outputs (the prompt cache): the device, the optimisation level, TF32 on CUDA, where
+    /// CoreML runs. Threads and memory settings change no output. `device` is where the graph ran
+    /// or will run ([`Device::likely`] for auto before a load).
+    pub(crate) fn numerics(&self, device: Device) -> String {
         let level = self.optimization;
         match device {
-            Device::Cpu => Some(format!("cpu {level:?}")),
-            Device::Cuda(_) => Some(format!("cuda {level:?} tf32={}", self.cuda.tf32)),
-            Device::CoreMl => Some(format!("coreml {level:?} {:?}", self.coreml.compute_units)),
-            Device::Auto => None,
+            Device::Cpu => format!("cpu {level:?}"),
+            Device::Cuda(_) => format!("cuda {level:?} tf32={}", self.cuda.tf32),
+            Device::CoreMl => format!("coreml {level:?} {:?}", self.coreml.compute_units),
+            Device::Auto => format!(
+                "auto {level:?} tf32={} {:?}",
+                self.cuda.tf32, self.coreml.compute_units
+            ),
         }
     }
 
@@ -595,11 +618,9 @@ mod tests {
     #[test]
     fn numerics_name_what_changes_outputs() {
         let config = |device| SessionConfig::default().with_device(device);
-        let cpu = config(Device::Cpu).numerics(None);
-        assert_eq!(
-            cpu,
-            config(Device::Cpu).with_intra_threads(7).numerics(None)
-        );
+        let numerics = |config: &SessionConfig| config.numerics(config.device);
+        let cpu = numerics(&config(Device::Cpu));
+        assert_eq!(cpu, numerics(&config(Device::Cpu).with_intra_threads(7)));
         let cuda = config(Device::Cuda(0));
         let tf32 = cuda
             .clone()
@@ -610,26 +631,33 @@ mod tests {
             .with_coreml(CoreMlOptions::default().with_compute_units(ComputeUnits::CpuOnly));
         let all = [
             cpu.clone(),
-            cuda.numerics(None),
-            tf32.numerics(None),
-            coreml.numerics(None),
-            on_cpu_only.numerics(None),
-            config(Device::Cpu)
-                .with_optimization(OptimizationLevel::Basic)
-                .numerics(None),
+            numerics(&cuda),
+            numerics(&tf32),
+            numerics(&coreml),
+            numerics(&on_cpu_only),
+            numerics(&config(Device::Cpu).with_optimization(OptimizationLevel::Basic)),
         ];
-        assert!(all.iter().all(Option::is_some));
         let distinct: std::collections::HashSet<_> = all.iter().collect();
         assert_eq!(distinct.len(), all.len(), "{all:?}");
-        // Auto: the device it picked once the graph is loaded; before, only in a build with the
-        // CPU alone (the CPU), else unknown.
+        // Auto is keyed by the device it runs on.
         let auto = config(Device::Auto);
-        assert_eq!(auto.numerics(Some(Device::Cpu)), cpu);
-        assert_eq!(auto.numerics(Some(Device::Cuda(0))), cuda.numerics(None));
-        let before_load = auto.numerics(None);
-        match Device::auto_candidates() == [Device::Cpu] {
-            true => assert_eq!(before_load, cpu),
-            false => assert_eq!(before_load, None),
+        assert_eq!(auto.numerics(Device::Cpu), cpu);
+        assert_eq!(auto.numerics(Device::Cuda(0)), numerics(&cuda));
+    }
+
+    /// Auto's likely device: the CPU where no other provider is compiled in (or none but the CPU
+    /// may run the graph); a named device is itself.
+    #[test]
+    fn auto_is_likely_the_cpu_without_other_providers() {
+        assert_eq!(Device::Cuda(1).likely(&[]), Device::Cuda(1));
+        let others: Vec<_> = Device::auto_candidates()
+            .into_iter()
+            .filter(|d| *d != Device::Cpu)
+            .map(|d| (d, "skipped".to_string()))
+            .collect();
+        assert_eq!(Device::Auto.likely(&others), Device::Cpu);
+        if Device::auto_candidates() == [Device::Cpu] {
+            assert_eq!(Device::Auto.likely(&[]), Device::Cpu);
         }
     }
 }

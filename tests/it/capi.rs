@@ -326,7 +326,17 @@ fn entry_points_check_their_arguments() {
                 prompt_cache_max_mib: u64::MAX,
                 ..options
             },
-            &["the prompt cache limit", "between 1 and 16777216"],
+            &[
+                "prompt_cache_max_mib is 18446744073709551615",
+                "between 1 and 16777216",
+            ],
+        ),
+        (
+            KleinOptions {
+                prompt_cache_max_mib: 64,
+                ..options
+            },
+            &["prompt_cache_max_mib needs a prompt cache directory"],
         ),
     ];
     for (bad, needles) in refused {

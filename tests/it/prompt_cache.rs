@@ -111,7 +111,7 @@ fn cached_embeddings_equal_fresh_ones() {
         .unwrap()
         .embeds;
     assert_eq!(again, fresh, "encoded again");
-    assert_warned(&mut p, "another bundle or prompt");
+    assert_warned(&mut p, "another bundle, device setting or prompt");
     assert!(
         tensor_bytes(&std::fs::read(&entries[0]).unwrap()) == tensor_bytes(&original),
         "the entry is rewritten with this prompt's embeddings"
@@ -233,8 +233,25 @@ fn the_least_recently_used_entries_go_past_the_limit() {
     }
     let notes = cache.join("notes.safetensors");
     std::fs::write(&notes, vec![0u8; 2 << 20]).unwrap();
+    // Someone's sha256-named safetensors file (a LoRA, say), older than every entry: not klein's.
+    let foreign = cache.join(format!("{}.safetensors", "ab".repeat(32)));
+    let data = vec![0u8; 3 << 20];
+    let view = TensorView::new(Dtype::F32, vec![data.len() / 4], &data).unwrap();
+    std::fs::write(
+        &foreign,
+        safetensors::serialize([("w", view)], None).unwrap(),
+    )
+    .unwrap();
+    let file = std::fs::File::options().write(true).open(&foreign).unwrap();
+    file.set_modified(now - std::time::Duration::from_secs(5000))
+        .unwrap();
 
     // A hit renews prompt 0; a new prompt then pushes out prompt 1, the least recently used.
+    let cache_entries = |cache: &Path| {
+        let mut entries = cache_entries(cache);
+        entries.remove(&foreign);
+        entries
+    };
     let before = cache_entries(&cache);
     p.encode_prompt("prompt 0", None).unwrap();
     assert_eq!(cache_entries(&cache), before, "a hit writes nothing");
@@ -246,6 +263,9 @@ fn the_least_recently_used_entries_go_past_the_limit() {
     assert!(!after.contains(&paths[1]), "the least recently used went");
     assert!(after.contains(&paths[0]), "the renewed one stayed");
     assert!(paths[2..].iter().all(|path| after.contains(path)));
-    assert!(notes.exists(), "not an entry: left alone");
+    assert!(
+        notes.exists() && foreign.exists(),
+        "not entries: left alone"
+    );
     assert!(p.take_warnings().is_empty());
 }
