@@ -109,6 +109,9 @@ pub struct KleinOptions {
     /// Most MiB the prompt cache's entries may take (the least recently used are removed past
     /// it); 0: 4096.
     pub prompt_cache_max_mib: u64,
+    /// Most GiB the CPU cache's entries may take (the least recently used are removed when a
+    /// graph is saved past it); 0: no limit.
+    pub cpu_cache_max_gib: u64,
 }
 
 /// What to generate: `num_images` images of one prompt. Zero-initialise, then set what you need.
@@ -625,6 +628,7 @@ unsafe fn pipeline_options(options: &KleinOptions) -> Result<PipelineOptions, Fa
         release_transformer,
         prompt_cache_dir,
         prompt_cache_max_mib,
+        cpu_cache_max_gib,
     } = *options;
     let mut result = PipelineOptions::default().with_release_transformer(release_transformer);
     // SAFETY: the caller's guarantee.
@@ -658,6 +662,9 @@ unsafe fn pipeline_options(options: &KleinOptions) -> Result<PipelineOptions, Fa
     }
     if prompt_cache_max_mib > 0 {
         result = result.with_prompt_cache_limit_mib(prompt_cache_max_mib);
+    }
+    if cpu_cache_max_gib > 0 {
+        result = result.with_cpu_cache_limit_gib(cpu_cache_max_gib);
     }
     let mut coreml = CoreMlOptions::default();
     // SAFETY: the caller's guarantee.

@@ -45,6 +45,8 @@ pub const MAX_LORA_FILE_BYTES: u64 = 4 * 1024 * 1024 * 1024;
 
 /// Largest size limit of a prompt cache directory, in MiB (16 TiB): more is no limit at all.
 pub const MAX_PROMPT_CACHE_MIB: u64 = 16 * 1024 * 1024;
+/// Largest size limit of a CPU cache directory, in GiB (16 TiB).
+pub const MAX_CPU_CACHE_GIB: u64 = 16 * 1024;
 
 /// Largest width or height of a reference file this runtime decodes, to refuse decompression
 /// bombs before allocating.

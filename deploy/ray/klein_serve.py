@@ -16,6 +16,7 @@ file's ``args``), else an environment variable, else a default:
 | loras | KLEIN_LORAS | none | FILE:SCALE, comma-separated |
 | low_memory | KLEIN_LOW_MEMORY | false | release the text encoder between requests and the transformer before decodes |
 | cpu_cache | KLEIN_CPU_CACHE | none | CPU load cache directory shared by the replicas (later ones load faster) |
+| cpu_cache_max_gib | KLEIN_CPU_CACHE_MAX_GIB | no limit | most GiB its entries take (the least recently used go) |
 | prompt_cache | KLEIN_PROMPT_CACHE | none | directory of prompt embeddings, shared by the replicas |
 | prompt_cache_max_mib | KLEIN_PROMPT_CACHE_MAX_MIB | 4096 | most MiB its entries take (the least recently used go) |
 | replicas | KLEIN_REPLICAS | 1 | fixed number of replicas |
@@ -392,6 +393,7 @@ class KleinDeployment:
         loras: list[str] | None = None,
         low_memory: bool = False,
         cpu_cache: str | None = None,
+        cpu_cache_max_gib: int | None = None,
         prompt_cache: str | None = None,
         prompt_cache_max_mib: int | None = None,
         ort_lib: str | None = None,
@@ -404,6 +406,7 @@ class KleinDeployment:
             keep_text_encoder=not low_memory,
             release_transformer=low_memory,
             cpu_cache=cpu_cache,
+            cpu_cache_max_gib=cpu_cache_max_gib,
             prompt_cache=prompt_cache,
             prompt_cache_max_mib=prompt_cache_max_mib,
             ort_lib=ort_lib,
@@ -483,6 +486,7 @@ SETTINGS = {
     "loras": "KLEIN_LORAS",
     "low_memory": "KLEIN_LOW_MEMORY",
     "cpu_cache": "KLEIN_CPU_CACHE",
+    "cpu_cache_max_gib": "KLEIN_CPU_CACHE_MAX_GIB",
     "prompt_cache": "KLEIN_PROMPT_CACHE",
     "prompt_cache_max_mib": "KLEIN_PROMPT_CACHE_MAX_MIB",
     "replicas": "KLEIN_REPLICAS",
@@ -550,8 +554,12 @@ def app_builder(args: dict[str, Any]) -> Application:
     else:
         options["num_replicas"] = number("replicas", int, 1, 1)
     loras = setting("loras")
-    if setting("prompt_cache_max_mib") is not None and setting("prompt_cache") is None:
-        raise ValueError("prompt_cache_max_mib needs prompt_cache (the directory it limits)")
+    for bound, cache in (("prompt_cache_max_mib", "prompt_cache"), ("cpu_cache_max_gib", "cpu_cache")):
+        if setting(bound) is not None and setting(cache) is None:
+            raise ValueError(f"{bound} needs {cache} (the directory it limits)")
+
+    def limit(name: str) -> int | None:
+        return number(name, int, 0, 1) if setting(name) is not None else None
 
     def directory(name: str) -> str | None:  # replicas may run in another directory
         return str(Path(setting(name)).resolve()) if setting(name) is not None else None
@@ -564,9 +572,8 @@ def app_builder(args: dict[str, Any]) -> Application:
         loras=[spec.strip() for spec in loras.split(",") if spec.strip()] if loras else [],
         low_memory=_flag(setting("low_memory") or "false"),
         cpu_cache=directory("cpu_cache"),
+        cpu_cache_max_gib=limit("cpu_cache_max_gib"),
         prompt_cache=directory("prompt_cache"),
-        prompt_cache_max_mib=(
-            number("prompt_cache_max_mib", int, 0, 1) if setting("prompt_cache_max_mib") is not None else None
-        ),
+        prompt_cache_max_mib=limit("prompt_cache_max_mib"),
         ort_lib=setting("ort_lib"),
     )

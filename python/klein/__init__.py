@@ -409,7 +409,9 @@ class Pipeline:
     ``vae_tile_size``: the VAE's tile side in pixels, a multiple of 64 (default: the bundle's, 1024),
     as diffusers' ``vae.tile_sample_min_size``. ``cpu_cache``: a directory where the CPU keeps each graph
     as ONNX Runtime optimised it, with its prepacked weights (the first load writes it, about the
-    bundle's size again; later loads map it and are faster). ``prompt_cache``: a directory where
+    bundle's size again; later loads map it and are faster); its entries take at most
+    ``cpu_cache_max_gib`` GiB (default: no limit), the least recently used removed when a graph is
+    saved past it. ``prompt_cache``: a directory where
     prompt embeddings are kept between calls and processes (a prompt seen before skips the text
     encoder); its entries take at most ``prompt_cache_max_mib`` MiB (default 4096), the least
     recently used removed past it. ``ort_lib``: the ONNX Runtime library
@@ -429,6 +431,7 @@ class Pipeline:
         vae_tiling: Literal["auto", "on", "off"] | bool | None = None,
         vae_tile_size: int | None = None,
         cpu_cache: str | os.PathLike[str] | None = None,
+        cpu_cache_max_gib: int | None = None,
         prompt_cache: str | os.PathLike[str] | None = None,
         prompt_cache_max_mib: int | None = None,
         ort_lib: str | os.PathLike[str] | None = None,
@@ -453,6 +456,7 @@ class Pipeline:
             "vae_tiling": _vae_tiling(vae_tiling, vae_tile_size),
             "vae_tile_size": _count("vae_tile_size", vae_tile_size, bounds=(64, MAX_SIDE)),
             "cpu_cache": _path("cpu_cache", cpu_cache),
+            "cpu_cache_max_gib": _count("cpu_cache_max_gib", cpu_cache_max_gib, limit=_U64),
             "prompt_cache": _path("prompt_cache", prompt_cache),
             "prompt_cache_max_mib": _count("prompt_cache_max_mib", prompt_cache_max_mib, limit=_U64),
             "ort_lib": os.fsdecode(find_ort_library(_path("ort_lib", ort_lib))),

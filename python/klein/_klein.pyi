@@ -84,6 +84,7 @@ class Pipeline:
         vae_tiling: str = "auto",
         vae_tile_size: int | None = None,
         cpu_cache: str | None = None,
+        cpu_cache_max_gib: int | None = None,
         prompt_cache: str | None = None,
         prompt_cache_max_mib: int | None = None,
         ort_lib: str | os.PathLike[str] | None = None,

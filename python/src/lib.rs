@@ -519,7 +519,7 @@ impl PyPipeline {
     /// Loads the bundle at `model` (see `klein.Pipeline`; here every argument is explicit).
     #[new]
     #[allow(clippy::too_many_arguments)] // the keyword arguments of a Python call
-    #[pyo3(signature = (model, *, device = "cpu", threads = None, loras = Vec::new(), verify_hashes = true, keep_text_encoder = false, release_transformer = false, vae_tiling = "auto", vae_tile_size = None, cpu_cache = None, prompt_cache = None, prompt_cache_max_mib = None, ort_lib = None))]
+    #[pyo3(signature = (model, *, device = "cpu", threads = None, loras = Vec::new(), verify_hashes = true, keep_text_encoder = false, release_transformer = false, vae_tiling = "auto", vae_tile_size = None, cpu_cache = None, cpu_cache_max_gib = None, prompt_cache = None, prompt_cache_max_mib = None, ort_lib = None))]
     fn new(
         py: Python<'_>,
         model: PathBuf,
@@ -532,6 +532,7 @@ impl PyPipeline {
         vae_tiling: &str,
         vae_tile_size: Option<u32>,
         cpu_cache: Option<PathBuf>,
+        cpu_cache_max_gib: Option<u64>,
         prompt_cache: Option<PathBuf>,
         prompt_cache_max_mib: Option<u64>,
         ort_lib: Option<PathBuf>,
@@ -561,6 +562,9 @@ impl PyPipeline {
         }
         if let Some(dir) = cpu_cache {
             options = options.with_cpu_cache_dir(dir);
+        }
+        if let Some(gib) = cpu_cache_max_gib {
+            options = options.with_cpu_cache_limit_gib(gib);
         }
         if let Some(dir) = prompt_cache {
             options = options.with_prompt_cache_dir(dir);

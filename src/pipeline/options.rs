@@ -142,6 +142,11 @@ impl PipelineOptions {
         self.session = self.session.with_cpu_cache_dir(dir);
         self
     }
+    /// Most GiB the CPU cache's entries may take; see [`SessionConfig::with_cpu_cache_limit_gib`].
+    pub fn with_cpu_cache_limit_gib(mut self, gib: u64) -> Self {
+        self.session = self.session.with_cpu_cache_limit_gib(gib);
+        self
+    }
     /// Every session setting at once.
     pub fn with_session(mut self, session: SessionConfig) -> Self {
         self.session = session;

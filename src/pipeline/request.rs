@@ -8,8 +8,8 @@ use super::prompts::PromptEmbeds;
 use crate::bundle::Manifest;
 use crate::error::{KleinError, Result};
 use crate::limits::{
-    MAX_BATCH, MAX_GUIDANCE, MAX_IMAGE_TOKENS, MAX_PROMPT_BYTES, MAX_PROMPT_CACHE_MIB,
-    MAX_REFERENCES, MAX_SIDE, MAX_STEPS, MAX_THREADS, MIN_SIDE,
+    MAX_BATCH, MAX_CPU_CACHE_GIB, MAX_GUIDANCE, MAX_IMAGE_TOKENS, MAX_PROMPT_BYTES,
+    MAX_PROMPT_CACHE_MIB, MAX_REFERENCES, MAX_SIDE, MAX_STEPS, MAX_THREADS, MIN_SIDE,
 };
 use crate::runtime::SessionConfig;
 use crate::stages::inpaint::first_step;
@@ -512,6 +512,22 @@ pub fn check_reference_count(count: usize) -> Result<()> {
 
 /// The load options' numbers: at most [`MAX_THREADS`] threads, and at least 1 when given.
 pub(crate) fn check_session(session: &SessionConfig) -> Result<()> {
+    let param = "cpu_cache_max_gib";
+    match session.cpu_cache_gib {
+        Some(gib) if gib == 0 || gib > MAX_CPU_CACHE_GIB => {
+            return Err(KleinError::request_about(
+                param,
+                format!("{param} is {gib}: it must be between 1 and {MAX_CPU_CACHE_GIB} (GiB)"),
+            ))
+        }
+        Some(_) if session.cpu_cache_dir.is_none() => {
+            return Err(KleinError::request_about(
+                param,
+                format!("{param} needs a CPU cache directory (cpu_cache) to limit"),
+            ))
+        }
+        _ => {}
+    }
     if let Some(threads) = session.intra_threads {
         if threads == 0 || threads > MAX_THREADS {
             return Err(KleinError::request(format!(

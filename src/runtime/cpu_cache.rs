@@ -22,7 +22,7 @@ use sha2::{Digest, Sha256};
 
 use super::cpu_features::detected_features;
 use super::device::OptimizationLevel;
-use crate::fsutil::{file_id, hex, remove_stale, WorkDir};
+use crate::fsutil::{file_id, hex, remove_stale, touch, WorkDir};
 
 /// Bumped when the layout of an entry changes.
 const CACHE_FORMAT: &str = "klein-cpu-cache-1";
@@ -131,6 +131,68 @@ impl CacheEntry {
             Err(_) if self.dir.exists() => Ok(()),
             renamed => renamed,
         }
+    }
+
+    /// Marks the entry used now (its list of files' modification time, which the list leaves out
+    /// of itself), for [`CacheEntry::evict_others`]; a read-only cache is still used.
+    pub(super) fn used(&self) {
+        let _ = touch(&self.dir.join(STAMP_FILE));
+    }
+
+    /// Removes the least recently used entries of the cache directory (by when each was saved or
+    /// last used) until they take at most `limit` bytes with this one, which stays. Only entries
+    /// are counted and removed (folders named `<32 hex digits>` holding a list of files): nothing
+    /// else of the directory, which may be any the user named. An entry that cannot be removed
+    /// (another user's) is passed over, the next ones removed, and the first error returned.
+    pub(super) fn evict_others(&self, limit: u64) -> std::io::Result<()> {
+        let Some(root) = self.dir.parent() else {
+            return Ok(());
+        };
+        let mut total = 0u64;
+        let mut others = Vec::new(); // (last used, folder, bytes)
+        for item in std::fs::read_dir(root)?.flatten() {
+            let name = item.file_name();
+            let is_key = name
+                .to_str()
+                .is_some_and(|n| n.len() == 32 && n.bytes().all(|b| b.is_ascii_hexdigit()));
+            let dir = item.path();
+            let Ok(stamp) = std::fs::metadata(dir.join(STAMP_FILE)) else {
+                continue;
+            };
+            if !is_key || !item.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            let bytes: u64 = std::fs::read_dir(&dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|file| file.metadata().ok())
+                .map(|meta| meta.len())
+                .sum();
+            total += bytes;
+            if dir != self.dir {
+                let used = stamp.modified().unwrap_or(UNIX_EPOCH);
+                others.push((used, dir, bytes));
+            }
+        }
+        others.sort();
+        let mut first_error = None;
+        for (_, dir, bytes) in others {
+            if total <= limit {
+                break;
+            }
+            match std::fs::remove_dir_all(&dir) {
+                Ok(()) => total -= bytes,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => total -= bytes,
+                Err(e) => {
+                    first_error.get_or_insert(std::io::Error::new(
+                        e.kind(),
+                        format!("{}: {e}", dir.display()),
+                    ));
+                }
+            }
+        }
+        first_error.map_or(Ok(()), Err)
     }
 
     /// Removes an entry ONNX Runtime could not load (truncated by a full disk, say), or one whose
@@ -289,6 +351,66 @@ mod tests {
             assert_ne!(dir(base), dir(other), "{other:?}");
         }
         assert!(!cpu_identity().is_empty());
+    }
+
+    /// Past the limit the least recently used entries go (a use renews one), the one just saved
+    /// stays, and nothing that is not an entry is counted or removed.
+    #[test]
+    fn the_least_recently_used_entries_go_past_the_limit() {
+        let root = std::env::temp_dir().join(format!("klein-cpu-evict-{}", std::process::id()));
+        let entry = |tag: &str| {
+            CacheEntry::new(
+                &root,
+                "text_encoder",
+                tag,
+                "ort",
+                OptimizationLevel::All,
+                true,
+                false,
+            )
+        };
+        let now = std::time::SystemTime::now();
+        // Four entries of 100 bytes, saved 400, 300, 200 and 100 s ago.
+        let entries: Vec<CacheEntry> = ["a", "b", "c", "d"].into_iter().map(entry).collect();
+        for (i, e) in entries.iter().enumerate() {
+            let (partial, file) = e.start().unwrap();
+            std::fs::write(&file, vec![0u8; 100]).unwrap();
+            e.finish(partial).unwrap();
+            let age = std::time::Duration::from_secs(400 - 100 * i as u64);
+            std::fs::File::options()
+                .write(true)
+                .open(e.dir().join(STAMP_FILE))
+                .unwrap()
+                .set_modified(now - age)
+                .unwrap();
+        }
+        // Not entries: a folder of the user's, a key-named folder without a list of files.
+        std::fs::create_dir_all(root.join("photos")).unwrap();
+        std::fs::write(root.join("photos/big"), vec![0u8; 10_000]).unwrap();
+        let unlisted = root.join("0123456789abcdef0123456789abcdef");
+        std::fs::create_dir_all(&unlisted).unwrap();
+        std::fs::write(unlisted.join("x.onnx"), vec![0u8; 10_000]).unwrap();
+        // "a" used now; "d", the newest, evicts down to 2 entries (each 100 bytes and its list).
+        entries[0].used();
+        let size = |e: &CacheEntry| -> u64 {
+            std::fs::read_dir(e.dir())
+                .unwrap()
+                .map(|f| f.unwrap().metadata().unwrap().len())
+                .sum()
+        };
+        let limit = size(&entries[0]) + size(&entries[3]);
+        entries[3].evict_others(limit).unwrap();
+        let left: Vec<bool> = entries.iter().map(|e| e.dir().exists()).collect();
+        assert_eq!(
+            left,
+            [true, false, false, true],
+            "b and c were the least recently used"
+        );
+        assert!(root.join("photos/big").exists() && unlisted.join("x.onnx").exists());
+        // A limit below the newest entry alone keeps it.
+        entries[3].evict_others(1).unwrap();
+        assert!(!entries[0].dir().exists() && entries[3].dir().exists());
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

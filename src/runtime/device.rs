@@ -328,6 +328,9 @@ pub struct SessionConfig {
     /// Where CPU sessions keep their optimised graphs with prepacked weights between processes
     /// (see [`Self::with_cpu_cache_dir`]); `None`: every load optimises and prepacks again.
     pub(crate) cpu_cache_dir: Option<PathBuf>,
+    /// Most GiB the CPU cache's entries may take (see [`Self::with_cpu_cache_limit_gib`]);
+    /// `None`: no limit.
+    pub(crate) cpu_cache_gib: Option<u64>,
     /// What identifies this graph's files in the CPU cache (set per graph by the pipeline from the
     /// manifest's sha256s); `None`: the graph is not cached.
     pub(crate) cache_tag: Option<String>,
@@ -460,6 +463,15 @@ impl SessionConfig {
     /// are not cached (README, "Load time").
     pub fn with_cpu_cache_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.cpu_cache_dir = Some(dir.into());
+        self
+    }
+
+    /// Most GiB the CPU cache directory's entries may take together (those of other bundles
+    /// included; 1 to [`crate::limits::MAX_CPU_CACHE_GIB`]; default: no limit): when a save
+    /// passes it, the least recently used entries are removed until the rest fit, the one just
+    /// saved kept. Refused without [`Self::with_cpu_cache_dir`].
+    pub fn with_cpu_cache_limit_gib(mut self, gib: u64) -> Self {
+        self.cpu_cache_gib = Some(gib);
         self
     }
 

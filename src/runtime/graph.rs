@@ -81,6 +81,7 @@ pub fn load_graph(
         no_spinning,
         int8_weights_7bit,
         cpu_cache_dir: _,
+        cpu_cache_gib,
         cache_tag: _,
     } = config.clone();
     if !path.is_file() {
@@ -245,7 +246,9 @@ pub fn load_graph(
     for (i, candidate) in candidates.into_iter().enumerate() {
         let built = match &cache {
             Some(entry) if candidate == Device::Cpu => {
-                build_cached(entry, name, |from| build(candidate, from), &mut warnings)
+                let limit = cpu_cache_gib.map(|gib| gib.saturating_mul(1 << 30));
+                let build = |from: &LoadFrom| build(candidate, from);
+                build_cached(entry, name, build, limit, &mut warnings)
             }
             _ => build(candidate, &LoadFrom::Bundle),
         };
@@ -378,19 +381,24 @@ enum LoadFrom {
     Cached(PathBuf),
 }
 
-/// Builds a CPU session through the cache `entry`: from the saved graph if there is one, else from
-/// the bundle's, saving it. A saved graph ONNX Runtime cannot load is discarded and saved again; a
-/// save that fails (a full disk, say) is removed, and the bundle's graph is loaded without it,
-/// with a warning.
+/// Builds a CPU session through the cache `entry`: from the saved graph if there is one (marked
+/// used), else from the bundle's, saving it, then removing the least recently used entries past
+/// `limit` bytes. A saved graph ONNX Runtime cannot load is discarded and saved again; a save that
+/// fails (a full disk, say) is removed, and the bundle's graph is loaded without it, with a
+/// warning.
 fn build_cached(
     entry: &CacheEntry,
     name: &str,
     build: impl Fn(&LoadFrom) -> std::result::Result<Session, LoadFailure>,
+    limit: Option<u64>,
     warnings: &mut Vec<String>,
 ) -> std::result::Result<Session, LoadFailure> {
     let unusable = match entry.saved() {
         Saved::Intact(saved) => match build(&LoadFrom::Cached(saved)) {
-            Ok(session) => return Ok(session),
+            Ok(session) => {
+                entry.used();
+                return Ok(session);
+            }
             Err(failure) => Some(format!("could not be loaded ({})", failure.message())),
         },
         Saved::Changed => Some(
@@ -432,6 +440,12 @@ fn build_cached(
                     "the {name} graph was not saved to the CPU cache ({}): {error}",
                     dir.display()
                 ));
+            } else if let Some(limit) = limit {
+                if let Err(error) = entry.evict_others(limit) {
+                    warnings.push(format!(
+                        "an old entry of the CPU cache could not be removed: {error}"
+                    ));
+                }
             }
             Ok(session)
         }

@@ -222,6 +222,7 @@ pub(crate) fn cpu_options(library: &CStr, threads: u32) -> KleinOptions {
         release_transformer: false,
         prompt_cache_dir: ptr::null(),
         prompt_cache_max_mib: 0,
+        cpu_cache_max_gib: 0,
     }
 }
 
@@ -338,6 +339,13 @@ fn entry_points_check_their_arguments() {
             },
             &["prompt_cache_max_mib needs a prompt cache directory"],
         ),
+        (
+            KleinOptions {
+                cpu_cache_max_gib: 1,
+                ..options
+            },
+            &["cpu_cache_max_gib needs a CPU cache directory"],
+        ),
     ];
     for (bad, needles) in refused {
         let (status, message) =
@@ -362,6 +370,7 @@ fn entry_points_check_their_arguments() {
         cpu_cache_dir: cpu_cache_c.as_ptr(),
         prompt_cache_dir: prompt_cache_c.as_ptr(),
         prompt_cache_max_mib: 1,
+        cpu_cache_max_gib: 64,
         ..options
     };
     let mut other: *mut KleinPipeline = ptr::null_mut();

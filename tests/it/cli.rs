@@ -1255,6 +1255,7 @@ fn negative_numbers_are_refused_as_the_options_values() {
         ("--seed", "-1", "0 to 18446744073709551615"),
         ("--threads", "-2", "1 to 1024"),
         ("--prompt-cache-max-mib", "-1", "1 to 16777216"),
+        ("--cpu-cache-max-gib", "-1", "1 to 16384"),
         ("--num-images", "-1", "1..=16"),
     ] {
         let run = assert_refused(&[option, value], &[option, value, valid]);

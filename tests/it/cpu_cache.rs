@@ -183,3 +183,37 @@ fn graph_files_name_what_the_transformer_load_reads() {
         "the saved entry the next load maps, and its weights"
     );
 }
+
+/// With a limit, saving the bundle's graphs removes an old entry that puts the cache over it (a
+/// 2 GiB sparse file here, against a 1 GiB limit), and leaves what is not an entry alone; the
+/// saved graphs make the same image.
+#[test]
+fn a_limit_removes_old_entries_when_graphs_are_saved() {
+    let cache = temp_dir("cpu-cache-limit");
+    let old = cache.join("0123456789abcdef0123456789abcdef");
+    std::fs::create_dir_all(&old).unwrap();
+    let big = std::fs::File::create(old.join("transformer.onnx.data")).unwrap();
+    big.set_len(2 << 30).unwrap();
+    std::fs::write(old.join("files"), b"").unwrap();
+    std::fs::create_dir_all(cache.join("mine")).unwrap();
+    let options = PipelineOptions::default()
+        .with_device(Device::Cpu)
+        .with_threads(1)
+        .with_runtime(RuntimeOptions::default().with_library(ort_library()))
+        .with_cache_dir(test_cache_dir())
+        .with_cpu_cache_dir(&cache)
+        .with_cpu_cache_limit_gib(1);
+    let mut pipeline = Pipeline::load(&repo().join("onnx/klein-tiny"), options).unwrap();
+    let request = Request::new("a lighthouse at dusk")
+        .with_seed(3)
+        .with_size(64, 48)
+        .with_steps(2);
+    let pixels = pipeline.generate(&request, None).unwrap().images[0]
+        .pixels
+        .clone();
+    assert!(pipeline.take_warnings().is_empty());
+    assert!(!old.exists(), "the old entry went");
+    assert!(cache.join("mine").exists(), "not an entry: left alone");
+    assert_eq!(saved_graphs(&cache).len(), 3);
+    assert_eq!(pixels, generate(None).0);
+}

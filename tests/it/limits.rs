@@ -9,7 +9,7 @@ use klein::capi::{
     KleinStatus,
 };
 use klein::limits::{
-    MAX_BATCH_LINES, MAX_GUIDANCE, MAX_IMAGE_TOKENS, MAX_PROMPT_BYTES, MAX_PROMPT_CACHE_MIB,
+    MAX_BATCH_LINES, MAX_CPU_CACHE_GIB, MAX_GUIDANCE, MAX_IMAGE_TOKENS, MAX_PROMPT_BYTES, MAX_PROMPT_CACHE_MIB,
     MAX_REFERENCES, MAX_SIDE, MAX_STEPS, MAX_THREADS,
 };
 
@@ -48,6 +48,15 @@ fn numbers_past_their_bounds_are_refused_before_the_bundle_is_read() {
                 (MAX_PROMPT_CACHE_MIB + 1).to_string(),
             ],
             vec![format!("between 1 and {MAX_PROMPT_CACHE_MIB}")],
+        ),
+        (
+            vec![
+                "--cpu-cache".into(),
+                "/no/such/cache".into(),
+                "--cpu-cache-max-gib".into(),
+                "0".into(),
+            ],
+            vec![format!("between 1 and {MAX_CPU_CACHE_GIB}")],
         ),
         (
             vec!["--guidance".into(), "1e9".into()],

@@ -119,6 +119,7 @@ def serve_url(repo, tiny_bundle, ray_caches):
                 "graceful_shutdown_timeout_s": "2",
                 **{name: str(path) for name, path in ray_caches.items()},
                 "prompt_cache_max_mib": "64",
+                "cpu_cache_max_gib": "16",
             }
         )
         deployed = threading.Event()
@@ -392,6 +393,8 @@ def test_app_builder_checks_its_settings(repo, tiny_bundle):
         ({"model": model, "max_replicas": "1", "min_replicas": "3"}, "max_replicas=1"),
         ({"model": model, "prompt_cache": "p", "prompt_cache_max_mib": "0"}, "prompt_cache_max_mib=0: give"),
         ({"model": model, "prompt_cache_max_mib": "5"}, "prompt_cache_max_mib needs prompt_cache"),
+        ({"model": model, "cpu_cache_max_gib": "5"}, "cpu_cache_max_gib needs cpu_cache"),
+        ({"model": model, "cpu_cache": "c", "cpu_cache_max_gib": "-2"}, "cpu_cache_max_gib=-2: give"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             klein_serve.app_builder(args)
@@ -402,4 +405,4 @@ def test_app_builder_checks_its_settings(repo, tiny_bundle):
     app = klein_serve.app_builder({"model": model, "cpu_cache": "c", "prompt_cache": "p"})
     kwargs = app._bound_deployment.init_kwargs
     assert (kwargs["cpu_cache"], kwargs["prompt_cache"]) == (str(Path("c").resolve()), str(Path("p").resolve()))
-    assert kwargs["prompt_cache_max_mib"] is None
+    assert kwargs["prompt_cache_max_mib"] is None and kwargs["cpu_cache_max_gib"] is None

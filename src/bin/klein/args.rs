@@ -190,6 +190,9 @@ pub(crate) struct LoadArgs {
     /// loads map it instead of prepacking again
     #[arg(long, value_name = "DIR")]
     pub(crate) cpu_cache: Option<PathBuf>,
+    /// Most GiB the CPU cache's entries may take, 1 to 16384; past it the least recently used are removed when a graph is saved [default: no limit]
+    #[arg(long, value_name = "GIB", requires = "cpu_cache", allow_negative_numbers = true, value_parser = whole::<u64>("1 to 16384"))]
+    pub(crate) cpu_cache_max_gib: Option<u64>,
     // Last: their help headings apply to what follows them.
     #[command(flatten)]
     pub(crate) cuda: CudaArgs,
@@ -343,6 +346,9 @@ pub(crate) fn pipeline_options(
     }
     if let Some(dir) = &args.cpu_cache {
         options = options.with_cpu_cache_dir(dir);
+    }
+    if let Some(gib) = args.cpu_cache_max_gib {
+        options = options.with_cpu_cache_limit_gib(gib);
     }
     let mut cuda = CudaOptions::default()
         .with_arena_same_as_requested(args.cuda.cuda_arena_exact)
