@@ -155,7 +155,14 @@ impl Pipeline {
             vae_tile_size,
         } = options;
         request::check_session(&session)?;
-        request::check_prompt_cache_mib(prompt_cache_mib, prompt_cache_dir.is_some())?;
+        request::check_cache_limit(
+            "prompt_cache_max_mib",
+            prompt_cache_mib,
+            crate::limits::MAX_PROMPT_CACHE_MIB,
+            "MiB",
+            prompt_cache_dir.is_some(),
+            "prompt_cache",
+        )?;
         lora::check_specs(&loras)?;
         let manifest = Manifest::load(dir)?;
         // Before hashing or loading anything: can this device run the bundle at all?

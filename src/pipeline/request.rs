@@ -8,8 +8,8 @@ use super::prompts::PromptEmbeds;
 use crate::bundle::Manifest;
 use crate::error::{KleinError, Result};
 use crate::limits::{
-    MAX_BATCH, MAX_CPU_CACHE_GIB, MAX_GUIDANCE, MAX_IMAGE_TOKENS, MAX_PROMPT_BYTES,
-    MAX_PROMPT_CACHE_MIB, MAX_REFERENCES, MAX_SIDE, MAX_STEPS, MAX_THREADS, MIN_SIDE,
+    MAX_BATCH, MAX_CPU_CACHE_GIB, MAX_GUIDANCE, MAX_IMAGE_TOKENS, MAX_PROMPT_BYTES, MAX_REFERENCES,
+    MAX_SIDE, MAX_STEPS, MAX_THREADS, MIN_SIDE,
 };
 use crate::runtime::SessionConfig;
 use crate::stages::inpaint::first_step;
@@ -510,24 +510,19 @@ pub fn check_reference_count(count: usize) -> Result<()> {
     Ok(())
 }
 
-/// The load options' numbers: at most [`MAX_THREADS`] threads, and at least 1 when given.
+/// The load options' numbers: at most [`MAX_THREADS`] threads, and at least 1 when given; the CPU
+/// cache's size limit ([`check_cache_limit`]).
 pub(crate) fn check_session(session: &SessionConfig) -> Result<()> {
-    let param = "cpu_cache_max_gib";
-    match session.cpu_cache_gib {
-        Some(gib) if gib == 0 || gib > MAX_CPU_CACHE_GIB => {
-            return Err(KleinError::request_about(
-                param,
-                format!("{param} is {gib}: it must be between 1 and {MAX_CPU_CACHE_GIB} (GiB)"),
-            ))
-        }
-        Some(_) if session.cpu_cache_dir.is_none() => {
-            return Err(KleinError::request_about(
-                param,
-                format!("{param} needs a CPU cache directory (cpu_cache) to limit"),
-            ))
-        }
-        _ => {}
-    }
+    let has_dir = session.cpu_cache_dir.is_some();
+    let limit = session.cpu_cache_gib;
+    check_cache_limit(
+        "cpu_cache_max_gib",
+        limit,
+        MAX_CPU_CACHE_GIB,
+        "GiB",
+        has_dir,
+        "cpu_cache",
+    )?;
     if let Some(threads) = session.intra_threads {
         if threads == 0 || threads > MAX_THREADS {
             return Err(KleinError::request(format!(
@@ -539,18 +534,24 @@ pub(crate) fn check_session(session: &SessionConfig) -> Result<()> {
     Ok(())
 }
 
-/// Checks the prompt cache's size limit, in MiB, where one is given: within its bounds, and with
-/// a cache directory to limit.
-pub(crate) fn check_prompt_cache_mib(mib: Option<u64>, has_dir: bool) -> Result<()> {
-    let param = "prompt_cache_max_mib";
-    match mib {
-        Some(mib) if mib == 0 || mib > MAX_PROMPT_CACHE_MIB => Err(KleinError::request_about(
+/// Checks a cache's size limit `param` (in `unit`) where one is given: between 1 and `max`, and
+/// with the cache directory (the option `dir`) to limit.
+pub(crate) fn check_cache_limit(
+    param: &'static str,
+    limit: Option<u64>,
+    max: u64,
+    unit: &str,
+    has_dir: bool,
+    dir: &str,
+) -> Result<()> {
+    match limit {
+        Some(value) if value == 0 || value > max => Err(KleinError::request_about(
             param,
-            format!("{param} is {mib}: it must be between 1 and {MAX_PROMPT_CACHE_MIB} (MiB)"),
+            format!("{param} is {value}: it must be between 1 and {max} ({unit})"),
         )),
         Some(_) if !has_dir => Err(KleinError::request_about(
             param,
-            format!("{param} needs a prompt cache directory (prompt_cache) to limit"),
+            format!("{param} needs a {dir} directory to limit"),
         )),
         _ => Ok(()),
     }

@@ -337,14 +337,14 @@ fn entry_points_check_their_arguments() {
                 prompt_cache_max_mib: 64,
                 ..options
             },
-            &["prompt_cache_max_mib needs a prompt cache directory"],
+            &["prompt_cache_max_mib needs a prompt_cache directory"],
         ),
         (
             KleinOptions {
                 cpu_cache_max_gib: 1,
                 ..options
             },
-            &["cpu_cache_max_gib needs a CPU cache directory"],
+            &["cpu_cache_max_gib needs a cpu_cache directory"],
         ),
     ];
     for (bad, needles) in refused {
