@@ -17,6 +17,8 @@ maturin build --release -m python/Cargo.toml -o "$wheel_dir" --quiet
 python -m pip install --quiet --force-reinstall --no-deps "$wheel_dir"/klein-*.whl
 cargo test --release
 cargo check --release --features cuda,coreml
+cargo check --release --features cuda
+cargo check --release --features coreml
 # The library's documentation, as an embedder reads it: no broken or private links.
 RUSTDOCFLAGS="-D warnings" cargo doc --release --no-deps --quiet
 ruff check export

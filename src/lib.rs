@@ -9,7 +9,8 @@
 //! - [`pipeline`]: the stages run on a bundle's graphs;
 //! - [`capi`]: the C API.
 #![warn(clippy::unwrap_used)]
-// `unsafe` lives in `capi` only (the C API), which allows it for itself.
+// `unsafe` is denied but where a module or function allows it for itself: the C API (`capi`),
+// the libjpeg binding, and the system calls of `runtime` and `fsutil::touch`.
 #![deny(unsafe_code)]
 
 pub mod bundle;

@@ -161,7 +161,7 @@ impl Pipeline {
             crate::limits::MAX_PROMPT_CACHE_MIB,
             "MiB",
             prompt_cache_dir.is_some(),
-            "prompt_cache",
+            "--prompt-cache, prompt_cache, prompt_cache_dir",
         )?;
         lora::check_specs(&loras)?;
         let manifest = Manifest::load(dir)?;

@@ -513,15 +513,13 @@ pub fn check_reference_count(count: usize) -> Result<()> {
 /// The load options' numbers: at most [`MAX_THREADS`] threads, and at least 1 when given; the CPU
 /// cache's size limit ([`check_cache_limit`]).
 pub(crate) fn check_session(session: &SessionConfig) -> Result<()> {
-    let has_dir = session.cpu_cache_dir.is_some();
-    let limit = session.cpu_cache_gib;
     check_cache_limit(
         "cpu_cache_max_gib",
-        limit,
+        session.cpu_cache_gib,
         MAX_CPU_CACHE_GIB,
         "GiB",
-        has_dir,
-        "cpu_cache",
+        session.cpu_cache_dir.is_some(),
+        "--cpu-cache, cpu_cache, cpu_cache_dir",
     )?;
     if let Some(threads) = session.intra_threads {
         if threads == 0 || threads > MAX_THREADS {
@@ -551,7 +549,7 @@ pub(crate) fn check_cache_limit(
         )),
         Some(_) if !has_dir => Err(KleinError::request_about(
             param,
-            format!("{param} needs a {dir} directory to limit"),
+            format!("{param} needs the directory it limits ({dir})"),
         )),
         _ => Ok(()),
     }

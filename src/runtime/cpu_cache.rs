@@ -16,7 +16,7 @@
 //! is not used but saved again, as the bundle's stamps do for its hashes.
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::UNIX_EPOCH;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use sha2::{Digest, Sha256};
 
@@ -30,6 +30,9 @@ const CACHE_FORMAT: &str = "klein-cpu-cache-1";
 const STAMP_FILE: &str = "files";
 /// An entry being saved is `<key>.partial-<pid>-<n>` (`n` counts this process's saves).
 const PARTIAL: &str = "partial-";
+/// An entry an eviction removes within this many seconds of its last use says that the limit is
+/// smaller than the graphs in use.
+const RECENT_SECS: u64 = 600;
 
 /// What the cache holds for one graph.
 #[derive(Debug, PartialEq, Eq)]
@@ -141,12 +144,15 @@ impl CacheEntry {
 
     /// Removes the least recently used entries of the cache directory (by when each was saved or
     /// last used) until they take at most `limit` bytes with this one, which stays. Only entries
-    /// are counted and removed (folders named `<32 hex digits>` holding a list of files): nothing
-    /// else of the directory, which may be any the user named. An entry that cannot be removed
-    /// (another user's) is passed over, the next ones removed, and the first error returned.
-    pub(super) fn evict_others(&self, limit: u64) -> std::io::Result<()> {
+    /// are counted and removed (folders named `<32 hex digits>` holding a list of files and a
+    /// graph): nothing else of the directory, which may be any the user named, nor entries being
+    /// saved (`<key>.partial-...`). An entry that cannot be removed (another user's) is passed
+    /// over, the next ones removed, and the first error returned. Returns how many of those
+    /// removed were used in the last [`RECENT_SECS`] seconds (a limit too small for the graphs in
+    /// use).
+    pub(super) fn evict_others(&self, limit: u64) -> std::io::Result<usize> {
         let Some(root) = self.dir.parent() else {
-            return Ok(());
+            return Ok(0);
         };
         let mut total = 0u64;
         let mut others = Vec::new(); // (last used, folder, bytes)
@@ -162,13 +168,19 @@ impl CacheEntry {
             if !is_key || !item.file_type().is_ok_and(|t| t.is_dir()) {
                 continue;
             }
-            let bytes: u64 = std::fs::read_dir(&dir)
+            let files: Vec<(String, u64)> = std::fs::read_dir(&dir)
                 .into_iter()
                 .flatten()
                 .flatten()
-                .filter_map(|file| file.metadata().ok())
-                .map(|meta| meta.len())
-                .sum();
+                .filter_map(|file| {
+                    let name = file.file_name().into_string().ok()?;
+                    Some((name, file.metadata().ok()?.len()))
+                })
+                .collect();
+            if !files.iter().any(|(name, _)| name.ends_with(".onnx")) {
+                continue;
+            }
+            let bytes: u64 = files.iter().map(|(_, bytes)| bytes).sum();
             total += bytes;
             if dir != self.dir {
                 let used = stamp.modified().unwrap_or(UNIX_EPOCH);
@@ -176,13 +188,18 @@ impl CacheEntry {
             }
         }
         others.sort();
+        let recently = SystemTime::now() - Duration::from_secs(RECENT_SECS);
         let mut first_error = None;
-        for (_, dir, bytes) in others {
+        let mut recent = 0;
+        for (used, dir, bytes) in others {
             if total <= limit {
                 break;
             }
             match std::fs::remove_dir_all(&dir) {
-                Ok(()) => total -= bytes,
+                Ok(()) => {
+                    total -= bytes;
+                    recent += usize::from(used > recently);
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => total -= bytes,
                 Err(e) => {
                     first_error.get_or_insert(std::io::Error::new(
@@ -192,7 +209,7 @@ impl CacheEntry {
                 }
             }
         }
-        first_error.map_or(Ok(()), Err)
+        first_error.map_or(Ok(recent), Err)
     }
 
     /// Removes an entry ONNX Runtime could not load (truncated by a full disk, say), or one whose
@@ -370,13 +387,13 @@ mod tests {
             )
         };
         let now = std::time::SystemTime::now();
-        // Four entries of 100 bytes, saved 400, 300, 200 and 100 s ago.
+        // Four entries of 100 bytes, saved 4000, 3000, 2000 and 1000 s ago.
         let entries: Vec<CacheEntry> = ["a", "b", "c", "d"].into_iter().map(entry).collect();
         for (i, e) in entries.iter().enumerate() {
             let (partial, file) = e.start().unwrap();
             std::fs::write(&file, vec![0u8; 100]).unwrap();
             e.finish(partial).unwrap();
-            let age = std::time::Duration::from_secs(400 - 100 * i as u64);
+            let age = std::time::Duration::from_secs(4000 - 1000 * i as u64);
             std::fs::File::options()
                 .write(true)
                 .open(e.dir().join(STAMP_FILE))
@@ -390,6 +407,10 @@ mod tests {
         let unlisted = root.join("0123456789abcdef0123456789abcdef");
         std::fs::create_dir_all(&unlisted).unwrap();
         std::fs::write(unlisted.join("x.onnx"), vec![0u8; 10_000]).unwrap();
+        // Being saved: a folder with its list of files written, not yet renamed into place.
+        let (saving, file) = entry("e").start().unwrap();
+        std::fs::write(&file, vec![0u8; 10_000]).unwrap();
+        std::fs::write(saving.path().join(STAMP_FILE), b"").unwrap();
         // "a" used now; "d", the newest, evicts down to 2 entries (each 100 bytes and its list).
         entries[0].used();
         let size = |e: &CacheEntry| -> u64 {
@@ -399,7 +420,11 @@ mod tests {
                 .sum()
         };
         let limit = size(&entries[0]) + size(&entries[3]);
-        entries[3].evict_others(limit).unwrap();
+        assert_eq!(
+            entries[3].evict_others(limit).unwrap(),
+            0,
+            "none used lately"
+        );
         let left: Vec<bool> = entries.iter().map(|e| e.dir().exists()).collect();
         assert_eq!(
             left,
@@ -407,9 +432,15 @@ mod tests {
             "b and c were the least recently used"
         );
         assert!(root.join("photos/big").exists() && unlisted.join("x.onnx").exists());
-        // A limit below the newest entry alone keeps it.
-        entries[3].evict_others(1).unwrap();
+        assert!(file.exists(), "an entry being saved is not one yet");
+        // A key-named folder with a list of files but no graph is not an entry either.
+        std::fs::write(unlisted.join(STAMP_FILE), b"").unwrap();
+        std::fs::rename(unlisted.join("x.onnx"), unlisted.join("x.bin")).unwrap();
+        // A limit below the newest entry alone keeps it, and says that "a" had just been used.
+        assert_eq!(entries[3].evict_others(1).unwrap(), 1);
         assert!(!entries[0].dir().exists() && entries[3].dir().exists());
+        assert!(unlisted.join("x.bin").exists());
+        drop(saving);
         std::fs::remove_dir_all(&root).unwrap();
     }
 

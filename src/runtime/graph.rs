@@ -394,13 +394,15 @@ fn build_cached(
     warnings: &mut Vec<String>,
 ) -> std::result::Result<Session, LoadFailure> {
     let unusable = match entry.saved() {
-        Saved::Intact(saved) => match build(&LoadFrom::Cached(saved)) {
-            Ok(session) => {
-                entry.used();
-                return Ok(session);
+        Saved::Intact(saved) => {
+            // Marked used before the load: an eviction meanwhile (another graph's save, here or
+            // in another process) takes the least recently used entries, not this one.
+            entry.used();
+            match build(&LoadFrom::Cached(saved)) {
+                Ok(session) => return Ok(session),
+                Err(failure) => Some(format!("could not be loaded ({})", failure.message())),
             }
-            Err(failure) => Some(format!("could not be loaded ({})", failure.message())),
-        },
+        }
         Saved::Changed => Some(
             "is not as it was saved (a file's size, time or inode changed since, or an older \
              klein saved it)"
@@ -441,10 +443,16 @@ fn build_cached(
                     dir.display()
                 ));
             } else if let Some(limit) = limit {
-                if let Err(error) = entry.evict_others(limit) {
-                    warnings.push(format!(
+                match entry.evict_others(limit) {
+                    Err(error) => warnings.push(format!(
                         "an old entry of the CPU cache could not be removed: {error}"
-                    ));
+                    )),
+                    Ok(recent) if recent > 0 => warnings.push(format!(
+                        "saving the {name} graph to the CPU cache removed {recent} entries used \
+                         in the last 10 minutes: the limit is smaller than the graphs in use, \
+                         which are then saved again at every load; raise it"
+                    )),
+                    Ok(_) => {}
                 }
             }
             Ok(session)

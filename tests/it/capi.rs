@@ -337,14 +337,20 @@ fn entry_points_check_their_arguments() {
                 prompt_cache_max_mib: 64,
                 ..options
             },
-            &["prompt_cache_max_mib needs a prompt_cache directory"],
+            &[
+                "prompt_cache_max_mib needs the directory it limits",
+                "prompt_cache_dir",
+            ],
         ),
         (
             KleinOptions {
                 cpu_cache_max_gib: 1,
                 ..options
             },
-            &["cpu_cache_max_gib needs a cpu_cache directory"],
+            &[
+                "cpu_cache_max_gib needs the directory it limits",
+                "cpu_cache_dir",
+            ],
         ),
     ];
     for (bad, needles) in refused {

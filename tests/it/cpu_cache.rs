@@ -194,7 +194,12 @@ fn a_limit_removes_old_entries_when_graphs_are_saved() {
     std::fs::create_dir_all(&old).unwrap();
     let big = std::fs::File::create(old.join("transformer.onnx.data")).unwrap();
     big.set_len(2 << 30).unwrap();
+    std::fs::write(old.join("transformer.onnx"), b"graph").unwrap();
     std::fs::write(old.join("files"), b"").unwrap();
+    // Last used a day ago (an entry used in the last 10 minutes would warn: a limit too small).
+    let day_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(86_400);
+    let stamp = std::fs::File::options().write(true).open(old.join("files"));
+    stamp.unwrap().set_modified(day_ago).unwrap();
     std::fs::create_dir_all(cache.join("mine")).unwrap();
     let options = PipelineOptions::default()
         .with_device(Device::Cpu)
