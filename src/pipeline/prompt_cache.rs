@@ -28,8 +28,8 @@ pub const DEFAULT_PROMPT_CACHE_MIB: u64 = 4096;
 /// Extension of a prompt cache entry's file name (after its 64 hex digits).
 const ENTRY_EXTENSION: &str = ".safetensors";
 
-/// The on-disk cache of prompt embeddings. Entries are checked when read (their bundle and prompt,
-/// dtype, shape, finite values): a bad one is a miss, reported as such, and rewritten. Past the
+/// The on-disk cache of prompt embeddings. Entries are checked when read (their bundle, device
+/// settings and prompt, dtype, shape, finite values): a bad one is a miss, reported as such, and rewritten. Past the
 /// size limit, the least recently used entries of the directory are removed when one is written
 /// (the one written stays, even alone over the limit).
 #[derive(Debug, Clone)]
@@ -70,7 +70,7 @@ impl PromptCache {
         // with each entry.
         let material = format!(
             "{}\n{tokenizer}\n{}\n{}",
-            super::graphs::cache_tag(manifest, std::path::Path::new(encoder)).unwrap_or_default(),
+            super::graphs::cache_tag(manifest, Path::new(encoder)).unwrap_or_default(),
             serde_json::to_string(&manifest.tokenizer).unwrap_or_default(),
             serde_json::to_string(&manifest.text_encoder).unwrap_or_default(),
         );
@@ -124,7 +124,7 @@ impl PromptCache {
         }
     }
 
-    fn rejected(&self, path: &std::path::Path, reason: &str) -> CacheLookup {
+    fn rejected(&self, path: &Path, reason: &str) -> CacheLookup {
         CacheLookup::Rejected(format!(
             "prompt cache entry {} {reason}; encoding the prompt again",
             path.display()
@@ -187,8 +187,9 @@ impl PromptCache {
                 message: e.to_string(),
             }
         })?;
+        let key = self.key(numerics);
         let metadata = HashMap::from([
-            (META_BUNDLE.to_string(), self.key(numerics)),
+            (META_BUNDLE.to_string(), key.clone()),
             (META_PROMPT.to_string(), sha256_hex(prompt.as_bytes())),
         ]);
         let bytes = safetensors::serialize([(TENSOR, view)], Some(metadata)).map_err(|e| {
@@ -197,7 +198,7 @@ impl PromptCache {
                 message: e.to_string(),
             }
         })?;
-        let path = self.path(&self.key(numerics), prompt);
+        let path = self.path(&key, prompt);
         write_atomic(&path, &bytes)?;
         self.evict(&path)
     }

@@ -161,13 +161,13 @@ impl CacheEntry {
             let is_key = name
                 .to_str()
                 .is_some_and(|n| n.len() == 32 && n.bytes().all(|b| b.is_ascii_hexdigit()));
+            if !is_key || !item.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
             let dir = item.path();
             let Ok(stamp) = std::fs::metadata(dir.join(STAMP_FILE)) else {
                 continue;
             };
-            if !is_key || !item.file_type().is_ok_and(|t| t.is_dir()) {
-                continue;
-            }
             let files: Vec<(String, u64)> = std::fs::read_dir(&dir)
                 .into_iter()
                 .flatten()

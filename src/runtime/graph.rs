@@ -448,8 +448,8 @@ fn build_cached(
                         "an old entry of the CPU cache could not be removed: {error}"
                     )),
                     Ok(recent) if recent > 0 => warnings.push(format!(
-                        "saving the {name} graph to the CPU cache removed {recent} entries used \
-                         in the last 10 minutes: the limit is smaller than the graphs in use, \
+                        "saving the {name} graph to the CPU cache removed entries used in the \
+                         last 10 minutes ({recent}): the limit is smaller than the graphs in use, \
                          which are then saved again at every load; raise it"
                     )),
                     Ok(_) => {}
