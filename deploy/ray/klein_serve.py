@@ -522,14 +522,15 @@ def app_builder(args: dict[str, Any]) -> Application:
             value = ",".join(str(item) for item in value)
         return None if value is None or str(value) == "" else str(value)
 
-    def number(name: str, kind: type, default: float, minimum: float) -> Any:
+    def number(name: str, kind: type, default: float, minimum: float, maximum: float | None = None) -> Any:
         text = setting(name)
         what = f"{'a whole number' if kind is int else 'a number'} of at least {minimum:g}"
+        what += f" and at most {maximum:g}" if maximum is not None else ""
         try:
             value = kind(text) if text is not None else kind(default)
         except ValueError:
             raise ValueError(f"{name}={text!r}: give {what}") from None
-        if value < minimum:
+        if value < minimum or (maximum is not None and value > maximum):
             raise ValueError(f"{name}={value}: give {what}")
         return value
 
@@ -558,8 +559,8 @@ def app_builder(args: dict[str, Any]) -> Application:
         if setting(bound) is not None and setting(cache) is None:
             raise ValueError(f"{bound} needs {cache} (the directory it limits)")
 
-    def limit(name: str) -> int | None:
-        return number(name, int, 0, 1) if setting(name) is not None else None
+    def limit(name: str, maximum: int) -> int | None:
+        return number(name, int, 0, 1, maximum) if setting(name) is not None else None
 
     def directory(name: str) -> str | None:  # replicas may run in another directory
         return str(Path(setting(name)).resolve()) if setting(name) is not None else None
@@ -572,8 +573,8 @@ def app_builder(args: dict[str, Any]) -> Application:
         loras=[spec.strip() for spec in loras.split(",") if spec.strip()] if loras else [],
         low_memory=_flag(setting("low_memory") or "false"),
         cpu_cache=directory("cpu_cache"),
-        cpu_cache_max_gib=limit("cpu_cache_max_gib"),
+        cpu_cache_max_gib=limit("cpu_cache_max_gib", klein.MAX_CPU_CACHE_GIB),
         prompt_cache=directory("prompt_cache"),
-        prompt_cache_max_mib=limit("prompt_cache_max_mib"),
+        prompt_cache_max_mib=limit("prompt_cache_max_mib", klein.MAX_PROMPT_CACHE_MIB),
         ort_lib=setting("ort_lib"),
     )

@@ -43,8 +43,10 @@ from . import _klein
 from ._klein import (
     DEVICES,
     MAX_BATCH,
+    MAX_CPU_CACHE_GIB,
     MAX_GUIDANCE,
     MAX_PROMPT_BYTES,
+    MAX_PROMPT_CACHE_MIB,
     MAX_REFERENCES,
     MAX_SIDE,
     MAX_STEPS,
@@ -57,8 +59,10 @@ from ._klein import (
 __all__ = [
     "DEVICES",
     "MAX_BATCH",
+    "MAX_CPU_CACHE_GIB",
     "MAX_GUIDANCE",
     "MAX_PROMPT_BYTES",
+    "MAX_PROMPT_CACHE_MIB",
     "MAX_REFERENCES",
     "MAX_SIDE",
     "MAX_STEPS",
@@ -456,9 +460,11 @@ class Pipeline:
             "vae_tiling": _vae_tiling(vae_tiling, vae_tile_size),
             "vae_tile_size": _count("vae_tile_size", vae_tile_size, bounds=(64, MAX_SIDE)),
             "cpu_cache": _path("cpu_cache", cpu_cache),
-            "cpu_cache_max_gib": _count("cpu_cache_max_gib", cpu_cache_max_gib, limit=_U64),
+            "cpu_cache_max_gib": _count("cpu_cache_max_gib", cpu_cache_max_gib, bounds=(1, MAX_CPU_CACHE_GIB)),
             "prompt_cache": _path("prompt_cache", prompt_cache),
-            "prompt_cache_max_mib": _count("prompt_cache_max_mib", prompt_cache_max_mib, limit=_U64),
+            "prompt_cache_max_mib": _count(
+                "prompt_cache_max_mib", prompt_cache_max_mib, bounds=(1, MAX_PROMPT_CACHE_MIB)
+            ),
             "ort_lib": os.fsdecode(find_ort_library(_path("ort_lib", ort_lib))),
         }
         try:

@@ -14,6 +14,8 @@ MAX_GUIDANCE: float
 MAX_REFERENCES: int
 """Most reference images per call."""
 MAX_THREADS: int
+MAX_PROMPT_CACHE_MIB: int
+MAX_CPU_CACHE_GIB: int
 """Most threads per operator."""
 MAX_PROMPT_BYTES: int
 DEVICES: tuple[str, ...]

@@ -834,6 +834,8 @@ fn _klein(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_REFERENCES", limits::MAX_REFERENCES)?;
     m.add("MAX_PROMPT_BYTES", limits::MAX_PROMPT_BYTES)?;
     m.add("MAX_THREADS", limits::MAX_THREADS)?;
+    m.add("MAX_PROMPT_CACHE_MIB", limits::MAX_PROMPT_CACHE_MIB)?;
+    m.add("MAX_CPU_CACHE_GIB", limits::MAX_CPU_CACHE_GIB)?;
     m.add("DEVICES", PyTuple::new(py, device_kinds())?)?;
     Ok(())
 }

@@ -339,6 +339,10 @@ def test_invalid_input(pipe, tiny_bundle, tmp_path):
         (lambda: klein.Pipeline(tiny_bundle, prompt_cache_max_mib=5), "prompt_cache_max_mib"),  # no directory
         (lambda: klein.Pipeline(tiny_bundle, cpu_cache_max_gib=5), "cpu_cache_max_gib"),  # no directory
         (lambda: klein.Pipeline(tiny_bundle, cpu_cache=".", cpu_cache_max_gib=0), "cpu_cache_max_gib"),
+        (
+            lambda: klein.Pipeline(tiny_bundle, prompt_cache=".", prompt_cache_max_mib=klein.MAX_PROMPT_CACHE_MIB + 1),
+            "prompt_cache_max_mib",
+        ),
         (lambda: klein.Pipeline(tiny_bundle, ort_lib=5), "ort_lib"),
         (lambda: klein.Pipeline(tiny_bundle, vae_tiling=2), "vae_tiling"),
         (lambda: klein.Pipeline(tiny_bundle, threads=-1), "threads"),

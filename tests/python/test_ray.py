@@ -395,6 +395,7 @@ def test_app_builder_checks_its_settings(repo, tiny_bundle):
         ({"model": model, "prompt_cache_max_mib": "5"}, "prompt_cache_max_mib needs prompt_cache"),
         ({"model": model, "cpu_cache_max_gib": "5"}, "cpu_cache_max_gib needs cpu_cache"),
         ({"model": model, "cpu_cache": "c", "cpu_cache_max_gib": "-2"}, "cpu_cache_max_gib=-2: give"),
+        ({"model": model, "cpu_cache": "c", "cpu_cache_max_gib": "16385"}, "at least 1 and at most 16384"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             klein_serve.app_builder(args)
