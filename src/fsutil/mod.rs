@@ -9,10 +9,12 @@ use sha2::{Digest, Sha256};
 use crate::error::{KleinError, Result};
 
 mod atomic;
+mod evict;
 mod work_dir;
 pub use atomic::{
     check_writable, replaced_file, write_all_atomic, write_atomic, MAX_FILE_NAME_BYTES,
 };
+pub use evict::{remove_least_recent, CacheItem};
 pub use work_dir::{remove_stale, WorkDir};
 
 /// Removes every temporary file a write of this process has in flight (staged outputs are lost;

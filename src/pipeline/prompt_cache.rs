@@ -12,7 +12,7 @@ use sha2::{Digest, Sha256};
 
 use crate::bundle::Manifest;
 use crate::error::{KleinError, Result};
-use crate::fsutil::{hex, sha256_hex, touch, write_atomic};
+use crate::fsutil::{hex, remove_least_recent, sha256_hex, touch, write_atomic};
 
 const TENSOR: &str = "prompt_embeds";
 
@@ -228,25 +228,16 @@ impl PromptCache {
                 old.push((meta.modified().unwrap_or(UNIX_EPOCH), path, meta.len()));
             }
         }
-        old.sort();
-        let mut first_error = None;
-        for (_, path, bytes) in old {
-            if total <= self.max_bytes {
-                break;
-            }
-            match std::fs::remove_file(&path) {
-                Ok(()) => total -= bytes,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => total -= bytes,
-                Err(source) => {
-                    first_error.get_or_insert(KleinError::Io {
-                        path,
-                        action: "remove an old prompt cache entry",
-                        source,
-                    });
-                }
-            }
+        match remove_least_recent(old, total, self.max_bytes, |path| {
+            std::fs::remove_file(path)
+        }) {
+            (_, Some((path, source))) => Err(KleinError::Io {
+                path,
+                action: "remove an old prompt cache entry",
+                source,
+            }),
+            (_, None) => Ok(()),
         }
-        first_error.map_or(Ok(()), Err)
     }
 }
 

@@ -22,7 +22,7 @@ use sha2::{Digest, Sha256};
 
 use super::cpu_features::detected_features;
 use super::device::OptimizationLevel;
-use crate::fsutil::{file_id, hex, remove_stale, touch, WorkDir};
+use crate::fsutil::{file_id, hex, remove_least_recent, remove_stale, touch, WorkDir};
 
 /// Bumped when the layout of an entry changes.
 const CACHE_FORMAT: &str = "klein-cpu-cache-1";
@@ -187,29 +187,14 @@ impl CacheEntry {
                 others.push((used, dir, bytes));
             }
         }
-        others.sort();
         let recently = SystemTime::now() - Duration::from_secs(RECENT_SECS);
-        let mut first_error = None;
-        let mut recent = 0;
-        for (used, dir, bytes) in others {
-            if total <= limit {
-                break;
-            }
-            match std::fs::remove_dir_all(&dir) {
-                Ok(()) => {
-                    total -= bytes;
-                    recent += usize::from(used > recently);
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => total -= bytes,
-                Err(e) => {
-                    first_error.get_or_insert(std::io::Error::new(
-                        e.kind(),
-                        format!("{}: {e}", dir.display()),
-                    ));
-                }
-            }
+        match remove_least_recent(others, total, limit, |dir| std::fs::remove_dir_all(dir)) {
+            (_, Some((dir, e))) => Err(std::io::Error::new(
+                e.kind(),
+                format!("{}: {e}", dir.display()),
+            )),
+            (removed, None) => Ok(removed.iter().filter(|&&used| used > recently).count()),
         }
-        first_error.map_or(Ok(recent), Err)
     }
 
     /// Removes an entry ONNX Runtime could not load (truncated by a full disk, say), or one whose
