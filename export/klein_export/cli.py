@@ -103,6 +103,17 @@ def _tiny(args):
     return 0
 
 
+def _print_cpu_note(bundle):
+    """How this CPU runs the bundle's int8 codes, where it has any: the errors verify reports are
+    this CPU's (int8_kernels.py)."""
+    from .int8_kernels import cpu_note
+    from .manifest import read_manifest
+
+    note = cpu_note(read_manifest(bundle)["graphs"])
+    if note:
+        print(f"{bundle}: {note}", flush=True)
+
+
 def _verify(args):
     if not (args.checkpoint or args.against):
         raise CheckpointError("verify needs --checkpoint (or --against REFERENCE_BUNDLE)")
@@ -118,6 +129,7 @@ def _verify(args):
     if args.against:
         return _verify_against(args)
 
+    _print_cpu_note(args.bundle)
     failed = 0
     if not args.images_only:
         for result in verify(args.checkpoint, args.bundle, transformer=args.transformer):
@@ -134,6 +146,8 @@ def _verify(args):
 def _verify_against(args):
     from .against import component_differences, image_difference
 
+    for bundle in (args.bundle, args.against):
+        _print_cpu_note(bundle)
     size = 512 if args.size is None else args.size
     if not args.images_only:
         for difference in component_differences(args.bundle, args.against, size, size):

@@ -9,6 +9,7 @@ import onnxruntime as ort
 import torch
 
 from .errors import BundleError
+from .int8_kernels import session_options, weights_7bit
 from .manifest import read_manifest
 
 # ONNX Runtime's names of the manifest's element types.
@@ -24,9 +25,9 @@ def session(bundle, spec: dict) -> ort.InferenceSession:
     """A CPU session (2 threads) on the graph of the manifest entry `spec` (`graphs.*`), its inputs
     and outputs checked against the entry's: a graph that does not match its manifest (files swapped
     with their hashes rewritten, a hand-edited manifest) is a BundleError naming the file, not an
-    error from ONNX Runtime when it runs."""
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 2
+    error from ONNX Runtime when it runs. Its int8 weights run as the runtime runs them on this CPU
+    (int8_kernels.py: converted to uint8 where 8-bit codes would saturate)."""
+    opts = session_options(weights_7bit(spec), threads=2)
     path = Path(bundle) / spec["file"]
     try:
         sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])

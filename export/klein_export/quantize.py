@@ -613,6 +613,11 @@ def quantize_bundle(bundle_dir, config: QuantizationConfig, log=print):
         changed |= {spec["file"], spec["file"] + ".data"}
         count = spec["quantization"]["quantized_nodes"]
         log(f"quantized {component} to {config.bits} bits{_range_note(config)}: {count} {config.method} nodes")
+    from .int8_kernels import cpu_note
+
+    note = cpu_note({c: manifest["graphs"][c] for c in config.components})
+    if note:
+        log(note)
     stamp_bundle(bundle_dir, [manifest["graphs"][c]["file"] for c in config.components])
     manifest["files"] = bundle_files(bundle_dir, manifest["files"], changed)
     write_manifest(manifest, bundle_dir)

@@ -28,6 +28,7 @@ from klein_export.against import component_differences, image_difference
 from klein_export.cli import main
 from klein_export.contract import COMPONENTS
 from klein_export.convert import convert
+from klein_export.int8_kernels import cpu_session, session_options
 from klein_export.norm_parts import PARTS
 from klein_export.precision import (
     FLOAT16_MAX,
@@ -699,8 +700,7 @@ def test_dynamic_text_encoder_computes_the_same_unpacked(bundles):
     }
     outputs = []
     for disable in ("0", "1"):
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 2
+        options = session_options(threads=2)
         options.add_session_config_entry("session.disable_prepacking", disable)
         session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
         outputs.append(session.run(None, feeds)[0])
@@ -714,7 +714,6 @@ def test_emulation_quantizes_key_projections_over_the_rows_the_graph_computes(ti
     emulation must do the same. Layer 0's key projection of a right-padded batch (21 and 9 real
     tokens of 64) from ONNX Runtime against the emulation: equal to float32 rounding (1e-4 on outputs
     of order 1: one product of 16 terms), and the range of all 64 rows would give another product."""
-    import onnxruntime as ort
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -732,7 +731,7 @@ def test_emulation_quantizes_key_projections_over_the_rows_the_graph_computes(ti
     products = [n for n in model.graph.node if n.op_type == "DynamicQuantizeMatMul"]
     key = next(n.output[0] for n in products if made_by[n.input[0]].op_type == "Slice")
     model.graph.output.append(onnx.helper.make_tensor_value_info(key, TensorProto.FLOAT, None))
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    session = cpu_session(model.SerializeToString())
     (got,) = session.run([key], {"input_ids": ids, "attention_mask": mask})
     assert got.shape[1] == 21
 

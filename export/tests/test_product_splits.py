@@ -8,6 +8,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from klein_export.int8_kernels import cpu_session
 from klein_export.product_splits import GraphUses, Part, Piece, column_pieces, input_parts
 from klein_export.quantize import DYNAMIC, QuantizationConfig, per_channel_int8, quantize_graph
 
@@ -103,8 +104,8 @@ def test_split_products_give_the_same_outputs(tmp_path):
     )
     x = {"x": RNG.standard_normal((2, 5, K)).astype(np.float32) * 3}
     names = ["q", "k", "gate", "up"]
-    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(names, x)
-    want = ort.InferenceSession(whole.SerializeToString(), providers=["CPUExecutionProvider"]).run(names, x)
+    got = cpu_session(path).run(names, x)
+    want = cpu_session(whole.SerializeToString()).run(names, x)
     for name, g, w in zip(names, got, want, strict=True):
         assert np.array_equal(g, w), name
 
@@ -175,7 +176,7 @@ def test_dynamic_parts_quantize_each_part_on_its_own(tmp_path):
     # The attention output's range is a tenth of the SwiGLU output's, as the parts' ranges differ in a block.
     a = RNG.standard_normal((2, 5, 24)).astype(np.float32) * 0.3
     b = RNG.standard_normal((2, 5, 8)).astype(np.float32) * 3
-    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(["y"], {"a": a, "b": b})[0]
+    got = cpu_session(path).run(["y"], {"a": a, "b": b})[0]
     x, w = torch.from_numpy(np.concatenate([a, b], -1)), torch.from_numpy(dequantized(WEIGHT, config))
     emulated = (_in_parts(x, (24, 8)) @ w).numpy()
     # int32 accumulations, then float32 scaling against float32 sums of ~32 terms of size ~10: 1e-4.

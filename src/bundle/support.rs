@@ -103,6 +103,55 @@ pub(crate) fn has_8bit_int8_codes(quantization: Option<&QuantizationSpec>) -> bo
         .is_some_and(|q| (q.method == DYNAMIC || q.method == QDQ) && q.bits == 8 && !q.reduce_range)
 }
 
+/// What the CPU at hand does with a bundle's int8 weights (`klein info`): which kernels ONNX Runtime
+/// runs them on here and whether that is slower or less exact than on a CPU with VNNI. None for a
+/// bundle without int8 codes run by u8 x s8 kernels (float graphs, `MatMulNBits`).
+pub fn cpu_int8_kernels(graphs: &GraphsSpec) -> Option<String> {
+    let mut eight = Vec::new();
+    let mut seven = Vec::new();
+    for (name, spec) in graphs.iter() {
+        let q = spec.quantization.as_ref();
+        if has_8bit_int8_codes(q) {
+            eight.push(name.as_str());
+        } else if q.is_some_and(|q| q.reduce_range) {
+            seven.push(name.as_str());
+        }
+    }
+    if eight.is_empty() && seven.is_empty() {
+        return None;
+    }
+    let saturate = crate::runtime::int8_products_saturate();
+    let mut parts = Vec::new();
+    if !eight.is_empty() {
+        parts.push(if saturate {
+            format!(
+                "{} (8-bit codes): this CPU has no VNNI, so ONNX Runtime converts these weights to \
+                 uint8 at load and runs u8 x u8 kernels: as exact as on a VNNI CPU, but slower; \
+                 `klein-export quantize --reduce-range` writes \
+                 7-bit codes that keep the fast kernels here, with a larger error",
+                eight.join(", ")
+            )
+        } else {
+            format!(
+                "{} (8-bit codes): u8 x s8 kernels, exact (this CPU has VNNI, or is not x86-64)",
+                eight.join(", ")
+            )
+        });
+    }
+    if !seven.is_empty() {
+        parts.push(format!(
+            "{} (7-bit codes, --reduce-range): u8 x s8 kernels, exact on every CPU{}",
+            seven.join(", "),
+            if saturate {
+                " (the fast kernels on this CPU without VNNI)"
+            } else {
+                "; on this CPU 8-bit codes would be as fast and more exact"
+            }
+        ));
+    }
+    Some(parts.join("; "))
+}
+
 /// The devices auto must not try for a graph of this precision and quantization, with why.
 pub fn auto_skip(
     precision: Precision,

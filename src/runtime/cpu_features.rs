@@ -11,7 +11,7 @@ macro_rules! detect {
 
 /// The architecture and the instruction sets the standard library detects (the CPUID
 /// instruction's answer, which is what ONNX Runtime's kernel choice reads).
-pub(super) fn detected_features() -> String {
+pub fn detected_features() -> String {
     #[cfg(target_arch = "x86_64")]
     let features = {
         use std::arch::is_x86_feature_detected as on;
@@ -39,7 +39,7 @@ pub(super) fn detected_features() -> String {
 /// saturation; 153 against 201 GOP/s for one [1024, 3072] x [3072, 3072] product, one thread, AVX2).
 /// Not set elsewhere: ONNX Runtime applies it to VNNI and AMX hosts too, where the u8 x u8 kernel
 /// is ten times slower than AMX's (187 against 2088 GOP/s, same product).
-pub(super) fn int8_products_saturate() -> bool {
+pub fn int8_products_saturate() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         !(std::arch::is_x86_feature_detected!("avxvnni")

@@ -48,6 +48,7 @@ mod tensor;
 mod version;
 
 pub(crate) use cpu_features::converts_int8_weights;
+pub use cpu_features::{detected_features, int8_products_saturate};
 pub use device::{
     ComputeUnits, ConvSearch, CoreMlOptions, CudaOptions, Device, OptimizationLevel, SessionConfig,
 };

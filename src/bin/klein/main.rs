@@ -448,6 +448,10 @@ fn info(args: InfoArgs) -> anyhow::Result<()> {
             spec.precision
         );
     }
+    println!("cpu:          {}", klein::runtime::detected_features());
+    if let Some(kernels) = klein::bundle::support::cpu_int8_kernels(&manifest.graphs) {
+        println!("int8 kernels: {kernels}");
+    }
     if let Some(shapes) = &manifest.static_shapes {
         println!(
             "static shapes: {} (batch {}, {} tokens, {} reference(s) of the output's size)",
