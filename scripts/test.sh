@@ -30,3 +30,11 @@ ruff format --config export/pyproject.toml --check python tests/python deploy be
 # before onnx_export.without_slices_split, 9:44 with it in two).
 python -m pytest -q -n 2 --dist loadfile --durations=10 export/tests
 python -m pytest -q --durations=5 tests/python
+# The int8 checks again as on a CPU without VNNI (AVX2 only: AMD Zen 1-3, Intel before Ice Lake),
+# whatever this host has: ONNX Runtime, the Python bindings and the CLI are run from copies whose CPUID
+# answers "AVX2, no VNNI" (benches/avx2-host.sh, patched mode; the Rust side is tests/it/avx2_host.rs).
+# There ONNX Runtime's u8 x s8 products saturate unless the weights are converted to uint8, as the
+# runtime and the export tool do (export/klein_export/int8_kernels.py). No faulthandler: the mask
+# answers SIGILL, which Python's handler would take first.
+AVX2_HOST_MODE=patched benches/avx2-host.sh python -m pytest -q -p no:faulthandler -n 2 --dist loadfile \
+    -m int8_kernels export/tests tests/python/test_int8_cpu.py

@@ -8,6 +8,7 @@ import platform
 from pathlib import Path
 
 import numpy as np
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from klein_export.int8_kernels import (
@@ -19,13 +20,13 @@ from klein_export.int8_kernels import (
     session_options,
 )
 
+pytestmark = pytest.mark.int8_kernels
+
 
 def _host_has_vnni() -> bool:
     """What the kernel reports of this CPU (Linux): VNNI in either form."""
-    flags = next(
-        (line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
-        [],
-    )
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
     return "avx_vnni" in flags or "avx512_vnni" in flags
 
 

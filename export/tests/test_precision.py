@@ -9,6 +9,7 @@ and EMULATED_PSNR (80 dB against diffusers with the dequantized weights).
 """
 
 import collections
+import collections.abc
 import hashlib
 import json
 import os
@@ -74,16 +75,37 @@ ROW_SLICES = {"Slice"}
 INTERLEAVE_OPS = {"Concat", "DepthToSpace"}
 
 
+# The quantized and fp16 bundles by name, with the session fixture (conftest.py) that makes each.
+BUNDLE_FIXTURES = {
+    "fp16": "fp16_bundle",
+    "int8": "int8_bundle",
+    "int4": "int4_bundle",
+    "int8-dynamic": "dynamic_bundle",
+    "int8-static": "static_bundle",
+    "int8-7bit": "reduced_bundle",
+}
+
+
+class _Bundles(collections.abc.Mapping):
+    """The bundles of BUNDLE_FIXTURES, each made when a test first reads it: a run of some tests
+    (`-m int8_kernels`) exports only the bundles they read."""
+
+    def __init__(self, request):
+        self._request = request
+
+    def __getitem__(self, name):
+        return self._request.getfixturevalue(BUNDLE_FIXTURES[name])
+
+    def __iter__(self):
+        return iter(BUNDLE_FIXTURES)
+
+    def __len__(self):
+        return len(BUNDLE_FIXTURES)
+
+
 @pytest.fixture
-def bundles(fp16_bundle, int8_bundle, int4_bundle, dynamic_bundle, static_bundle, reduced_bundle):
-    return {
-        "fp16": fp16_bundle,
-        "int8": int8_bundle,
-        "int4": int4_bundle,
-        "int8-dynamic": dynamic_bundle,
-        "int8-static": static_bundle,
-        "int8-7bit": reduced_bundle,
-    }
+def bundles(request):
+    return _Bundles(request)
 
 
 def _manifest(bundle):
@@ -270,6 +292,7 @@ def _int8_codes(model: onnx.ModelProto) -> list:
     return codes
 
 
+@pytest.mark.int8_kernels
 def test_reduce_range_writes_7_bit_codes(bundles, tiny_bundle, tmp_path, capsys):
     """`--reduce-range`: every int8 weight code of the dynamic products and the static convolutions is
     within [-64, 64], each output channel reaching 64 (scale max |w| / 64), and the manifest and
@@ -463,7 +486,16 @@ def test_quantization_takes_the_components_its_method_covers(tiny_checkpoint, ti
     assert not any(tmp_path.iterdir()), "nothing written"
 
 
-@pytest.mark.parametrize("name", ["fp16", "int8", "int4", "int8-dynamic", "int8-static", "int8-7bit"])
+# The bundles whose graphs run ONNX Runtime's u8 x s8 int8 kernels (`int8` is MatMulNBits: float compute).
+U8S8 = ("int8-dynamic", "int8-static", "int8-7bit")
+
+
+def _cases(*names):
+    """`names` as parameters, those of U8S8 marked `int8_kernels`."""
+    return [pytest.param(n, marks=pytest.mark.int8_kernels) if n in U8S8 else n for n in names]
+
+
+@pytest.mark.parametrize("name", _cases("fp16", "int8", "int4", "int8-dynamic", "int8-static", "int8-7bit"))
 def test_component_errors_within_tolerance(tiny_checkpoint, bundles, name):
     # The VAE graphs of int8/int4 bundles are the fp32 bundle's (test_quantized_manifest_and_metadata),
     # the text encoder and transformer of the static one too (test_static_manifest_and_graphs).
@@ -485,7 +517,7 @@ def test_component_errors_within_tolerance(tiny_checkpoint, bundles, name):
         assert all(r.emulated_abs is not None for r in results if r.component in QUANTIZED)
 
 
-@pytest.mark.parametrize("name", ["fp32", "fp16", "int8", "int4", "int8-dynamic", "int8-static", "int8-7bit"])
+@pytest.mark.parametrize("name", _cases("fp32", "fp16", "int8", "int4", "int8-dynamic", "int8-static", "int8-7bit"))
 def test_end_to_end_psnr(tiny_checkpoint, tiny_bundle, bundles, name):
     bundle = tiny_bundle if name == "fp32" else bundles[name]
     (result,) = verify_images(tiny_checkpoint, bundle, cases=IMAGE_CASES[:1])
@@ -687,6 +719,7 @@ def test_huge_pages_only_for_float_transformers(bundles, name, huge_pages):
         assert heap == ["the allocator's defaults"], done.stderr
 
 
+@pytest.mark.int8_kernels
 def test_dynamic_text_encoder_computes_the_same_unpacked(bundles):
     """The runtime loads a dynamic-int8 text encoder that it releases after the prompt without
     prepacking (`pipeline/graphs.rs::prepacks`): that holds only while DynamicQuantizeMatMul gives the
@@ -708,6 +741,7 @@ def test_dynamic_text_encoder_computes_the_same_unpacked(bundles):
     assert np.array_equal(outputs[0], outputs[1])
 
 
+@pytest.mark.int8_kernels
 def test_emulation_quantizes_key_projections_over_the_rows_the_graph_computes(tiny_checkpoint, dynamic_bundle):
     """An int8 `--method dynamic` text encoder projects keys and values from the rows up to the batch's
     last real token only, so their activations' range is those rows' (real_keys.py); verify's torch

@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from klein_export.int8_kernels import cpu_session
@@ -78,6 +79,7 @@ def test_a_product_read_whole_or_cut_otherwise_is_not_split():
     assert column_pieces(GraphUses(overlapping.graph, Path()), "y", N) is None
 
 
+@pytest.mark.int8_kernels
 def test_split_products_give_the_same_outputs(tmp_path):
     """Quantized with the cuts planned, against the whole product quantized the same way (int8 codes and
     scales per output channel) followed by the cuts: equal bit for bit in ONNX Runtime."""
@@ -158,6 +160,7 @@ def test_a_concatenated_input_is_planned_as_parts():
     assert input_parts(GraphUses(graph, Path()), "ab", K, 1) is None
 
 
+@pytest.mark.int8_kernels
 def test_dynamic_parts_quantize_each_part_on_its_own(tmp_path):
     """`--method dynamic`: one DynamicQuantizeMatMul per part on the whole weight's rows (codes and
     scales per output channel of the whole), summed: what the torch emulation computes (each part's

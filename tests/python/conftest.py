@@ -13,6 +13,13 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[2]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # As in export/pyproject.toml: scripts/test.sh selects these for its run under avx2-host.sh.
+    config.addinivalue_line(
+        "markers", "int8_kernels: runs ONNX Runtime's u8 x s8 int8 kernels (run again under benches/avx2-host.sh)"
+    )
+
+
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO

@@ -11,13 +11,16 @@ uint8). A front end or the export tool that did not convert there would be about
 
 import base64
 import subprocess
+import warnings
 from pathlib import Path
 
-import httpx
+import httpx2 as httpx
 import numpy as np
 import pytest
 from PIL import Image
 from test_serve import Server
+
+pytestmark = pytest.mark.int8_kernels
 
 PROMPT, SEED, WIDTH, HEIGHT = "a lighthouse at dusk", 21, 64, 48
 
@@ -34,6 +37,8 @@ def int8_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 def test_every_front_end_gives_the_export_tools_int8_image(int8_bundle: Path, klein_bin: Path, tmp_path: Path):
     import klein
+
+    from klein_export.int8_kernels import int8_products_saturate
     from klein_export.ort_pipeline import bundle_image
 
     cli_out = tmp_path / "cli.png"
@@ -46,8 +51,13 @@ def test_every_front_end_gives_the_export_tools_int8_image(int8_bundle: Path, kl
     cli_png = cli_out.read_bytes()
 
     pipe = klein.Pipeline(int8_bundle)
-    out = pipe(prompt=PROMPT, width=WIDTH, height=HEIGHT, generator=SEED, output_type="png")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = pipe(prompt=PROMPT, width=WIDTH, height=HEIGHT, generator=SEED, output_type="png")
     assert out.images == [cli_png], "the Python bindings' PNG is not the CLI's"
+    # The runtime says when it converts, exactly where the export tool's probe finds saturation.
+    said = any("this CPU has no VNNI" in str(w.message) for w in caught)
+    assert said is int8_products_saturate(), [str(w.message) for w in caught]
 
     server = Server(klein_bin, int8_bundle)
     try:
