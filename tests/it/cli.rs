@@ -614,6 +614,49 @@ fn info_names_the_files_merged_at_export() {
     );
 }
 
+/// `klein info` names the CPU and, for int8 codes run by u8 x s8 kernels, what this CPU does with
+/// them: 8-bit codes converted to uint8 exactly where VNNI is missing (x86-64), 7-bit codes never.
+#[test]
+fn info_says_how_this_cpu_runs_int8_weights() {
+    let plain = klein(["info"]);
+    assert_eq!(plain.code, Some(0), "{}", plain.describe());
+    assert!(plain.stdout.contains("cpu:          "), "{}", plain.stdout);
+    assert!(!plain.stdout.contains("int8 kernels:"), "{}", plain.stdout);
+
+    let bundle = BundleCopy::new("cli-info-int8");
+    let path = bundle.file("manifest.json");
+    let mut manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let dynamic = |reduce_range: bool| serde_json::json!({"method": "DynamicQuantizeMatMul", "bits": 8, "reduce_range": reduce_range});
+    manifest["graphs"]["text_encoder"]["quantization"] = dynamic(false);
+    manifest["graphs"]["transformer"]["quantization"] = dynamic(true);
+    std::fs::write(&path, serde_json::to_vec(&manifest).unwrap()).unwrap();
+    let run = klein(["info", bundle.arg()]);
+    assert_eq!(run.code, Some(0), "{}", run.describe());
+    let line = run
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("int8 kernels: "))
+        .unwrap_or_else(|| panic!("no int8 kernels line in:\n{}", run.stdout));
+    assert!(line.contains("text_encoder (8-bit codes)"), "{line}");
+    assert!(
+        line.contains(
+            "transformer (7-bit codes, --reduce-range): u8 x s8 kernels, exact on every CPU"
+        ),
+        "{line}"
+    );
+    #[cfg(target_arch = "x86_64")]
+    let no_vnni = !(std::arch::is_x86_feature_detected!("avxvnni")
+        || std::arch::is_x86_feature_detected!("avx512vnni"));
+    #[cfg(not(target_arch = "x86_64"))]
+    let no_vnni = false;
+    assert_eq!(
+        line.contains("this CPU has no VNNI, so ONNX Runtime converts these weights to uint8"),
+        no_vnni,
+        "{line}"
+    );
+}
+
 /// `klein info | head -1`: the reader closes the pipe after one line; the CLI ends as other Unix
 /// tools do (SIGPIPE), not with a panic and its backtrace.
 #[cfg(unix)]
