@@ -17,6 +17,13 @@ maturin build --release -m python/Cargo.toml -o "$wheel_dir" --quiet
 python -m pip install --quiet --force-reinstall --no-deps "$wheel_dir"/klein-*.whl
 cargo test --release
 cargo check --release --features cuda,coreml
+# The library alone (what the C library, the wheel and Rust embedders link) depends on none of the
+# binary's crates: they come with the `cli` feature only.
+binary_only='^(clap|anyhow|indicatif|ctrlc|axum|tokio|hyper|hyper-util) '
+if cargo tree -p klein --no-default-features -e normal --prefix none | grep -E "$binary_only"; then
+    echo "test.sh: the library without the cli feature depends on the crates above" >&2
+    exit 1
+fi
 cargo check --release --features cuda
 cargo check --release --features coreml
 # The library's documentation, as an embedder reads it: no broken or private links.
