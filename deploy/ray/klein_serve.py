@@ -34,7 +34,6 @@ thread with the GIL released, so the replica's event loop keeps answering. Scale
 import base64
 import json
 import os
-import secrets
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -205,7 +204,7 @@ def check_request(body: dict[str, Any], references: list[klein.EncodedImage]) ->
         n=_integer(body, "n", 1, klein.MAX_BATCH) or 1,
         width=width,
         height=height,
-        seed=secrets.randbits(63) if seed is None else seed,
+        seed=klein.random_seed() if seed is None else seed,
         steps=_integer(body, "steps", 1, klein.MAX_STEPS),
         guidance=None if guidance is None else float(guidance),
         negative_prompt=body.get("negative_prompt"),

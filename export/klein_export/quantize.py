@@ -615,8 +615,7 @@ def quantize_bundle(bundle_dir, config: QuantizationConfig, log=print):
         log(f"quantized {component} to {config.bits} bits{_range_note(config)}: {count} {config.method} nodes")
     from .int8_kernels import cpu_note
 
-    note = cpu_note({c: manifest["graphs"][c] for c in config.components})
-    if note:
+    if note := cpu_note({c: manifest["graphs"][c] for c in config.components}):
         log(note)
     stamp_bundle(bundle_dir, [manifest["graphs"][c]["file"] for c in config.components])
     manifest["files"] = bundle_files(bundle_dir, manifest["files"], changed)

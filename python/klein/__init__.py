@@ -28,7 +28,6 @@ import io
 import math
 import numbers
 import os
-import secrets
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -54,6 +53,7 @@ from ._klein import (
     CancelledError,
     InvalidInputError,
     KleinError,
+    random_seed,
 )
 
 __all__ = [
@@ -75,6 +75,7 @@ __all__ = [
     "KleinWarning",
     "Pipeline",
     "find_ort_library",
+    "random_seed",
 ]
 
 __version__ = _klein.version()
@@ -248,7 +249,7 @@ def _seed(generator: Any) -> int:
     ``initial_seed()`` (klein draws the noise of every image from that seed, as torch does from a
     freshly seeded generator)."""
     if generator is None:
-        return secrets.randbits(63)
+        return random_seed()
     if isinstance(generator, (list, tuple)):
         if len(generator) != 1:
             raise _invalid(

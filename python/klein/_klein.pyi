@@ -140,3 +140,6 @@ class Pipeline:
 
 def version() -> str:
     """The version of the klein library this module was built with."""
+
+def random_seed() -> int:
+    """A seed for a generation that names none, below 2^53, as the CLI and the server draw it."""

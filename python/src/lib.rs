@@ -8,124 +8,30 @@
 #![warn(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 #![deny(unsafe_code)]
 use std::ops::ControlFlow;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::thread::ThreadId;
 use std::time::Duration;
 
-use klein::error::chain;
 use klein::limits;
 use klein::pipeline::metadata::variant_name;
 use klein::pipeline::{
-    Generation, Inpaint, LoraSpec, Pipeline, PipelineOptions, Progress, ReferenceSource, Request,
-    Timings, VaeTiling,
+    Generation, LoraSpec, Pipeline, PipelineOptions, Progress, ReferenceSource, Request, Timings,
+    VaeTiling,
 };
 use klein::runtime::{Device, RuntimeOptions};
 use klein::stages::inpaint::DEFAULT_STRENGTH;
-use klein::stages::mask::{decode_transparent_mask, load_transparent_mask};
 use klein::stages::output::{encode_image, ImageFormat};
-use klein::stages::reference::{decode_image, decode_image_bytes};
 use klein::KleinError;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyTuple, PyType};
+use pyo3::types::{PyBool, PyBytes, PyTuple};
 
-/// The exception classes, created when the module is first imported.
-struct Exceptions {
-    /// `klein.KleinError(Exception)`: every error of klein.
-    base: Py<PyType>,
-    /// `klein.InvalidInputError(KleinError, ValueError)`: what the caller gave is wrong.
-    invalid_input: Py<PyType>,
-    /// `klein.CancelledError(KleinError)`: the callback asked to stop.
-    cancelled: Py<PyType>,
-}
+mod args;
+mod errors;
 
-static EXCEPTIONS: PyOnceLock<Exceptions> = PyOnceLock::new();
-
-/// Creates `name` (in module `klein`) with `bases`; several bases need `type()` itself, which
-/// `create_exception!` does not offer.
-fn exception_type<'py>(
-    py: Python<'py>,
-    name: &str,
-    bases: Bound<'py, PyTuple>,
-    doc: &str,
-) -> PyResult<Py<PyType>> {
-    let namespace = PyDict::new(py);
-    namespace.set_item("__module__", "klein")?;
-    namespace.set_item("__doc__", doc)?;
-    // The argument at fault, where the error is one input's (set on the instance); else None.
-    namespace.set_item("param", py.None())?;
-    let class = py
-        .get_type::<PyType>()
-        .call1((name, bases, namespace))?
-        .cast_into::<PyType>()?;
-    Ok(class.unbind())
-}
-
-fn create_exceptions(py: Python<'_>) -> PyResult<Exceptions> {
-    let exception = py.get_type::<pyo3::exceptions::PyException>();
-    let value_error = py.get_type::<pyo3::exceptions::PyValueError>();
-    let base = exception_type(
-        py,
-        "KleinError",
-        PyTuple::new(py, [exception])?,
-        "An error of klein (the message names the file, field or stage).",
-    )?;
-    let invalid_input = exception_type(
-        py,
-        "InvalidInputError",
-        PyTuple::new(py, [base.bind(py).clone(), value_error])?,
-        "What the caller gave cannot be used: a file, a bundle, a size, a count, an option.",
-    )?;
-    let cancelled = exception_type(
-        py,
-        "CancelledError",
-        PyTuple::new(py, [base.bind(py).clone()])?,
-        "The progress callback returned False.",
-    )?;
-    Ok(Exceptions {
-        base,
-        invalid_input,
-        cancelled,
-    })
-}
-
-fn exceptions(py: Python<'_>) -> PyResult<&Exceptions> {
-    EXCEPTIONS.get_or_try_init(py, || create_exceptions(py))
-}
-
-/// A klein error as the Python exception of its kind, with klein's whole message.
-fn to_py_err(py: Python<'_>, error: &KleinError) -> PyErr {
-    let classes = match exceptions(py) {
-        Ok(classes) => classes,
-        Err(failed) => return failed,
-    };
-    let class = match error {
-        KleinError::Cancelled => &classes.cancelled,
-        e if e.is_user_error() => &classes.invalid_input,
-        _ => &classes.base,
-    };
-    let raised = PyErr::from_type(class.bind(py).clone(), chain(error));
-    match error.param() {
-        Some(param) => named(py, raised, param),
-        None => raised,
-    }
-}
-
-/// `error` as [`to_py_err`] makes it, naming `param`, the native argument it comes from (the
-/// Python side renames it to its own argument's name).
-fn input_err(py: Python<'_>, error: &KleinError, param: &str) -> PyErr {
-    named(py, to_py_err(py, error), param)
-}
-
-/// `raised` with its `param` attribute set to `param`.
-fn named(py: Python<'_>, raised: PyErr, param: &str) -> PyErr {
-    match raised.value(py).setattr("param", param) {
-        Ok(()) => raised,
-        Err(failed) => failed,
-    }
-}
+use args::*;
+use errors::*;
 
 /// The pipeline, whatever a panic elsewhere left (klein does not panic on input).
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -146,138 +52,6 @@ impl<'a> Generating<'a> {
 impl Drop for Generating<'_> {
     fn drop(&mut self) {
         *lock(self.0) = None;
-    }
-}
-
-/// A LoRA as Python gives it: `(path, scale)`, `"FILE"` or `"FILE:SCALE"`, or an `os.PathLike`.
-#[derive(FromPyObject)]
-enum LoraArg {
-    Pair(PathBuf, f32),
-    Text(String),
-    Path(PathBuf),
-}
-
-impl LoraArg {
-    fn spec(self) -> LoraSpec {
-        match self {
-            LoraArg::Pair(path, scale) => LoraSpec::new(path, scale),
-            LoraArg::Text(text) => LoraSpec::parse(&text),
-            LoraArg::Path(path) => LoraSpec::new(path, 1.0),
-        }
-    }
-}
-
-/// A reference image as the Python side passes it: a path (read by klein, labelled by the string
-/// as given) or the bytes of an image file with its label. Paths and labels are the OS's: a file
-/// name that is not UTF-8 (`os.fsdecode`'s surrogates) is read as it is.
-#[derive(FromPyObject)]
-enum ReferenceArg<'py> {
-    Encoded(Bound<'py, PyBytes>, PathBuf),
-    Path(PathBuf),
-}
-
-/// A [`ReferenceArg`] copied out of Python's objects, for use without the GIL.
-enum Reference {
-    Encoded(Vec<u8>, PathBuf),
-    Path(PathBuf),
-}
-
-impl From<ReferenceArg<'_>> for Reference {
-    fn from(arg: ReferenceArg<'_>) -> Self {
-        match arg {
-            ReferenceArg::Encoded(bytes, label) => {
-                Reference::Encoded(bytes.as_bytes().to_vec(), label)
-            }
-            ReferenceArg::Path(path) => Reference::Path(path),
-        }
-    }
-}
-
-/// An inpainting or img2img request's inputs, copied out of Python's objects.
-struct InpaintArgs {
-    source: Reference,
-    mask: Option<Reference>,
-    /// The mask's fully transparent pixels repaint (OpenAI's edits), not its white ones.
-    mask_transparent: bool,
-    strength: f64,
-    /// `padding_mask_crop`: crop to the mask's region with this padding.
-    mask_crop: Option<u32>,
-}
-
-impl Reference {
-    fn label(&self) -> &Path {
-        match self {
-            Reference::Path(path) => path,
-            Reference::Encoded(_, label) => label,
-        }
-    }
-
-    /// The label as the image's text stores it (a name that is not UTF-8 with U+FFFD).
-    fn label_text(&self) -> String {
-        self.label().to_string_lossy().into_owned()
-    }
-
-    /// The image as RGB, unprocessed.
-    fn decode(&self) -> klein::Result<klein::image::RgbImage> {
-        match self {
-            Reference::Path(path) => decode_image(path),
-            Reference::Encoded(bytes, label) => decode_image_bytes(bytes, label),
-        }
-    }
-
-    /// A mask as klein's mask image (white repaints): as it is, or, `transparent`, OpenAI's
-    /// (its fully transparent pixels repaint).
-    fn decode_mask(&self, transparent: bool) -> klein::Result<klein::image::RgbImage> {
-        match (self, transparent) {
-            (_, false) => self.decode(),
-            (Reference::Path(path), true) => load_transparent_mask(path),
-            (Reference::Encoded(bytes, label), true) => decode_transparent_mask(bytes, label),
-        }
-    }
-}
-
-impl InpaintArgs {
-    /// The source and mask decoded and preprocessed for `pipeline`; an error is the input's
-    /// whose file it names (`source` or `mask`, as [`Failure::Input`] names them).
-    fn load(&self, pipeline: &Pipeline) -> Result<Inpaint, Failure> {
-        let source_err = |e| Failure::Input(e, "source");
-        let mask_err = |e| Failure::Input(e, "mask");
-        if let (Some(padding), Some(mask)) = (self.mask_crop, &self.mask) {
-            let (source_label, mask_label) = (self.source.label(), mask.label());
-            let source = self.source.decode().map_err(source_err)?;
-            let mask_rgb = mask.decode_mask(self.mask_transparent).map_err(mask_err)?;
-            // Its errors are the mask's (its region, its size against the source's) but for
-            // the source's size, which names the source.
-            return pipeline
-                .crop_to_mask(
-                    source,
-                    mask_rgb,
-                    padding,
-                    self.strength,
-                    (source_label, mask_label),
-                )
-                .map_err(|e| match &e {
-                    KleinError::Image { path, .. }
-                        if source_label != mask_label && path == source_label =>
-                    {
-                        source_err(e)
-                    }
-                    _ => mask_err(e),
-                });
-        }
-        let source = match &self.source {
-            Reference::Path(path) => pipeline.load_source(path),
-            Reference::Encoded(bytes, label) => pipeline.decode_source(bytes, label),
-        }
-        .map_err(source_err)?;
-        let mask = match &self.mask {
-            None => None,
-            Some(mask) => {
-                let rgb = mask.decode_mask(self.mask_transparent).map_err(mask_err)?;
-                Some(pipeline.prepare_mask(&rgb, &source))
-            }
-        };
-        Ok(Inpaint::new(source, mask, self.strength))
     }
 }
 
@@ -375,16 +149,6 @@ fn seconds_per_stage(timings: &Timings) -> Vec<(String, f64)> {
         .into_iter()
         .map(|(label, total)| (label, total.as_secs_f64()))
         .collect()
-}
-
-/// The error a generation ended with: the callback's own exception (or Ctrl-C's
-/// `KeyboardInterrupt`) when it stopped the work, else klein's.
-enum Failure {
-    Klein(KleinError),
-    /// klein's error about one input: the native argument's name (`source`, `mask`,
-    /// `references`), set as the exception's `param`.
-    Input(KleinError, &'static str),
-    Python(PyErr),
 }
 
 impl PyPipeline {
@@ -816,6 +580,12 @@ fn version() -> &'static str {
     env!("CARGO_PKG_VERSION")
 }
 
+/// A seed for a generation that names none, below 2^53, as the CLI and the server draw it.
+#[pyfunction]
+fn random_seed() -> u64 {
+    klein::pipeline::random_seed()
+}
+
 #[pymodule]
 fn _klein(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -826,6 +596,7 @@ fn _klein(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPipeline>()?;
     m.add_class::<PyGeneration>()?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_function(wrap_pyfunction!(random_seed, m)?)?;
     // The bounds klein checks (src/limits.rs), for callers that check a request's fields first.
     m.add("MAX_SIDE", limits::MAX_SIDE)?;
     m.add("MAX_BATCH", limits::MAX_BATCH)?;

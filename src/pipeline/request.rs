@@ -1,5 +1,7 @@
 //! What to generate ([`Request`]) and its validation, in one place, before anything is loaded:
 //! `Plan::new` checks every number of a request against the bundle and [`crate::limits`].
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
 use std::path::Path;
 
 use ndarray::Array4;
@@ -17,6 +19,18 @@ use crate::stages::mask::Mask;
 use crate::stages::mask_crop::{paste_back, CropRegion};
 use crate::stages::output::RgbImage;
 use crate::stages::reference::ReferenceImage;
+
+/// Random seeds ([`random_seed`]) are below this, 2^53: JSON clients whose numbers are doubles
+/// (JavaScript) send them back exactly.
+pub const RANDOM_SEED_LIMIT: u64 = 1 << 53;
+
+/// A seed for a generation that names none, as every front end draws it (the CLI, batch mode, the
+/// server, Python and Ray Serve): printed or returned and stored in the image, so the image can be
+/// made again. Below [`RANDOM_SEED_LIMIT`].
+pub fn random_seed() -> u64 {
+    // RandomState's keys are random per process and differ for each value made in a thread.
+    RandomState::new().hash_one(std::process::id()) % RANDOM_SEED_LIMIT
+}
 
 /// Inpainting and img2img, as diffusers' `Flux2KleinInpaintPipeline`: the output starts from the
 /// source image's latents noised to `strength`, the source is the transformer's first reference,
@@ -612,4 +626,18 @@ pub(crate) fn no_preview_map(manifest: &Manifest) -> KleinError {
          `klein-export preview --checkpoint CHECKPOINT --bundle BUNDLE`",
         manifest.model.name
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_seeds_are_below_2_53_and_differ() {
+        let seeds: std::collections::BTreeSet<u64> = (0..1000).map(|_| random_seed()).collect();
+        assert!(seeds.len() > 990);
+        let largest = *seeds.last().unwrap();
+        // 1,000 draws all below 2^52 would have odds of 2^-1000.
+        assert!(largest < RANDOM_SEED_LIMIT && largest >= RANDOM_SEED_LIMIT / 2);
+    }
 }

@@ -1,4 +1,4 @@
-//! The C API (`src/capi.rs`): `examples/c/generate.c` compiled with the system C compiler against
+//! The C API (`src/capi/`): `examples/c/generate.c` compiled with the system C compiler against
 //! the `libklein` and `klein.h` of this very build, run on the tiny bundle; and the argument checks
 //! of the entry points, called directly.
 

@@ -141,6 +141,10 @@ def test_generators_and_random_seeds(pipe):
     random = pipe("a lighthouse", width=64, height=64, output_type="np")
     again = pipe("a lighthouse", width=64, height=64, generator=random.seed, output_type="np")
     assert np.array_equal(random.images, again.images)
+    # Random seeds are drawn as the CLI and the server draw them: below 2^53 (JSON clients keep them
+    # exact), from the whole range (1,000 draws all below 2^52 would have odds of 2^-1000).
+    seeds = {klein.random_seed() for _ in range(1000)} | {random.seed}
+    assert max(seeds) < 2**53 and max(seeds) >= 2**52 and len(seeds) > 990
 
 
 def test_generation_releases_the_gil(pipe):

@@ -262,6 +262,8 @@ def test_openai_settings_as_klein_serve_takes_them(serve_url, expected):
     r = requests.post(f"{url}/v1/images/edits", files=[reference], data=form, timeout=HTTP_TIMEOUT)
     assert r.status_code == 200, r.text
     assert any("input_fidelity `high`" in w for w in r.json()["warnings"]), r.json()["warnings"]
+    # No seed given: a random one, below 2^53 as every front end draws it (JSON clients keep it exact).
+    assert 0 <= r.json()["seed"] < 2**53, r.json()["seed"]
     for field, value, reason in (
         ("background", "transparent", "no alpha"),
         ("style", "vivid", "no style presets"),

@@ -19,7 +19,6 @@ type InpaintFiles<'a> = (Option<&'a Path>, Option<&'a Path>, Option<f64>, Option
 
 use crate::args::{default_model, pipeline_options, GenerateArgs};
 use crate::jsonl::{parse_batch, BatchLine};
-use crate::outputs::random_seed;
 use crate::report::Reporter;
 use crate::{is_user_error, UsageError};
 
@@ -279,8 +278,8 @@ pub(crate) fn generate_batch(
     let started = Instant::now();
     // The command line's numbers (the lines' defaults) before anything is read; a line's own are
     // checked when it runs, and a bad one is reported in the summary.
-    crate::command_line_request(args, "").check_bounds()?;
-    crate::check_input_images(args)?;
+    crate::generate::command_line_request(args, "").check_bounds()?;
+    crate::generate::check_input_images(args)?;
     let text = read_prompts(prompts)?;
     let lines = text
         .split(|&b| b == b'\n')
@@ -337,7 +336,7 @@ fn run_batch(
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    let previews = crate::preview_files(args, 1, &[])?;
+    let previews = crate::generate::preview_files(args, 1, &[])?;
     // Every PNG of the output directory may be a line's output (and a file there is taken as
     // done when the batch runs again): a preview there could take a line's name.
     // The preview's own directory entry, not where a link there leads: a link named NAME.png
@@ -539,7 +538,7 @@ impl BatchRun<'_> {
                 continue;
             }
             let line_started = Instant::now();
-            let seed = line.seed.unwrap_or_else(random_seed);
+            let seed = line.seed.unwrap_or_else(klein::pipeline::random_seed);
             let job = BatchJob {
                 line: &line,
                 seed,
@@ -665,7 +664,7 @@ impl BatchJob<'_> {
         let refs: Vec<String> = line.refs.iter().map(|r| r.display().to_string()).collect();
         let mut text = pipeline.image_metadata(&generation, &line.prompt, &refs, self.bundle_hash);
         let (image, mask, _, _) = self.inpaint_files(args);
-        text.extend(crate::inpaint_metadata(image, mask));
+        text.extend(crate::generate::inpaint_metadata(image, mask));
         let image = generation
             .images
             .first()
@@ -720,7 +719,8 @@ impl BatchJob<'_> {
         request.check_bounds()?;
         crate::outputs::check_writable(&format!("output {}", self.output.display()), self.output)?;
         let (image, mask, strength, mask_crop) = self.inpaint_files(args);
-        request.inpaint = crate::load_inpaint(pipeline, image, mask, strength, mask_crop)?;
+        request.inpaint =
+            crate::generate::load_inpaint(pipeline, image, mask, strength, mask_crop)?;
         let source_size = request
             .inpaint
             .as_ref()

@@ -1,7 +1,5 @@
 //! The files the command line writes: output paths and format checked before any work, and the
 //! settings stored in each image.
-use std::collections::hash_map::RandomState;
-use std::hash::BuildHasher;
 use std::path::{Path, PathBuf};
 
 use klein::fsutil::{replaced_file, MAX_FILE_NAME_BYTES};
@@ -131,10 +129,4 @@ fn output_paths(output: &Path, n: usize) -> Vec<PathBuf> {
             .map(|i| output.with_file_name(format!("{stem}-{i}")))
             .collect(),
     }
-}
-
-/// A seed for a generation that names none (printed and stored, so the image can be remade):
-/// below 2^53, so that a JSON client whose numbers are doubles (JavaScript) sends it back exactly.
-pub(crate) fn random_seed() -> u64 {
-    RandomState::new().hash_one(std::process::id()) >> 11
 }

@@ -16,6 +16,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::error::{ApiError, ErrorKind};
 use super::metrics::Metrics;
+use super::sync::lock;
 
 /// An image a client sent as a reference: its name (upload file name, or `image-N`) and bytes.
 #[derive(Debug, Clone)]
@@ -347,13 +348,6 @@ impl Drop for JobHandle {
         }
         lock(&self.queue.jobs).remove(&self.id);
     }
-}
-
-/// Locks `mutex`, also after a panic elsewhere (the data is counts and flags, always valid).
-pub(crate) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use super::jobs::lock;
+use super::sync::lock;
 
 /// Histogram bucket bounds in seconds: a 64x64 image on the tiny model takes ~0.1 s, a 1024x1024
 /// one on the 4B on a CPU some minutes.

@@ -37,6 +37,7 @@ mod metrics;
 mod native;
 mod openai;
 mod params;
+mod sync;
 mod worker;
 
 /// What every handler shares.

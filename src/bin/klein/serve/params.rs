@@ -165,7 +165,7 @@ pub(crate) fn check_strength(strength: Option<f64>) -> Result<Option<f64>, ApiEr
 
 /// The seed, or a random one (returned to the client and stored in the image).
 pub(crate) fn seed_or_random(seed: Option<u64>) -> u64 {
-    seed.unwrap_or_else(crate::outputs::random_seed)
+    seed.unwrap_or_else(klein::pipeline::random_seed)
 }
 
 /// `response_format`: only `b64_json` (klein serve keeps no files to link to).
