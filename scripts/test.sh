@@ -16,6 +16,10 @@ rm -rf "$wheel_dir"
 maturin build --release -m python/Cargo.toml -o "$wheel_dir" --quiet
 python -m pip install --quiet --force-reinstall --no-deps "$wheel_dir"/klein-*.whl
 cargo test --release
+# Lints: clippy (the lints lib.rs sets, and clippy's defaults) on every target of the workspace
+# (the library, the CLI, the Python bindings, tests, benches, examples), and rustfmt.
+cargo clippy --release --workspace --all-targets --quiet -- -D warnings
+cargo fmt --all --check
 cargo check --release --features cuda,coreml
 # The library alone (what the C library, the wheel and Rust embedders link) depends on none of the
 # binary's crates: they come with the `cli` feature only.
