@@ -5,8 +5,15 @@ import sys
 
 from .errors import CheckpointError, KleinExportError, QuantizationError
 from .lora_merge import parse_lora
-from .precision import PRECISIONS
-from .quantize import BITS, DEFAULT_BLOCK_SIZE, METHODS, QuantizationConfig, default_components, parse_components
+from .options import (
+    BITS,
+    DEFAULT_BLOCK_SIZE,
+    METHODS,
+    PRECISIONS,
+    QuantizationConfig,
+    default_components,
+    parse_components,
+)
 from .signals import Stopped, stops_raised
 
 EXIT_USER_ERROR = 2

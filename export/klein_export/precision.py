@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from .errors import PrecisionError
+from .options import PRECISIONS  # noqa: F401 (used below, and imported from here)
 
-PRECISIONS = ("fp32", "fp16", "bf16")
 FLOAT16_MAX = 65504.0
 
 # Module types whose weights and products go to float16.
