@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use klein::bundle::Manifest;
 use klein::pipeline::{LoraSpec, Progress, Request, Stage};
+use klein::stages::lora::DIFFUSERS_LORA_FILE;
 use klein::KleinError;
 use safetensors::tensor::{Dtype, TensorView};
 
@@ -187,6 +188,54 @@ fn lora_applies_and_changes_only_the_transformer() {
     pipeline.set_loras(&[]).unwrap();
     let again = pipeline.generate(&request(), None).unwrap().images;
     assert_eq!(again[0].pixels, plain[0].pixels);
+}
+
+/// A directory is read as diffusers' `load_lora_weights` reads it: the file `save_lora_weights`
+/// writes (`pytorch_lora_weights.safetensors`), else its only `.safetensors` file; with several
+/// files and none of that name, or none at all, it is refused and its files named.
+#[test]
+fn a_lora_directory_gives_its_file() {
+    let dir = temp_dir("lora-dir");
+    let image = |pipeline: &mut klein::pipeline::Pipeline, path: &Path| {
+        pipeline.set_loras(&[LoraSpec::new(path, 0.8)]).unwrap();
+        pipeline.generate(&request(), None).unwrap().images[0]
+            .pixels
+            .clone()
+    };
+    let mut pipeline = tiny_pipeline();
+    let saved = dir.join("saved");
+    std::fs::create_dir_all(&saved).unwrap();
+    let file = diffusers_lora(&saved.join(DIFFUSERS_LORA_FILE), |_| true, 1);
+    diffusers_lora(&saved.join("notes.safetensors"), |_| false, 1); // passed over
+    let want = image(&mut pipeline, &file);
+    assert_eq!(image(&mut pipeline, &saved), want);
+
+    let other = dir.join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    diffusers_lora(&other.join("style.safetensors"), |_| true, 1);
+    assert_eq!(image(&mut pipeline, &other), want);
+
+    diffusers_lora(&other.join("second.safetensors"), |_| true, 1);
+    let empty = dir.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    for (path, reason) in [
+        (
+            &other,
+            "several .safetensors files (second.safetensors, style.safetensors)",
+        ),
+        (
+            &empty,
+            "a directory without pytorch_lora_weights.safetensors",
+        ),
+    ] {
+        let error = pipeline.set_loras(&[LoraSpec::new(path, 1.0)]).unwrap_err();
+        assert!(error.is_user_error(), "{error}");
+        let message = error.to_string();
+        assert!(
+            message.contains(&path.display().to_string()) && message.contains(reason),
+            "{message}"
+        );
+    }
 }
 
 /// With the text encoder kept loaded, a LoRA change reloads the transformer only.

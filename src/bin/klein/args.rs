@@ -124,7 +124,7 @@ pub(crate) struct GenerateArgs {
     /// Inpaint only the mask's region (diffusers' padding_mask_crop): the box around the mask's non-black pixels, grown by PIXELS on each side and to the output's aspect ratio, is generated at the source's processing size, then pasted back into the whole source through the mask; the output has the source's size. The mask must have the source's size. PIXELS: 0 to 4096
     #[arg(long, value_name = "PIXELS", requires = "mask", allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(0..=MAX_SIDE as i64))]
     pub(crate) mask_crop: Option<u32>,
-    /// LoRA to merge into the transformer, FILE or FILE:SCALE (repeatable, at most 16; scale -100 to 100, default 1; may be negative): diffusers/PEFT, BFL/ai-toolkit, kohya and LoKr (BFL, LyCORIS) .safetensors files
+    /// LoRA to merge into the transformer, FILE or FILE:SCALE (repeatable, at most 16; scale -100 to 100, default 1; may be negative): diffusers/PEFT, BFL/ai-toolkit, kohya and LoKr (BFL, LyCORIS) .safetensors files, or a directory written by diffusers' save_lora_weights
     #[arg(long = "lora", value_name = "FILE[:SCALE]", value_parser = parse_lora())]
     pub(crate) loras: Vec<LoraSpec>,
     /// Images to generate for the prompt (one batch), 1 to 16

@@ -176,8 +176,59 @@ fn read_capped(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// Reads and converts the LoRA file at `path`.
+/// The file diffusers' `save_lora_weights` writes into its directory.
+pub const DIFFUSERS_LORA_FILE: &str = "pytorch_lora_weights.safetensors";
+
+/// The LoRA file of a directory, as diffusers' `load_lora_weights` picks it: the one
+/// `save_lora_weights` writes ([`DIFFUSERS_LORA_FILE`]), else the directory's only `.safetensors`
+/// file.
+pub fn lora_in_directory(dir: &Path) -> Result<PathBuf> {
+    let saved = dir.join(DIFFUSERS_LORA_FILE);
+    if saved.is_file() {
+        return Ok(saved);
+    }
+    let entries = std::fs::read_dir(dir).map_err(|source| KleinError::Io {
+        path: dir.to_path_buf(),
+        action: READING_LORA,
+        source,
+    })?;
+    let mut found: Vec<PathBuf> = entries
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    found.sort();
+    let fail = |reason: String| KleinError::Lora {
+        path: dir.to_path_buf(),
+        reason,
+    };
+    match found.len() {
+        1 => Ok(found.remove(0)),
+        0 => Err(fail(format!(
+            "a directory without {DIFFUSERS_LORA_FILE} or another .safetensors file; give the LoRA file"
+        ))),
+        _ => {
+            let names: Vec<String> = found
+                .iter()
+                .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .collect();
+            Err(fail(format!(
+                "a directory with several .safetensors files ({}) and no {DIFFUSERS_LORA_FILE}; give one of them",
+                names.join(", ")
+            )))
+        }
+    }
+}
+
+/// Reads and converts the LoRA file at `path`; a directory gives its LoRA file
+/// ([`lora_in_directory`]).
 pub fn read_lora(path: &Path) -> Result<LoraFile> {
+    let in_directory;
+    let path = if path.is_dir() {
+        in_directory = lora_in_directory(path)?;
+        in_directory.as_path()
+    } else {
+        path
+    };
     let fail = |reason: String| KleinError::Lora {
         path: path.to_path_buf(),
         reason,
