@@ -397,6 +397,9 @@ impl Pipeline {
                 model.name
             ));
         }
+        if let Some(warning) = floored_size(request, &plan, self.manifest.latents.pixel_multiple) {
+            self.warnings.push(warning);
+        }
         let Plan {
             batch,
             steps,
@@ -544,4 +547,26 @@ fn internal(what: &str, error: impl std::fmt::Display) -> KleinError {
         stage: "pipeline",
         message: format!("{what}: {error}"),
     }
+}
+
+/// The warning for a size given that is not a multiple of the latent grid's `multiple` (16): it is
+/// floored, as diffusers floors it (and warns).
+fn floored_size(request: &Request, plan: &Plan, multiple: u32) -> Option<String> {
+    let floored: Vec<String> = [
+        ("width", request.width, plan.width),
+        ("height", request.height, plan.height),
+    ]
+    .into_iter()
+    .filter_map(|(name, given, used)| {
+        given
+            .filter(|&g| g != used)
+            .map(|g| format!("{name} {g} is floored to {used}"))
+    })
+    .collect();
+    (!floored.is_empty()).then(|| {
+        format!(
+            "{}: image sides are multiples of {multiple}, as in diffusers",
+            floored.join(", ")
+        )
+    })
 }

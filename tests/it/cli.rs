@@ -385,6 +385,37 @@ fn generate_writes_a_png_with_its_settings() {
     assert_eq!(files_in(&dir), ["out.png"], "no temporary file is left");
 }
 
+/// A side that is not a multiple of 16 is floored, as diffusers floors it, and the warning says
+/// so; sides that are multiples give no such warning.
+#[test]
+fn a_size_floored_to_16_is_a_warning() {
+    let dir = temp_dir("cli-floor");
+    let out = dir.join("out.png");
+    let run = generate(
+        "a red fox in the snow",
+        &out,
+        &[
+            "--steps", "1", "--width", "100", "--height", "64", "--seed", "3",
+        ],
+    );
+    run.assert_success(&[&out]);
+    let png = read_png(&out);
+    assert_eq!((png.width, png.height), (96, 64));
+    assert_mentions(
+        &run.stderr,
+        &["klein: warning: width 100 is floored to 96: image sides are multiples of 16"],
+    );
+    let run = generate(
+        "a red fox in the snow",
+        &out,
+        &[
+            "--steps", "1", "--width", "96", "--height", "64", "--seed", "3",
+        ],
+    );
+    run.assert_success(&[&out]);
+    assert!(!run.stderr.contains("floored"), "{}", run.stderr);
+}
+
 /// The same seed gives byte-identical pixels; another seed gives other pixels.
 #[test]
 fn same_seed_same_pixels_other_seed_other_pixels() {

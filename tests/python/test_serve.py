@@ -220,6 +220,15 @@ def test_inpainting_on_both_apis_gives_the_cli_file(
     assert r.json()["metadata"]["mask_crop"] == "6"
 
 
+def test_a_floored_size_is_a_warning(server: Server):
+    """A size that is not a multiple of 16 is floored, as diffusers floors it, and the answer says so."""
+    body = {"prompt": PROMPT, "size": "100x72", "seed": 3, "steps": 1}
+    response = httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    warnings = response.json()["warnings"]
+    assert any("width 100 is floored to 96, height 72 is floored to 64" in w for w in warnings), warnings
+
+
 def test_curl_gets_the_cli_image(server: Server, klein_bin: Path, tiny_bundle: Path, tmp_path: Path):
     body = json.dumps({"prompt": PROMPT, "size": "48x64", "seed": 3})
     out = subprocess.run(
