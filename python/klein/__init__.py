@@ -2,7 +2,7 @@
 
     import klein
 
-    pipe = klein.Pipeline("bundles/klein-4b")  # default: $KLEIN_MODEL
+    pipe = klein.Pipeline("bundles/klein-4b")  # default: $KLEIN_MODEL, else the bundled tiny model
     out = pipe(prompt="a red fox in the snow", width=512, height=512, generator=7)
     out.images[0].save("fox.png")
 
@@ -54,6 +54,7 @@ from ._klein import (
     InvalidInputError,
     KleinError,
     random_seed,
+    tiny_model_dir,
 )
 
 __all__ = [
@@ -76,6 +77,7 @@ __all__ = [
     "Pipeline",
     "find_ort_library",
     "random_seed",
+    "tiny_model_dir",
 ]
 
 __version__ = _klein.version()
@@ -399,7 +401,8 @@ def _loras(loras: Any) -> list[str | tuple[str, float]]:
 class Pipeline:
     """A loaded klein bundle (``klein-export convert`` writes them).
 
-    ``model``: the bundle directory (default ``$KLEIN_MODEL``). ``device``: ``cpu``, ``cuda``,
+    ``model``: the bundle directory (default ``$KLEIN_MODEL``, else the bundled tiny model, random
+    weights, as the CLI runs without ``--model``). ``device``: ``cpu``, ``cuda``,
     ``cuda:N``, ``coreml`` or ``auto``. ``threads``: threads per operator (default: ONNX Runtime's
     choice). ``loras``: ``[(path, scale)]`` or ``["FILE:SCALE"]``. ``verify_hashes``: check the
     bundle's files against its manifest (skipped while a stamp in the cache vouches for them).
@@ -444,7 +447,8 @@ class Pipeline:
         if model is None:
             model = os.environ.get("KLEIN_MODEL") or None
             if model is None:
-                raise _invalid("no model: pass model= (a bundle directory) or set KLEIN_MODEL", "model")
+                # The bundled tiny model (random weights), as the CLI runs with no --model.
+                model = _klein.tiny_model_dir()
         if not isinstance(model, (str, os.PathLike)):
             raise _invalid(
                 f"model must be a bundle directory's path (str or os.PathLike), not {type(model).__name__}", "model"

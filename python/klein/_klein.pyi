@@ -141,5 +141,9 @@ class Pipeline:
 def version() -> str:
     """The version of the klein library this module was built with."""
 
+def tiny_model_dir() -> Path:
+    """The directory of the bundled tiny model (random weights), written to the cache directory on
+    first use: the model ``klein.Pipeline()`` runs when none is named, as the CLI does."""
+
 def random_seed() -> int:
     """A seed for a generation that names none, below 2^53, as the CLI and the server draw it."""

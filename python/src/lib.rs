@@ -580,6 +580,13 @@ fn version() -> &'static str {
     env!("CARGO_PKG_VERSION")
 }
 
+/// The directory of the bundled tiny model (random weights), written to the cache directory on
+/// first use: the model `klein.Pipeline()` runs when none is named, as the CLI does.
+#[pyfunction]
+fn tiny_model_dir(py: Python<'_>) -> PyResult<PathBuf> {
+    klein::bundle::bundled::tiny_model_dir().map_err(|e| to_py_err(py, &e))
+}
+
 /// A seed for a generation that names none, below 2^53, as the CLI and the server draw it.
 #[pyfunction]
 fn random_seed() -> u64 {
@@ -597,6 +604,7 @@ fn _klein(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyGeneration>()?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(random_seed, m)?)?;
+    m.add_function(wrap_pyfunction!(tiny_model_dir, m)?)?;
     // The bounds klein checks (src/limits.rs), for callers that check a request's fields first.
     m.add("MAX_SIDE", limits::MAX_SIDE)?;
     m.add("MAX_BATCH", limits::MAX_BATCH)?;

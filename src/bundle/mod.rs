@@ -2,6 +2,8 @@
 //! verification with its stamps, static-shape buckets, and which devices can run it. Nothing here
 //! runs a graph.
 pub mod buckets;
+#[cfg(feature = "tiny-model")]
+pub mod bundled;
 pub mod component;
 pub mod contract;
 pub mod kv;

@@ -37,6 +37,20 @@ def pixels(png: bytes) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
 
 
+def test_no_model_is_the_bundled_tiny_model(klein_bin, tmp_path, monkeypatch):
+    """`klein.Pipeline()` with no model named and no KLEIN_MODEL runs the bundled tiny model, as
+    `klein generate` does without --model: the same directory in the cache, the same PNG."""
+    monkeypatch.delenv("KLEIN_MODEL", raising=False)
+    monkeypatch.setenv("KLEIN_CACHE_DIR", str(tmp_path / "cache"))
+    pipe = klein.Pipeline()
+    assert pipe.bundle_dir.parent == tmp_path / "cache" / "bundled"
+    assert pipe.bundle_dir == klein.tiny_model_dir()
+    out = pipe("a fox", width=64, height=64, generator=7, output_type="png")
+    command = [str(klein_bin), "generate", "a fox", "-o", str(tmp_path / "a.png"), "-q", *SIZE, "--seed", "7"]
+    subprocess.run(command, check=True, timeout=120, capture_output=True)
+    assert out.images == [(tmp_path / "a.png").read_bytes()]
+
+
 def test_png_is_the_cli_file(pipe, klein_bin, tiny_bundle, tmp_path):
     cli(klein_bin, tiny_bundle, tmp_path / "a.png", "a fox", *SIZE, "--seed", "7")
     out = pipe(prompt="a fox", width=64, height=64, generator=7, output_type="png")
@@ -732,9 +746,14 @@ def test_names_that_are_not_utf8_tuples_of_loras_and_arguments_named(
         ("cpu_cache", lambda: klein.Pipeline(tiny_bundle, cpu_cache=not_a_dir)),
         ("prompt_cache", lambda: klein.Pipeline(tiny_bundle, prompt_cache=not_a_dir)),
         ("ort_lib", lambda: klein.Pipeline(tiny_bundle, ort_lib=tmp_path / "missing.so")),
-        ("model", lambda: klein.Pipeline()),  # no KLEIN_MODEL either
     ]:
         monkeypatch.delenv("KLEIN_MODEL", raising=False)
         with pytest.raises(klein.InvalidInputError) as error:
             call()
         assert error.value.param == param, str(error.value)
+    # No model named: the bundled tiny model, written to the cache directory; one that cannot be
+    # made is named, with how to choose another.
+    monkeypatch.setenv("KLEIN_CACHE_DIR", str(not_a_dir / "cache"))
+    with pytest.raises(klein.InvalidInputError) as error:
+        klein.Pipeline()
+    assert error.value.param == "model" and "KLEIN_CACHE_DIR" in str(error.value), str(error.value)

@@ -8,7 +8,7 @@ use klein::runtime::{
     ComputeUnits, ConvSearch, CoreMlOptions, CudaOptions, Device, RuntimeOptions,
 };
 
-use crate::bundled::bundled_model;
+use klein::bundle::bundled::tiny_model_dir;
 
 #[derive(Parser)]
 #[command(
@@ -312,7 +312,7 @@ pub(crate) fn default_model(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     let from_env = || std::env::var_os("KLEIN_MODEL").filter(|m| !m.is_empty());
     match model.or_else(|| from_env().map(PathBuf::from)) {
         Some(model) => Ok(model),
-        None => bundled_model(),
+        None => Ok(tiny_model_dir()?),
     }
 }
 

@@ -9,7 +9,6 @@ use klein::KleinError;
 
 mod args;
 mod batch;
-mod bundled;
 mod generate;
 mod heap;
 mod info;

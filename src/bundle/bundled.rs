@@ -1,13 +1,13 @@
-//! The bundled tiny model, inside the binary: `klein generate` works with no `--model` wherever
-//! the binary is (installed with `cargo install`, copied), not only in the repository it was built
-//! from. Its files are written once to the cache directory, then used from there like any bundle
-//! (checked against their manifest at every load, with the verification stamp).
+//! The bundled tiny model (feature `tiny-model`), inside the binary or library that is built with
+//! it: `klein generate` and Python's `klein.Pipeline()` work with no model named, wherever they are
+//! installed, not only in the repository they were built from. Its files are written once to the
+//! cache directory, then used from there like any bundle (checked against their manifest at every
+//! load, with the verification stamp). Random weights: for a first run and for tests, not images.
 use std::path::PathBuf;
 
-use klein::bundle::default_cache_dir;
-use klein::fsutil::{sha256_hex, write_atomic};
-
-use crate::UsageError;
+use super::default_cache_dir;
+use crate::error::{KleinError, Result};
+use crate::fsutil::{sha256_hex, write_atomic};
 
 macro_rules! bundled {
     ($($name:literal),* $(,)?) => {
@@ -16,7 +16,7 @@ macro_rules! bundled {
 }
 
 /// Every file of `onnx/klein-tiny/`, manifest last.
-pub(crate) const FILES: &[(&str, &[u8])] = bundled!(
+pub const FILES: &[(&str, &[u8])] = bundled!(
     "text_encoder.onnx",
     "tokenizer.json",
     "transformer.onnx",
@@ -29,7 +29,7 @@ pub(crate) const FILES: &[(&str, &[u8])] = bundled!(
 /// there when it is missing or differs from the binary's (a copy damaged or half cleaned away by a
 /// temporary-file cleaner is repaired, not reported as a bundle to export again). The cache is
 /// [`default_cache_dir`], else the system's temporary directory.
-pub(crate) fn bundled_model() -> anyhow::Result<PathBuf> {
+pub fn tiny_model_dir() -> Result<PathBuf> {
     let (_, manifest) = FILES[FILES.len() - 1];
     let dir = default_cache_dir()
         .unwrap_or_else(|| std::env::temp_dir().join("klein"))
@@ -42,10 +42,10 @@ pub(crate) fn bundled_model() -> anyhow::Result<PathBuf> {
         .collect();
     if !stale.is_empty() {
         std::fs::create_dir_all(&dir).map_err(|e| {
-            UsageError(format!(
+            KleinError::request_about("model", format!(
                 "cannot create {} for the bundled model ({e}): the cache directory ($KLEIN_CACHE_DIR, \
                  else $XDG_CACHE_HOME/klein, else ~/.cache/klein) must be a directory klein can write; \
-                 set KLEIN_CACHE_DIR to one, or give a bundle with -m",
+                 set KLEIN_CACHE_DIR to one, or name a bundle",
                 dir.display()
             ))
         })?;
