@@ -6,7 +6,7 @@ the start and the end.
 
     python benches/serve_load.py --clients 8 --seconds 180 --queue 4
 
-Not a test: figures go to docs/performance.md with the command that made them.
+Not a test: figures go to benches/RESULTS.md with the command that made them.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ CUDA kernel runs flash or memory-efficient attention; both compute the same soft
 The VAE's mid-block attention is left as it is: fused the same way, the wide checkpoint's decoder
 at 1024x1024 ran at the same speed with a higher peak (5.65 against 4.81 GiB); at 1536x1536 its
 peak rose too under ONNX Runtime's arena (17.4 against 14.7 GiB) and fell only without the arena,
-where the decode was as slow as auto's tiles (docs/performance.md, "Attention as one operator"); at 2048x2048
+where the decode was as slow as auto's tiles (benches/RESULTS.md, "Attention as one operator"); at 2048x2048
 its convolutions alone do not fit in 24 GB either way (tiled decoding does).
 
 While `fused_attention()` is active, these attention calls go through the custom op

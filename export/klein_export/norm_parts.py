@@ -11,7 +11,7 @@ per-tensor DequantizeLinear slices the uint8 codes and dequantizes each part, an
 QuantizeLinear outputs (the whole's per-tensor scale and zero point) are concatenated in uint8, so
 no float tensor larger than a part exists. The RGB output convolution's input stays float (it has
 no QuantizeLinear): its parts are concatenated in float. Each group's rows are normalised by the
-same kernel over the same values: the outputs are unchanged, bit for bit (docs/performance.md, "Group norms in
+same kernel over the same values: the outputs are unchanged, bit for bit (benches/RESULTS.md, "Group norms in
 channel parts"). Float decoders keep whole norms: there the parts' float concatenations cost more
 than the parts save (measured, same section). Only the exact form that
 `ort_fusions.group_norms_as_layer_norms` and `quantize_static` write is matched; any other chain

@@ -22,7 +22,7 @@ def fuse_for_ort(model) -> dict:
     them otherwise as Pow-ReduceMean-Sqrt-Reciprocal-Mul chains, which ONNX Runtime does not fuse
     itself, and as MatMul-Softmax-MatMul with two `Where`s and an `IsNaN` over every head's
     [tokens, tokens] scores. The wide checkpoint's encoder at 512 tokens on an AMX host: 2.73 -> 2.14 s
-    in int8, same output to float32 rounding (docs/performance.md, "Fused operators")."""
+    in int8, same output to float32 rounding (benches/RESULTS.md, "Fused operators")."""
     _, counts = optimize_for_ort(model)
     # ONNX's shape inference does not know SkipSimplifiedLayerNormalization: its output and residual
     # sum (outputs 0 and 3) are typed as its input, its unused statistics (1, 2) as float32, so that
@@ -57,7 +57,7 @@ def weight_first_vector_products(model) -> dict:
     second operand (Gemm's or MatMul's `B`) when it creates a session, also from the CPU cache, and
     hashes every packed buffer; a product of one row gains nothing from packing. As the first
     operand the weight is read where it lies: the wide int8 transformer's session from the CPU cache
-    in 0.83 s instead of 1.81 s, its steps as fast, and the packed copies gone (docs/performance.md, "Load time:
+    in 0.83 s instead of 1.81 s, its steps as fast, and the packed copies gone (benches/RESULTS.md, "Load time:
     the per-image projections are not prepacked"). ONNX Runtime's optimiser keeps the order (it
     folds the transposes into its neighbours or into a FusedMatMul, never back into a Gemm).
 
@@ -132,7 +132,7 @@ def group_norms_as_layer_norms(model) -> dict:
     torch exports `GroupNorm(G, C)` over `x [N, C, H, W]` as Reshape `[N, G, -1]` ->
     InstanceNormalization (scale 1, bias 0) -> Reshape to `Shape(x)`, then the affine Mul and Add.
     ONNX Runtime's CPU InstanceNormalization runs on one thread; its LayerNormalization splits the
-    rows between threads, and its mean and variance come out at least as close (docs/performance.md, "Group norms
+    rows between threads, and its mean and variance come out at least as close (benches/RESULTS.md, "Group norms
     as LayerNormalization"). The rewrite: Reshape `x` to `[N, G, C/G * H, W]` (constant shape: 0
     copies N and W), LayerNormalization over the last two axes (axis 2) with a scale of ones as
     large as one group (`Expand`, 1/G of the tensor), and Reshape back to `[N, C, H, W]` with the

@@ -19,7 +19,7 @@ float, by construction:
 MatMuls, weights int8 per output channel (symmetric), activations quantized to uint8 per tensor when
 the graph runs; ONNX Runtime's CPU provider then runs integer GEMMs (VNNI or AVX2): a wide
 transformer step in 2.39 s against 4.85 s with MatMulNBits at accuracy level 4, for a larger error
-(docs/performance.md, "Performance"). It is a CPU-only kernel.
+(benches/RESULTS.md, "Performance"). It is a CPU-only kernel.
 
 `--method static` (int8 only) is for the VAE decoder, a convolution network, and nothing else: ONNX
 Runtime's `quantize_static` writes QuantizeLinear/DequantizeLinear pairs around every `Conv` but the
@@ -31,7 +31,7 @@ group norm with its SiLU is then computed in channel parts concatenated in uint8
 the RGB output conv; norm_parts.py: the same output, less memory). The calibration latents are
 what the decoder will see: the bundle's own text-to-image latents for CALIBRATION_PROMPTS and the
 bundle's VAE encoder's latents of synthetic images (edits and img2img), at CALIBRATION_SIZE. A
-wide decode at 512x512: 5.15 s against 13.93 s in fp32 (docs/performance.md, "Performance"). The VAE encoder is
+wide decode at 512x512: 5.15 s against 13.93 s in fp32 (benches/RESULTS.md, "Performance"). The VAE encoder is
 never quantized (its error would move every reference and source image), and MatMulNBits/dynamic
 never touch the VAE (no MatMul worth it)."""
 

@@ -279,7 +279,7 @@ fn session_of(
 /// after its prompt. That one runs once or twice (a prompt and its negative) and computes the same
 /// result unpacked, and prepacking at load cost more than it saves: the wide checkpoint's encoder
 /// on an AMX host loaded in 2.5 s and ran in 2.9 s prepacked, against 0.1 s and 3.6 s unpacked
-/// (docs/performance.md, "Load time: weight prepacking").
+/// (benches/RESULTS.md, "Load time: weight prepacking").
 fn prepacks(
     component: Component,
     quantization: Option<&QuantizationSpec>,

@@ -404,7 +404,7 @@ impl SessionConfig {
     /// products round differently with the batch size, and a batch's first image would no longer
     /// equal the same image made alone) and quantized graphs (MatMulNBits' packed layout); not the
     /// float text encoder and VAE: prepacking was most of the wide text encoder's load (45.9 s
-    /// against 0.21 s without) for a run 3.5 s faster (docs/performance.md, "Load time").
+    /// against 0.21 s without) for a run 3.5 s faster (benches/RESULTS.md, "Load time").
     pub(crate) fn with_prepacking(mut self, prepack: bool) -> Self {
         self.prepack = prepack;
         self
@@ -414,7 +414,7 @@ impl SessionConfig {
     /// the allocator instead of staying reserved by the session. The pipeline does this for the
     /// transformer: one step at 1024x1024 on the wide checkpoint peaked at 3.9 instead of 6.4 GiB,
     /// no slower. The text encoder and VAE keep the arena: without it, on the same host, the 512x512
-    /// decode took 17-18 s instead of 14.5 s (docs/performance.md, "Memory at large sizes").
+    /// decode took 17-18 s instead of 14.5 s (benches/RESULTS.md, "Memory at large sizes").
     pub(crate) fn without_cpu_arena(mut self, no: bool) -> Self {
         self.no_cpu_arena = no;
         self
@@ -430,7 +430,7 @@ impl SessionConfig {
     /// freed. Wide fp32 transformer, 1024x1024, kept heap with huge pages, 3 runs in one process:
     /// 29.5, 21.9, 21.8 s at a peak of 5.23 GiB without the pattern, 27.4, 25.3 (7.5 s of system
     /// time), 20.1 s at 6.93 GiB with it; the CLI at 1536x1536, 4 steps, peaked at 11.6 instead of
-    /// 16.8-17.1 GiB, steps even, tiled decode 8-11% slower (docs/performance.md, "Heap"). Other devices keep
+    /// 16.8-17.1 GiB, steps even, tiled decode 8-11% slower (benches/RESULTS.md, "Heap"). Other devices keep
     /// the pattern: their arenas serve the block from memory they hold already.
     pub(crate) fn without_memory_pattern(mut self, no: bool) -> Self {
         self.no_memory_pattern = no;
@@ -460,7 +460,7 @@ impl SessionConfig {
     /// has them and prepacked), later loads memory-map it instead of optimising and prepacking
     /// again. Entries are keyed by the graph's files, the ONNX Runtime build, the CPU's
     /// instruction sets and the session settings that shape them; graphs with merged LoRA weights
-    /// are not cached (docs/performance.md, "Load time").
+    /// are not cached (benches/RESULTS.md, "Load time").
     pub fn with_cpu_cache_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.cpu_cache_dir = Some(dir.into());
         self

@@ -566,7 +566,7 @@ impl Graph {
     /// the tiny decoder at 1024x1024 kept 1 of the 2.1 GiB it grew by). The arena otherwise keeps
     /// what the largest run needed for the session's life: a pipeline that makes several images
     /// kept its VAE decoder's activations under the next image's steps. The pipeline frees it
-    /// after each VAE pass (batch mode, wide dds, 2 images at 1024x1024: docs/performance.md, "Heap"). The next
+    /// after each VAE pass (batch mode, wide dds, 2 images at 1024x1024: benches/RESULTS.md, "Heap"). The next
     /// run allocates its activations anew.
     pub fn run_then_free_arena(
         &mut self,

@@ -6,7 +6,7 @@
 //! `mmap`, which the kernel faults in and zeroes page by page, and unmaps again when it is freed:
 //! every step pays for its memory anew. [`retain_freed_memory`] makes glibc serve those blocks from
 //! its heap and never give the heap back, so later steps reuse pages that are already mapped
-//! (the VAE decoder runs with the heap given back, below). Measured on the wide checkpoint, int8 bundle, 2 threads, AMX host (docs/performance.md,
+//! (the VAE decoder runs with the heap given back, below). Measured on the wide checkpoint, int8 bundle, 2 threads, AMX host (benches/RESULTS.md,
 //! "Heap: freed memory kept"): 512x512 end to end 14.9 -> 13.8 s, peak RSS 3.04 -> 3.06 GB;
 //! 1024x1024 52.8 -> 47.0 s, peak 6.36 -> 6.56 GB; with 512-pixel VAE tiles 55.5 -> 49.8 s, but
 //! 3.55 -> 4.62 GB.
@@ -46,7 +46,7 @@ pub const GLIBC_TUNABLES: &str = "GLIBC_TUNABLES";
 /// starting itself again with the variable set, before it does any work: the `klein` CLI does.
 /// Huge pages cut the page faults and TLB misses of the float graphs' large activations: the
 /// wide checkpoint's fp32 transformer step, 2 threads, Xeon without AMX, took 5-15% less
-/// (docs/performance.md, "Heap").
+/// (benches/RESULTS.md, "Heap").
 pub fn start_tunables() -> Option<&'static str> {
     if std::env::var_os(GLIBC_TUNABLES).is_some() || !glibc::IS_GLIBC {
         return None;
@@ -98,7 +98,7 @@ fn kept() -> MutexGuard<'static, Kept> {
 /// is kept again. The pipeline holds it through every VAE decode and tiled VAE pass: the steps
 /// gain from the kept heap, but kept through the decoder it holds the steps' freed activations
 /// under the decoder's own (wide dds at 1024x1024: 4.50-4.52 GiB against 3.78-3.80 GiB, the
-/// decode no slower; with 2x2 tiles at 1536x1536, 10.8-17.8 GiB against 9.6 GiB; docs/performance.md, "Heap").
+/// decode no slower; with 2x2 tiles at 1536x1536, 10.8-17.8 GiB against 9.6 GiB; benches/RESULTS.md, "Heap").
 /// Does nothing where the heap was not kept by [`retain_freed_memory`] (never, in a library
 /// whose application did not call it; nor with `GLIBC_TUNABLES`, whose settings stand).
 pub fn give_back_freed_memory() -> GivenBack {

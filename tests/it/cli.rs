@@ -670,6 +670,16 @@ fn info_says_how_this_cpu_runs_int8_weights() {
         .find(|l| l.starts_with("int8 kernels: "))
         .unwrap_or_else(|| panic!("no int8 kernels line in:\n{}", run.stdout));
     assert!(line.contains("text_encoder (8-bit codes)"), "{line}");
+    // The graphs' quantization in words, not the manifest's JSON.
+    assert_mentions(
+        &run.stdout,
+        &[
+            "int8 weights and activations (--method dynamic), 8-bit codes per output channel",
+            "int8 weights and activations (--method dynamic), 7-bit codes per output channel",
+            "vae_decoder",
+        ],
+    );
+    assert!(!run.stdout.contains("\"method\""), "{}", run.stdout);
     assert!(
         line.contains(
             "transformer (7-bit codes, --reduce-range): u8 x s8 kernels, exact on every CPU"

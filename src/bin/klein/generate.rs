@@ -212,7 +212,7 @@ pub(crate) fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<
     // Every error of `Pipeline::load` names the bundle or the file in it.
     let mut pipeline = Pipeline::load(
         &model,
-        // One image per process: the decoder reuses the transformer's memory (docs/performance.md, "Memory
+        // One image per process: the decoder reuses the transformer's memory (benches/RESULTS.md, "Memory
         // at large sizes").
         pipeline_options(&args.load, args.device, args.loras.clone())
             .with_release_transformer(true),

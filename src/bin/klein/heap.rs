@@ -40,7 +40,7 @@ pub(crate) fn heap_setting() -> &'static str {
 }
 
 /// Whether the bundle `load` names has a float transformer, whose large activations huge pages
-/// serve faster (fp32 step 5-15%; docs/performance.md, "Heap"). Quantized bundles gained nothing: the wide
+/// serve faster (fp32 step 5-15%; benches/RESULTS.md, "Heap"). Quantized bundles gained nothing: the wide
 /// dds bundle at 1024x1024 encoded its prompt in 7.0-8.1 s with them against 6.3-6.4 s, decoded
 /// in 23.6-26.8 against 27.2-28.7 s, 55.4 against 52.6-53.9 s end to end. False where the
 /// manifest cannot be read: the command then says why itself.
@@ -76,7 +76,7 @@ fn start_again(tunables: &str) {
 /// the steps keep their gain and the decoder its memory: wide dds at 1536x1536 (auto's tiles),
 /// denoising 3-9% faster at the same peak; at 1024x1024 with `--vae-tile-size 512`, 3 alternating
 /// pairs, denoise 40.1-42.4 s against 47.5-54.2 s, peak 2.89 against 2.88 GiB, images byte-equal
-/// (docs/performance.md, "Heap"). Kept through the decoder, the heap took its memory back: 4.1-8.9 GB peaks
+/// (benches/RESULTS.md, "Heap"). Kept through the decoder, the heap took its memory back: 4.1-8.9 GB peaks
 /// against 3.4 GB with those tiles, 4.50-4.52 GiB against 3.78-3.80 GiB decoded whole.
 fn keeps_heap(command: &Command) -> bool {
     load_args(command).is_some()
@@ -89,7 +89,7 @@ fn keeps_heap(command: &Command) -> bool {
 /// against 147.8 and 157.7 s, denoise 126.6 and 101.3 s against 124.9 and 148.8 s) for a higher
 /// peak (12.08 and 11.33 GiB against 10.90 and 10.91 GiB: freed activations stay mapped for the
 /// decoder); huge pages without the kept heap gained nothing there (349.2 and 312.6 s against
-/// 341.5 and 305.8 s end to end; docs/performance.md, "Heap"). Those pairs ran the transformer with ONNX
+/// 341.5 and 305.8 s end to end; benches/RESULTS.md, "Heap"). Those pairs ran the transformer with ONNX
 /// Runtime's memory pattern; without it (now) the steps leave less memory mapped and the decode
 /// gains less (145.7 and 153.8 s, 4 steps, peak 11.6 GiB). Asked-for tiles are there to save
 /// memory: those keep the `mallopt` heap, which is given back for them.

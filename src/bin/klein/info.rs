@@ -1,5 +1,6 @@
 //! `klein info`: what a bundle holds, what it needs, and how this machine will run it.
 
+use klein::bundle::manifest::QuantizationSpec;
 use klein::bundle::Manifest;
 
 use crate::args::{default_model, InfoArgs};
@@ -74,11 +75,9 @@ pub(crate) fn info(args: InfoArgs) -> anyhow::Result<()> {
         let quant = spec
             .quantization
             .as_ref()
-            .map(serde_json::to_string)
-            .transpose()?
-            .unwrap_or_else(|| "none".into());
+            .map_or_else(|| "not quantized".to_string(), describe_quantization);
         println!(
-            "  {name:13} {:>10.1} MB  {}  quantization {quant}",
+            "  {name:13} {:>10.1} MB  {}  {quant}",
             bytes as f64 / 1e6,
             spec.precision
         );
@@ -136,4 +135,42 @@ pub(crate) fn info(args: InfoArgs) -> anyhow::Result<()> {
         crate::report::print_lora(lora);
     }
     Ok(())
+}
+
+/// A graph's quantization in words: its kind (with the `klein-export quantize` flags that write
+/// it), its weights' codes and how many operators it quantized.
+fn describe_quantization(q: &QuantizationSpec) -> String {
+    let nodes = q
+        .extra
+        .get("quantized_nodes")
+        .and_then(serde_json::Value::as_u64);
+    let codes = if q.reduce_range { "7-bit" } else { "8-bit" };
+    let mut text = match q.method.as_str() {
+        "DynamicQuantizeMatMul" => format!(
+            "int8 weights and activations (--method dynamic), {codes} codes per output channel"
+        ),
+        "QDQ" => format!("int8 convolutions (--method static), {codes} codes per output channel"),
+        "MatMulNBits" => {
+            let mut words = format!("int{} weights (MatMulNBits)", q.bits);
+            if let Some(block) = q.block_size {
+                words += &format!(", blocks of {block}");
+            }
+            if let Some(symmetric) = q.symmetric {
+                words += if symmetric {
+                    ", symmetric"
+                } else {
+                    ", asymmetric"
+                };
+            }
+            if let Some(level) = q.accuracy_level.filter(|&l| l > 0) {
+                words += &format!(", accuracy level {level}");
+            }
+            words
+        }
+        other => format!("{other}, {} bits", q.bits),
+    };
+    if let Some(nodes) = nodes {
+        text += &format!(", {nodes} operators");
+    }
+    text
 }
