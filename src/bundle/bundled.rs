@@ -45,7 +45,7 @@ pub fn tiny_model_dir() -> Result<PathBuf> {
             KleinError::request_about("model", format!(
                 "cannot create {} for the bundled model ({e}): the cache directory ($KLEIN_CACHE_DIR, \
                  else $XDG_CACHE_HOME/klein, else ~/.cache/klein) must be a directory klein can write; \
-                 set KLEIN_CACHE_DIR to one, or name a bundle",
+                 set KLEIN_CACHE_DIR to one, or name a bundle (-m in the CLI, model= in Python)",
                 dir.display()
             ))
         })?;
