@@ -99,7 +99,8 @@ def cpu_note(graphs: dict) -> str | None:
     if eight and saturate:
         parts.append(
             f"{', '.join(eight)} (8-bit codes): this CPU has no VNNI, so ONNX Runtime converts these weights to "
-            "uint8 (u8 x u8 kernels: exact, slower), here and in klein; --reduce-range keeps the fast kernels"
+            "uint8 (u8 x u8 kernels: exact, slower), here and in klein; quantizing with "
+            "--quantize int8 --method dynamic --reduce-range (7-bit codes) keeps the fast kernels"
         )
     elif eight:
         parts.append(f"{', '.join(eight)} (8-bit codes): u8 x s8 kernels, exact on this CPU")

@@ -127,7 +127,7 @@ pub fn cpu_int8_kernels(graphs: &GraphsSpec) -> Option<String> {
             format!(
                 "{} (8-bit codes): this CPU has no VNNI, so ONNX Runtime converts these weights to \
                  uint8 at load and runs u8 x u8 kernels: as exact as on a VNNI CPU, but slower; \
-                 `klein-export quantize --reduce-range` writes \
+                 `klein-export quantize --quantize int8 --method dynamic --reduce-range` writes \
                  7-bit codes that keep the fast kernels here, with a larger error",
                 eight.join(", ")
             )

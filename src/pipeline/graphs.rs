@@ -239,8 +239,8 @@ fn uint8_weights_warning(
     (device == Device::Cpu && converted && has_8bit_int8_codes(quantization)).then(|| {
         format!(
             "this CPU has no VNNI, so ONNX Runtime runs this bundle's 8-bit int8 weights as uint8 (exact, \
-             on slower kernels; first in the {} graph); a bundle quantized with `--reduce-range` (7-bit \
-             codes) keeps the fast kernels here",
+             on slower kernels; first in the {} graph); a bundle quantized with `--quantize int8 --method \
+             dynamic --reduce-range` (7-bit codes) keeps the fast kernels here",
             component.as_str()
         )
     })

@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 
 use super::lora_merge::{self, Contribution, MergedGraph};
 use crate::bundle::lora_targets::LoraTarget;
+use crate::bundle::manifest::Precision;
+use crate::bundle::support::DYNAMIC;
 use crate::bundle::Manifest;
 use crate::error::{KleinError, Result};
 use crate::limits::{MAX_LORAS, MAX_LORA_SCALE};
@@ -232,8 +234,9 @@ fn targets<'m>(
     lora: &Path,
 ) -> Result<&'m BTreeMap<String, LoraTarget>> {
     let export = format!(
-        "merge the LoRA when exporting: klein-export convert --checkpoint CKPT --lora {}:SCALE ...",
-        lora.display()
+        "merge the LoRA when exporting: klein-export convert --checkpoint CKPT --lora {}:SCALE{} ...",
+        lora.display(),
+        export_flags(manifest)
     );
     let refuse = |why: String| KleinError::Lora {
         path: lora.to_path_buf(),
@@ -258,6 +261,36 @@ fn targets<'m>(
             dir.display()
         ))
     })
+}
+
+/// The `klein-export convert` flags that make a bundle like this one again (precision and the
+/// transformer's quantization), each with a leading space; nothing for an fp32 float bundle.
+fn export_flags(manifest: &Manifest) -> String {
+    let spec = &manifest.graphs.transformer;
+    let mut flags = String::new();
+    if spec.precision != Precision::Fp32 {
+        flags += &format!(" --precision {}", spec.precision);
+    }
+    if let Some(q) = &spec.quantization {
+        flags += &format!(" --quantize int{}", q.bits);
+        if q.method == DYNAMIC {
+            flags += " --method dynamic";
+        } else {
+            if let Some(block) = q.block_size.filter(|&b| b != 32) {
+                flags += &format!(" --block-size {block}");
+            }
+            if q.symmetric == Some(false) {
+                flags += " --asymmetric";
+            }
+            if let Some(level) = q.accuracy_level.filter(|&l| l > 0) {
+                flags += &format!(" --accuracy-level {level}");
+            }
+        }
+        if q.reduce_range {
+            flags += " --reduce-range";
+        }
+    }
+    flags
 }
 
 /// Every update of `file`, at `scale`, changes its layer's weights by less than half of what their

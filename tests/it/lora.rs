@@ -524,7 +524,12 @@ fn bundles_that_cannot_take_a_lora_say_what_can() {
         ]);
         let needles: &[&str] = match edit {
             "remove the map" => &["no LoRA map", "klein-export lora-map"],
-            _ => &["quantized (8 bits)", "klein-export convert", "--lora"],
+            // The export command to run instead makes the same kind of bundle: int8, not fp32.
+            _ => &[
+                "quantized (8 bits)",
+                "klein-export convert",
+                ":SCALE --quantize int8 ...",
+            ],
         };
         run.assert_user_error(needles);
     }
