@@ -158,13 +158,18 @@ impl Update {
 /// a scale that is no number), what to say instead of "no such file".
 fn mistyped_scale(path: &Path, error: &std::io::Error) -> Option<String> {
     let (file, scale) = path.to_str()?.rsplit_once(':')?;
-    (error.kind() == std::io::ErrorKind::NotFound && !file.is_empty() && Path::new(file).is_file())
-        .then(|| {
-            format!(
-                "no such file, and {file} is one: \"{scale}\" is not a scale; give FILE:SCALE \
-                 with a number, such as {file}:0.8"
-            )
-        })
+    // A LoRA directory ([`lora_in_directory`]) takes a scale as a file does.
+    let (what, given) = match Path::new(file) {
+        f if f.is_file() => ("one", "FILE:SCALE"),
+        f if f.is_dir() => ("a LoRA directory", "DIR:SCALE"),
+        _ => return None,
+    };
+    (error.kind() == std::io::ErrorKind::NotFound && !file.is_empty()).then(|| {
+        format!(
+            "no such file, and {file} is {what}: \"{scale}\" is not a scale; give {given} \
+             with a number, such as {file}:0.8"
+        )
+    })
 }
 
 /// The first `limit + 1` bytes of `path` at most: more than `limit` means the file is over it.
