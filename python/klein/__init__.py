@@ -117,6 +117,15 @@ _U32 = 2**32
 _U64 = 2**64
 
 
+def _renamed(error: KleinError, native: str | None) -> KleinError:
+    """``error`` whose message names the native argument ``native`` (klein's ``num_images is 0``)
+    by the caller's argument, its ``param`` (``num_images_per_prompt is 0``)."""
+    if native and error.param and native != error.param and error.args:
+        message = str(error.args[0]).replace(f"request: {native} ", f"request: {error.param} ", 1)
+        error.args = (message, *error.args[1:])
+    return error
+
+
 def _named(error: KleinError, default: str | None = None) -> KleinError:
     """``error`` with ``param`` set to ``default`` where klein named no argument."""
     if getattr(error, "param", None) is None:
@@ -203,14 +212,15 @@ def find_ort_library(ort_lib: str | os.PathLike[str] | None = None) -> Path:
 def _count(
     name: str, value: Any, *, optional: bool = True, limit: int = _U32, bounds: tuple[int, int] | None = None
 ) -> int | None:
-    """An integer argument, refused with its name unless 0 <= value < limit (klein checks the
-    real bounds and says what they are), or, where this side checks them, within ``bounds``."""
+    """An integer argument as the native call takes it. klein checks its bounds; a value the native
+    call cannot hold (below 0, or not below ``limit``) is refused here, with klein's ``bounds``
+    where they are known, as klein would refuse it."""
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise _invalid(f"{name} must be an integer, not {type(value).__name__}", name)
-    low, high = bounds if bounds is not None else (0, limit - 1)
-    if not low <= int(value) <= high:
+    if not 0 <= int(value) < limit:
+        low, high = bounds if bounds is not None else (0, limit - 1)
         raise _invalid(f"{name} is {int(value)}: it must be between {low} and {high}", name)
     return int(value)
 
@@ -246,12 +256,12 @@ def _number(name: str, value: Any, bounds: tuple[float, float] | None = None, pa
     return number
 
 
-def _seed(generator: Any) -> int:
-    """The seed of ``generator``: a random one for None, an integer, or a torch.Generator's
-    ``initial_seed()`` (klein draws the noise of every image from that seed, as torch does from a
-    freshly seeded generator)."""
+def _seed(generator: Any) -> int | None:
+    """The seed of ``generator``: None (klein draws a random one), an integer, or a
+    torch.Generator's ``initial_seed()`` (klein draws the noise of every image from that seed, as
+    torch does from a freshly seeded generator)."""
     if generator is None:
-        return random_seed()
+        return None
     if isinstance(generator, (list, tuple)):
         if len(generator) != 1:
             raise _invalid(
@@ -626,13 +636,13 @@ class Pipeline:
             "width": _count("width", width, bounds=(16, MAX_SIDE)),
             "height": _count("height", height, bounds=(16, MAX_SIDE)),
             "steps": _count("num_inference_steps", num_inference_steps, bounds=(1, MAX_STEPS)),
-            "guidance": _number("guidance_scale", guidance_scale, bounds=(0, MAX_GUIDANCE)),
+            "guidance": _number("guidance_scale", guidance_scale),
             "negative_prompt": _text("negative_prompt", negative_prompt, optional=True),
             "seed": _seed(generator),
             "num_images": count,
             "png": output_type == "png",
             "callback": callback,
-            "preview_every": _count("preview_every", preview_every, optional=False, bounds=(1, 65535))
+            "preview_every": _count("preview_every", preview_every, optional=False, bounds=(1, MAX_STEPS))
             if preview
             else None,
             "preview": _preview_callback(preview),
@@ -642,8 +652,9 @@ class Pipeline:
         except KleinError as error:
             # An input's error names the native argument (``source``, ``mask``, ``references``,
             # ``steps``...): as the caller's argument (``params``, else ``_NATIVE_PARAMS``).
-            error.param = params.get(error.param, _NATIVE_PARAMS.get(error.param, error.param))
-            raise error from None
+            native = error.param
+            error.param = params.get(native, _NATIVE_PARAMS.get(native, native))
+            raise _renamed(error, native) from None
         for message in generation.warnings:
             warnings.warn(message, KleinWarning, stacklevel=3)
         if generation.prompt_truncated:

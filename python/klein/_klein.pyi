@@ -101,7 +101,7 @@ class Pipeline:
         steps: int | None = None,
         guidance: float | None = None,
         negative_prompt: str | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         num_images: int = 1,
         png: bool = False,
         callback: Callable[[int, int], object] | None = None,

@@ -2,6 +2,7 @@
 //! `CancelledError`) and klein's errors mapped to them.
 
 use klein::error::chain;
+use klein::pipeline::{Input, Rule, SpecError};
 use klein::KleinError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -103,12 +104,39 @@ pub(crate) fn named(py: Python<'_>, raised: PyErr, param: &str) -> PyErr {
     }
 }
 
+/// A [`SpecError`] as the Python exception of its kind: the rules between arguments in the
+/// native arguments' names, an error about one image naming its argument (`source`, `mask`,
+/// `references`) as the exception's `param` (the Python side renames it to its own).
+pub(crate) fn spec_err(py: Python<'_>, error: &SpecError) -> PyErr {
+    match (error.rule, error.input) {
+        (Some(Rule::NeedsSource), _) => to_py_err(
+            py,
+            &KleinError::request("a mask and a strength need a source image"),
+        ),
+        (Some(_), _) => to_py_err(
+            py,
+            &KleinError::request_about(
+                "padding_mask_crop",
+                "padding_mask_crop needs a mask_image: it crops to the mask's region",
+            ),
+        ),
+        (None, Some(input)) => {
+            let param = match input {
+                Input::Source => "source",
+                Input::Mask => "mask",
+                Input::Reference(_) => "references",
+            };
+            input_err(py, &error.error, param)
+        }
+        (None, None) => to_py_err(py, &error.error),
+    }
+}
+
 /// The error a generation ended with: the callback's own exception (or Ctrl-C's
 /// `KeyboardInterrupt`) when it stopped the work, else klein's.
 pub(crate) enum Failure {
     Klein(KleinError),
-    /// klein's error about one input: the native argument's name (`source`, `mask`,
-    /// `references`), set as the exception's `param`.
-    Input(KleinError, &'static str),
+    /// klein's error about the request ([`spec_err`]).
+    Spec(SpecError),
     Python(PyErr),
 }

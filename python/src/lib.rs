@@ -17,11 +17,10 @@ use std::time::Duration;
 use klein::limits;
 use klein::pipeline::metadata::variant_name;
 use klein::pipeline::{
-    Generation, LoraSpec, Pipeline, PipelineOptions, Progress, ReferenceSource, Request, Timings,
-    VaeTiling,
+    Generation, ImageInput, LoraSpec, MaskKind, Pipeline, PipelineOptions, Progress, RequestSpec,
+    Timings, VaeTiling,
 };
 use klein::runtime::{Device, RuntimeOptions};
-use klein::stages::inpaint::DEFAULT_STRENGTH;
 use klein::stages::output::{encode_image, ImageFormat};
 use klein::KleinError;
 use pyo3::prelude::*;
@@ -167,9 +166,7 @@ impl PyPipeline {
 
     fn run_generation(
         &self,
-        request: Request,
-        references: Vec<Reference>,
-        inpaint: Option<InpaintArgs>,
+        spec: RequestSpec,
         png: bool,
         callback: Option<Py<PyAny>>,
         preview: Option<Py<PyAny>>,
@@ -178,32 +175,9 @@ impl PyPipeline {
         let _generating = Generating::start(&self.generating_on);
         let pipeline = &mut *locked;
         let made = (|| -> Result<Made, Failure> {
-            let mut request = request;
-            if let Some(inpaint) = &inpaint {
-                request.inpaint = Some(inpaint.load(pipeline)?);
-            }
-            let source_size = request
-                .inpaint
-                .as_ref()
-                .map(|i| (i.image.width, i.image.height));
-            // As the CLI: each file read once, every reference checked from its header before any
-            // is decoded.
-            let sources: Vec<ReferenceSource<'_>> = references
-                .iter()
-                .map(|r| match r {
-                    Reference::Path(path) => ReferenceSource::File(path),
-                    Reference::Encoded(bytes, label) => ReferenceSource::Encoded(bytes, label),
-                })
-                .collect();
-            request.references = pipeline
-                .load_references(
-                    &sources,
-                    request.width.or(source_size.map(|s| s.0)),
-                    request.height.or(source_size.map(|s| s.1)),
-                )
-                .map_err(|e| Failure::Input(e, "references"))?;
-            let labels: Vec<String> = references.iter().map(Reference::label_text).collect();
-            drop(references);
+            let request = pipeline.prepare(&spec).map_err(Failure::Spec)?;
+            let label = |image: &ImageInput| image.label().to_string_lossy().into_owned();
+            let labels: Vec<String> = spec.references.iter().map(label).collect();
 
             let mut python_error: Option<PyErr> = None;
             let mut on_progress = |event: Progress| -> ControlFlow<()> {
@@ -248,10 +222,9 @@ impl PyPipeline {
                 let hash = pipeline.bundle_sha256().map_err(Failure::Klein)?;
                 let mut text =
                     pipeline.image_metadata(&generation, &request.prompt, &labels, &hash);
-                if let Some(inpaint) = &inpaint {
-                    text.push(("image".into(), inpaint.source.label_text()));
-                    if let Some(mask) = &inpaint.mask {
-                        text.push(("mask_image".into(), mask.label_text()));
+                for (key, image) in [("image", &spec.source), ("mask_image", &spec.mask)] {
+                    if let Some(image) = image {
+                        text.push((key.into(), label(image)));
                     }
                 }
                 let files = generation
@@ -378,7 +351,7 @@ impl PyPipeline {
     /// transparent pixels, as OpenAI's edits) inpaints with `strength` (default 1.0), cropped to
     /// the mask's region with `mask_crop` pixels of padding when given. `preview(step, total,
     /// [(rgb, width, height)])` gets step previews every `preview_every` steps (default 1).
-    #[pyo3(signature = (prompt, *, references = Vec::new(), width = None, height = None, steps = None, guidance = None, negative_prompt = None, seed = 0, num_images = 1, png = false, callback = None, source = None, mask = None, mask_transparent = false, strength = None, mask_crop = None, preview_every = None, preview = None))]
+    #[pyo3(signature = (prompt, *, references = Vec::new(), width = None, height = None, steps = None, guidance = None, negative_prompt = None, seed = None, num_images = 1, png = false, callback = None, source = None, mask = None, mask_transparent = false, strength = None, mask_crop = None, preview_every = None, preview = None))]
     #[allow(clippy::too_many_arguments)] // the keyword arguments of a Python call
     fn generate(
         &self,
@@ -390,7 +363,7 @@ impl PyPipeline {
         steps: Option<usize>,
         guidance: Option<f64>,
         negative_prompt: Option<String>,
-        seed: u64,
+        seed: Option<u64>,
         num_images: usize,
         png: bool,
         callback: Option<Py<PyAny>>,
@@ -402,50 +375,30 @@ impl PyPipeline {
         preview_every: Option<usize>,
         preview: Option<Py<PyAny>>,
     ) -> PyResult<PyGeneration> {
-        if mask_crop.is_some() && mask.is_none() {
-            return Err(to_py_err(
-                py,
-                &KleinError::request_about(
-                    "padding_mask_crop",
-                    "padding_mask_crop needs a mask_image: it crops to the mask's region",
-                ),
-            ));
+        let mut spec = RequestSpec::new(prompt);
+        spec.seed = seed;
+        spec.num_images = num_images;
+        spec.width = width;
+        spec.height = height;
+        spec.steps = steps;
+        spec.guidance = guidance;
+        spec.negative_prompt = negative_prompt;
+        spec.references = references.into_iter().map(image_input).collect();
+        spec.source = source.map(image_input);
+        spec.mask = mask.map(image_input);
+        if mask_transparent {
+            spec.mask_kind = MaskKind::Transparent;
         }
-        let inpaint = match source {
-            Some(source) => Some(InpaintArgs {
-                source: source.into(),
-                mask: mask.map(Reference::from),
-                mask_transparent,
-                strength: strength.unwrap_or(DEFAULT_STRENGTH),
-                mask_crop,
-            }),
-            None if mask.is_some() || strength.is_some() => {
-                return Err(to_py_err(
-                    py,
-                    &KleinError::request("a mask and a strength need a source image"),
-                ))
-            }
-            None => None,
-        };
-        let mut request = Request::new(prompt)
-            .with_seed(seed)
-            .with_num_images(num_images);
-        request.width = width;
-        request.height = height;
-        request.steps = steps;
-        request.guidance = guidance;
-        request.negative_prompt = negative_prompt;
-        request.preview_every = preview.as_ref().and(preview_every.or(Some(1)));
-        // Every number given, before a file is read or a graph loaded.
-        request.check_bounds().map_err(|e| to_py_err(py, &e))?;
-        klein::pipeline::request::check_reference_count(references.len())
-            .map_err(|e| input_err(py, &e, "references"))?;
-        let references: Vec<Reference> = references.into_iter().map(Reference::from).collect();
+        spec.strength = strength;
+        spec.mask_crop = mask_crop;
+        spec.preview_every = preview.as_ref().and(preview_every.or(Some(1)));
+        // Every number and rule given, and every file's header, before a graph loads.
+        spec.check().map_err(|e| spec_err(py, &e))?;
         let made = py
-            .detach(|| self.run_generation(request, references, inpaint, png, callback, preview))
+            .detach(|| self.run_generation(spec, png, callback, preview))
             .map_err(|failure| match failure {
                 Failure::Klein(error) => to_py_err(py, &error),
-                Failure::Input(error, param) => input_err(py, &error, param),
+                Failure::Spec(error) => spec_err(py, &error),
                 Failure::Python(raised) => raised,
             })?;
         let bytes = |data: &[u8]| PyBytes::new(py, data).unbind();

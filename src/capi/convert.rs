@@ -4,16 +4,15 @@
 use std::any::Any;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::panic::{self, AssertUnwindSafe};
-use std::path::Path;
 use std::ptr;
 use std::slice;
 
 use crate::error::KleinError;
-use crate::limits::MAX_SIDE;
-use crate::pipeline::request::check_reference_count;
-use crate::pipeline::{Inpaint, Pipeline, PipelineOptions, Request, VaeTiling};
+use crate::pipeline::request::check_mask_crop;
+use crate::pipeline::{
+    ImageInput, Pipeline, PipelineOptions, Request, RequestSpec, Rule, SpecError, VaeTiling,
+};
 use crate::runtime::{CoreMlOptions, CudaOptions, RuntimeOptions};
-use crate::stages::inpaint::{check_strength, DEFAULT_STRENGTH};
 
 use super::types::KleinStatus::*;
 use super::types::*;
@@ -225,30 +224,19 @@ pub(super) unsafe fn to_request(
     } = *request;
     // SAFETY: the caller's guarantee.
     let prompt = unsafe { required_str(prompt, "request.prompt") }?;
-    let mut result = Request::new(prompt).with_seed(seed);
-    result.width = (width != 0).then_some(width);
-    result.height = (height != 0).then_some(height);
-    result.steps = (steps != 0).then_some(steps as usize);
-    result.guidance = (guidance != 0.0).then_some(guidance);
-    result.num_images = num_images.max(1) as usize;
-    result.preview_every =
+    let mut spec = RequestSpec::new(prompt);
+    spec.seed = Some(seed);
+    spec.width = (width != 0).then_some(width);
+    spec.height = (height != 0).then_some(height);
+    spec.steps = (steps != 0).then_some(steps as usize);
+    spec.guidance = (guidance != 0.0).then_some(guidance);
+    spec.num_images = num_images.max(1) as usize;
+    spec.preview_every =
         (preview_every != 0 && preview.is_some()).then_some(preview_every as usize);
     if !negative_prompt.is_null() {
         // SAFETY: the caller's guarantee.
         let negative = unsafe { required_str(negative_prompt, "request.negative_prompt") }?;
-        result.negative_prompt = Some(negative.to_string());
-    }
-    // Every number before any reference file is read.
-    result.check_bounds()?;
-    check_reference_count(reference_count)?;
-    if strength != 0.0 {
-        check_strength(strength)?;
-    }
-    if mask_crop_padding > MAX_SIDE {
-        return Err(KleinError::request(format!(
-            "request.mask_crop_padding {mask_crop_padding}: give 0 to {MAX_SIDE} pixels"
-        ))
-        .into());
+        spec.negative_prompt = Some(negative.to_string());
     }
     let paths = match (reference_paths.is_null(), reference_count) {
         (_, 0) => &[][..],
@@ -260,64 +248,48 @@ pub(super) unsafe fn to_request(
         // SAFETY: `reference_count` readable pointers (the caller's guarantee).
         (false, count) => unsafe { slice::from_raw_parts(reference_paths, count) },
     };
-    let mut files = Vec::with_capacity(paths.len());
     for (i, &path) in paths.iter().enumerate() {
         // SAFETY: the caller's guarantee.
         let path = unsafe { required_str(path, &format!("request.reference_paths[{i}]")) }?;
-        files.push(Path::new(path));
+        spec.references.push(ImageInput::file(path));
     }
-    result.inpaint = if image_path.is_null() {
-        if !mask_path.is_null() || strength != 0.0 || mask_crop != 0 {
-            return Err(KleinError::request(
-                "request.mask_path, request.strength and request.mask_crop need request.image_path",
-            )
-            .into());
-        }
-        None
-    } else {
-        // SAFETY: the caller's guarantee.
-        let image = Path::new(unsafe { required_str(image_path, "request.image_path") }?);
-        let strength = if strength == 0.0 {
-            DEFAULT_STRENGTH
-        } else {
-            strength
-        };
-        let mask = if mask_path.is_null() {
-            None
-        } else {
+    for (field, path, slot) in [
+        ("request.image_path", image_path, &mut spec.source),
+        ("request.mask_path", mask_path, &mut spec.mask),
+    ] {
+        if !path.is_null() {
             // SAFETY: the caller's guarantee.
-            Some(Path::new(unsafe {
-                required_str(mask_path, "request.mask_path")
-            }?))
-        };
-        match (mask, mask_crop != 0) {
-            (Some(mask), true) => {
-                Some(pipeline.load_cropped(image, mask, mask_crop_padding, strength)?)
-            }
-            (None, true) => {
-                return Err(KleinError::request(
-                    "request.mask_crop needs request.mask_path: it crops to the mask's region",
-                )
-                .into())
-            }
-            (mask, false) => {
-                let source = pipeline.load_source(image)?;
-                let mask = mask.map(|m| pipeline.load_mask(m, &source)).transpose()?;
-                Some(Inpaint::new(source, mask, strength))
-            }
+            *slot = Some(ImageInput::file(unsafe { required_str(path, field) }?));
         }
-    };
-    let source_size = result
-        .inpaint
-        .as_ref()
-        .map(|i| (i.image.width, i.image.height));
-    // From their headers, before any is decoded.
-    result.references = pipeline.load_reference_files(
-        &files,
-        result.width.or(source_size.map(|s| s.0)),
-        result.height.or(source_size.map(|s| s.1)),
-    )?;
-    Ok(result)
+    }
+    spec.strength = (strength != 0.0).then_some(strength);
+    spec.mask_crop = (mask_crop != 0).then_some(mask_crop_padding);
+    // The padding is refused past its bound whether it is used or not: a C struct's field
+    // holds no "unset".
+    check_mask_crop(mask_crop_padding).map_err(|e| spec_failure(e.into()))?;
+    pipeline.prepare(&spec).map_err(spec_failure)
+}
+
+/// A [`SpecError`] in the C API's words: its rules and the crop's padding in `KleinRequest`'s
+/// field names.
+fn spec_failure(error: SpecError) -> Failure {
+    let worded = |message: &str| Failure::from(KleinError::request(message));
+    match error.rule {
+        Some(Rule::NeedsSource) => worded(
+            "request.mask_path, request.strength and request.mask_crop need request.image_path",
+        ),
+        Some(_) => {
+            worded("request.mask_crop needs request.mask_path: it crops to the mask's region")
+        }
+        None => {
+            let mut failure = Failure::from(error.error);
+            failure.message =
+                failure
+                    .message
+                    .replacen("padding_mask_crop", "request.mask_crop_padding", 1);
+            failure
+        }
+    }
 }
 
 /// The preview callback of a request and its user data (none for a NULL request).

@@ -5,31 +5,33 @@ use std::path::Path;
 
 use ndarray::{s, Array1, Array3, ArrayView3};
 
-use super::request::MaskCrop;
-use super::{Inpaint, Pipeline};
+use super::request::{check_mask_crop, MaskCrop};
+use super::{ImageInput, Inpaint, MaskKind, Pipeline};
 use crate::error::{KleinError, Result};
 use crate::stages::inpaint::{blend, scale_noise};
-use crate::stages::mask::{preprocess_mask, Mask};
+use crate::stages::mask::{decode_transparent_mask, preprocess_mask, Mask};
 use crate::stages::mask_crop::{crop_region, resize_and_fill};
 use crate::stages::reference::{
-    as_reference, decode_image, decode_image_bytes, preprocess_source, source_size, ReferenceImage,
+    as_reference, decode_image_bytes, preprocess_source, source_size, ReferenceImage,
 };
 use crate::stages::schedule::Schedule;
 
 impl Pipeline {
-    /// Reads and preprocesses an inpainting or img2img source image: above the references'
-    /// `max_area` resized down, then resized (not cropped) to sides that are multiples of 16
-    /// ([`preprocess_source`]).
-    pub fn load_source(&self, path: &Path) -> Result<ReferenceImage> {
-        self.source_from(&decode_image(path)?, path)
+    /// Reads (a file) or decodes (bytes) an inpainting or img2img source image and preprocesses
+    /// it: above the references' `max_area` resized down, then resized (not cropped) to sides
+    /// that are multiples of 16 ([`preprocess_source`]).
+    pub fn load_source(&self, image: &ImageInput) -> Result<ReferenceImage> {
+        self.source_from(
+            &decode_image_bytes(&image.read()?, image.label())?,
+            image.label(),
+        )
     }
 
-    /// [`Self::load_source`] of a file's bytes held in memory; `label` names it in errors.
-    pub fn decode_source(&self, bytes: &[u8], label: &Path) -> Result<ReferenceImage> {
-        self.source_from(&decode_image_bytes(bytes, label)?, label)
-    }
-
-    fn source_from(&self, rgb: &image::RgbImage, label: &Path) -> Result<ReferenceImage> {
+    pub(super) fn source_from(
+        &self,
+        rgb: &image::RgbImage,
+        label: &Path,
+    ) -> Result<ReferenceImage> {
         preprocess_source(
             rgb,
             self.manifest.references.limits.max_area,
@@ -38,47 +40,21 @@ impl Pipeline {
         )
     }
 
-    /// Reads a mask image (white repaints, black keeps; any size, resized to the source's) for
-    /// `source` ([`preprocess_mask`]).
-    pub fn load_mask(&self, path: &Path, source: &ReferenceImage) -> Result<Mask> {
-        Ok(preprocess_mask(
-            &decode_image(path)?,
-            source.width,
-            source.height,
-        ))
-    }
-
-    /// A mask already decoded to RGB (white repaints), for `source`.
-    pub fn prepare_mask(&self, rgb: &image::RgbImage, source: &ReferenceImage) -> Mask {
-        preprocess_mask(rgb, source.width, source.height)
-    }
-
-    /// [`Self::load_mask`] of a file's bytes held in memory; `label` names it in errors.
-    pub fn decode_mask(&self, bytes: &[u8], label: &Path, source: &ReferenceImage) -> Result<Mask> {
-        Ok(preprocess_mask(
-            &decode_image_bytes(bytes, label)?,
-            source.width,
-            source.height,
-        ))
-    }
-}
-
-impl Pipeline {
-    /// Inpainting with diffusers' `padding_mask_crop` from files ([`Self::crop_to_mask`]).
-    pub fn load_cropped(
+    /// Reads or decodes a mask image for `source` (any size, resized to the source's;
+    /// [`preprocess_mask`]): white repaints, or with [`MaskKind::Transparent`] the fully
+    /// transparent pixels.
+    pub fn load_mask(
         &self,
-        image: &Path,
-        mask: &Path,
-        padding: u32,
-        strength: f64,
-    ) -> Result<Inpaint> {
-        self.crop_to_mask(
-            decode_image(image)?,
-            decode_image(mask)?,
-            padding,
-            strength,
-            (image, mask),
-        )
+        image: &ImageInput,
+        kind: MaskKind,
+        source: &ReferenceImage,
+    ) -> Result<Mask> {
+        let bytes = image.read()?;
+        let rgb = match kind {
+            MaskKind::White => decode_image_bytes(&bytes, image.label())?,
+            MaskKind::Transparent => decode_transparent_mask(&bytes, image.label())?,
+        };
+        Ok(self.mask_for(&rgb, source))
     }
 
     /// Inpainting of the mask's region only, as diffusers' `padding_mask_crop`
@@ -101,15 +77,7 @@ impl Pipeline {
             path: labels.1.to_path_buf(),
             reason,
         };
-        if padding > crate::limits::MAX_SIDE {
-            return Err(KleinError::request_about(
-                "padding_mask_crop",
-                format!(
-                    "mask crop padding {padding}: give 0 to {} pixels",
-                    crate::limits::MAX_SIDE
-                ),
-            ));
-        }
+        check_mask_crop(padding)?;
         let (width, height) = source.dimensions();
         if mask.dimensions() != (width, height) {
             return Err(mask_error(format!(

@@ -45,6 +45,7 @@ mod prompt_encoding;
 pub mod prompts;
 mod references;
 pub mod request;
+mod spec;
 mod vae;
 mod warnings;
 
@@ -53,7 +54,8 @@ pub use options::{PipelineOptions, VaeTiling};
 pub use progress::{Progress, ProgressFn, Stage, StepPreview, Timings};
 pub use prompt_cache::{CacheLookup, PromptCache, DEFAULT_PROMPT_CACHE_MIB};
 pub use prompts::{PromptEmbeds, PromptMemo};
-pub use request::{random_seed, Inpaint, MaskCrop, ReferenceSource, Request, RANDOM_SEED_LIMIT};
+pub use request::{random_seed, Inpaint, MaskCrop, Request, RANDOM_SEED_LIMIT};
+pub use spec::{ImageInput, Input, MaskKind, RequestSpec, Rule, SpecError};
 
 pub use graphs::Placement;
 use graphs::{GraphSource, LoadedGraphs};
@@ -388,8 +390,11 @@ impl Pipeline {
         request: &Request,
         progress: &mut ProgressFn<'_>,
     ) -> Result<Generation> {
-        // 1. Check inputs before anything is loaded.
+        // 1. Check inputs before anything is loaded; the request's LoRAs.
         let plan = Plan::new(&self.manifest, request)?;
+        if let Some(loras) = &request.loras {
+            self.set_loras(loras)?;
+        }
         let model = &self.manifest.model;
         if let Some(given) = request.guidance.filter(|&g| model.is_distilled && g > 1.0) {
             self.warnings.push(format!(

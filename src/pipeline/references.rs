@@ -1,114 +1,35 @@
-//! Stage 3 of [`Pipeline`]: reference images, read from files or bytes (headers first, so that
-//! sizes and the token budget are checked before any pixel is decoded), preprocessed as diffusers
-//! does, and encoded by the VAE encoder (in tiles where the VAE is tiled).
-use std::borrow::Cow;
+//! Stage 3 of [`Pipeline`]: reference images, read from files or bytes
+//! ([`Pipeline::prepare`] checks their headers first), preprocessed as diffusers does, and encoded
+//! by the VAE encoder (in tiles where the VAE is tiled).
 use std::path::Path;
 
 use ndarray::{concatenate, Array3, ArrayView3, Axis};
 
 use super::progress::timed;
 use super::vae::{encode_image, encode_tiles};
-use super::{internal, request, Pipeline, ProgressFn, ReferenceSource, ReferenceTokens, Stage};
+use super::{internal, ImageInput, Pipeline, ProgressFn, ReferenceTokens, Stage};
 use crate::bundle::Component;
 use crate::error::Result;
 use crate::runtime::give_back_freed_memory;
 use crate::stages::latents::{pack_latents, prepare_image_ids};
-use crate::stages::reference::{
-    decode_reference_bytes, load_reference, preprocess_reference, processed_size, read_file,
-    read_header_bytes, ImageHeader, ReferenceImage,
-};
+use crate::stages::reference::{decode_reference_bytes, preprocess_reference, ReferenceImage};
 
 impl Pipeline {
-    /// Reads and preprocesses a reference image file (EXIF orientation, alpha, area, crop).
-    pub fn load_reference(&self, path: &Path) -> Result<ReferenceImage> {
-        load_reference(
-            path,
-            &self.manifest.references.limits,
-            self.manifest.latents.pixel_multiple,
-        )
+    /// Reads (a file) or decodes (bytes) a reference image and preprocesses it as diffusers does
+    /// (EXIF orientation, alpha, area, crop). A request's references are best loaded by
+    /// [`Pipeline::prepare`], which checks them all from their headers first.
+    pub fn load_reference(&self, image: &ImageInput) -> Result<ReferenceImage> {
+        self.decode_reference(&image.read()?, image.label())
     }
 
-    /// Decodes and preprocesses the bytes of a PNG, JPEG or WebP file as [`Self::load_reference`]
-    /// does for a file (an upload, an image held in memory); `label` names it in errors.
-    pub fn decode_reference(&self, bytes: &[u8], label: &Path) -> Result<ReferenceImage> {
+    /// Decodes and preprocesses the bytes of a PNG, JPEG or WebP file; `label` names it in errors.
+    pub(super) fn decode_reference(&self, bytes: &[u8], label: &Path) -> Result<ReferenceImage> {
         decode_reference_bytes(
             bytes,
             &self.manifest.references.limits,
             self.manifest.latents.pixel_multiple,
             label,
         )
-    }
-
-    /// Reads each reference file once, checks them all as [`Self::load_references`] does before
-    /// any is decoded, then decodes and preprocesses them in order. Files that can be read only
-    /// once (a pipe, a shell's `<(...)`) work here.
-    pub fn load_reference_files(
-        &self,
-        paths: &[&Path],
-        width: Option<u32>,
-        height: Option<u32>,
-    ) -> Result<Vec<ReferenceImage>> {
-        let sources: Vec<_> = paths.iter().map(|&p| ReferenceSource::File(p)).collect();
-        self.load_references(&sources, width, height)
-    }
-
-    /// Reference images from files (each read once) or from files' bytes, checked from their
-    /// headers before any is decoded: each readable and of a size the pipeline takes, at most
-    /// [`crate::limits::MAX_REFERENCES`] of them, and the output (`width` x `height`, else the
-    /// first reference's size, else the bundle's default) plus all of them within the token
-    /// budget; then decoded and preprocessed in order.
-    pub fn load_references(
-        &self,
-        sources: &[ReferenceSource<'_>],
-        width: Option<u32>,
-        height: Option<u32>,
-    ) -> Result<Vec<ReferenceImage>> {
-        request::check_reference_count(sources.len())?;
-        let files = sources
-            .iter()
-            .map(|source| match *source {
-                ReferenceSource::File(path) => Ok((Cow::Owned(read_file(path)?), path)),
-                ReferenceSource::Encoded(bytes, label) => Ok((Cow::Borrowed(bytes), label)),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let headers = files
-            .iter()
-            .map(|(bytes, path)| Ok((read_header_bytes(bytes, path)?, *path)))
-            .collect::<Result<Vec<_>>>()?;
-        self.check_reference_sizes(&headers, width, height)?;
-        files
-            .iter()
-            .map(|(bytes, path)| self.decode_reference(bytes, path))
-            .collect()
-    }
-
-    /// The size checks of [`Self::load_references`], on headers already read.
-    fn check_reference_sizes(
-        &self,
-        headers: &[(ImageHeader, &Path)],
-        width: Option<u32>,
-        height: Option<u32>,
-    ) -> Result<()> {
-        let m = self.manifest.latents.pixel_multiple;
-        let mut sizes = Vec::with_capacity(headers.len());
-        for &(ref header, path) in headers {
-            sizes.push(processed_size(
-                header.width,
-                header.height,
-                &self.manifest.references.limits,
-                m,
-                path,
-            )?);
-        }
-        let first = sizes.first().copied();
-        let width = width
-            .or(first.map(|s| s.0))
-            .unwrap_or(self.manifest.model.default_width);
-        let height = height
-            .or(first.map(|s| s.1))
-            .unwrap_or(self.manifest.model.default_height);
-        let tokens: usize = sizes.iter().map(|&(w, h)| (w / m * (h / m)) as usize).sum();
-        request::check_token_budget((width / m * (height / m)) as usize, tokens, sizes.len())
     }
 
     /// Preprocesses an already decoded reference image; `label` names it in errors.

@@ -2,7 +2,6 @@
 //! `Plan::new` checks every number of a request against the bundle and [`crate::limits`].
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
-use std::path::Path;
 
 use ndarray::Array4;
 
@@ -110,14 +109,6 @@ impl MaskCrop {
     }
 }
 
-/// A reference image as [`super::Pipeline::load_references`] takes it: a file, or a file's bytes
-/// with the label that names it in errors.
-#[derive(Debug, Clone, Copy)]
-pub enum ReferenceSource<'a> {
-    File(&'a Path),
-    Encoded(&'a [u8], &'a Path),
-}
-
 /// What to generate.
 #[derive(Debug, Clone, Default)]
 #[non_exhaustive]
@@ -150,6 +141,9 @@ pub struct Request {
     /// A [`super::Progress::Preview`] every this many steps, and after the last (the bundle's
     /// manifest must have a `preview` map).
     pub preview_every: Option<usize>,
+    /// LoRAs that [`super::Pipeline::generate`] applies first ([`super::Pipeline::set_loras`]);
+    /// `None`: the pipeline's.
+    pub loras: Option<Vec<super::LoraSpec>>,
 }
 
 impl Request {
@@ -243,11 +237,20 @@ impl Request {
         if let Some(guidance) = self.guidance {
             check_guidance(guidance).map_err(at("guidance"))?;
         }
-        if self.preview_every == Some(0) {
-            return Err(KleinError::request_about(
-                "preview_every",
-                "preview_every must be at least 1 step",
-            ));
+        match self.preview_every {
+            Some(0) => {
+                return Err(KleinError::request_about(
+                    "preview_every",
+                    "preview_every must be at least 1 step",
+                ))
+            }
+            Some(n) if n > MAX_STEPS => {
+                return Err(KleinError::request_about(
+                    "preview_every",
+                    format!("preview_every is {n}: give 1 to {MAX_STEPS} steps"),
+                ))
+            }
+            _ => {}
         }
         check_prompt(&self.prompt).map_err(at("prompt"))?;
         if let Some(negative) = &self.negative_prompt {
@@ -510,6 +513,17 @@ pub(crate) fn check_prompt(prompt: &str) -> Result<()> {
              only the bundle's first tokenizer.max_sequence_length tokens of it)",
             prompt.len()
         )));
+    }
+    Ok(())
+}
+
+/// diffusers' `padding_mask_crop`: 0 to [`MAX_SIDE`] pixels of context around the mask.
+pub fn check_mask_crop(padding: u32) -> Result<()> {
+    if padding > MAX_SIDE {
+        return Err(KleinError::request_about(
+            "padding_mask_crop",
+            format!("padding_mask_crop {padding}: give 0 to {MAX_SIDE} pixels"),
+        ));
     }
     Ok(())
 }

@@ -11,7 +11,7 @@ use klein::capi::{
     klein_generate, klein_output_size, klein_pipeline_free, klein_pipeline_load, klein_string_free,
     klein_take_warnings, KleinOptions, KleinPipeline, KleinRequest, KleinStatus,
 };
-use klein::pipeline::{Inpaint, Request};
+use klein::pipeline::{ImageInput, Inpaint, MaskKind, Request};
 
 use crate::util::{assert_mentions, ort_library, repo, temp_dir, tiny_pipeline};
 
@@ -714,8 +714,10 @@ fn c_requests_inpaint_as_the_rust_api() {
     assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
 
     let mut rust = tiny_pipeline();
-    let src = rust.load_source(&source).unwrap();
-    let mask_image = rust.load_mask(&mask, &src).unwrap();
+    let src = rust.load_source(&ImageInput::file(&source)).unwrap();
+    let mask_image = rust
+        .load_mask(&ImageInput::file(&mask), MaskKind::White, &src)
+        .unwrap();
     let want = rust
         .generate(
             &Request::new("a hat")
@@ -805,7 +807,16 @@ fn c_requests_inpaint_as_the_rust_api() {
     let mut rgba = vec![0u8; 72 * 52 * 4];
     let (status, message) = call(|m| unsafe { generate_into(pipeline, &cropped, &mut rgba, m) });
     assert_eq!((status, message.as_str()), (KLEIN_OK, ""));
-    let inpaint = rust.load_cropped(&source, &full_mask, 4, 0.75).unwrap();
+    let decode = |path: &Path| klein::stages::reference::decode_image(path).unwrap();
+    let inpaint = rust
+        .crop_to_mask(
+            decode(&source),
+            decode(&full_mask),
+            4,
+            0.75,
+            (&source, &full_mask),
+        )
+        .unwrap();
     let want = rust
         .generate(
             &Request::new("a hat")

@@ -1150,7 +1150,7 @@ fn input_images_are_refused_before_the_bundle_loads_naming_their_flag() {
 }
 
 /// A valid PNG signature and IHDR declaring `width x height` 8-bit RGB, then an empty IDAT and IEND.
-fn png_header_only(width: u32, height: u32) -> Vec<u8> {
+pub(crate) fn png_header_only(width: u32, height: u32) -> Vec<u8> {
     let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
     let mut chunk = |kind: &[u8; 4], data: &[u8]| {
         let mut typed = kind.to_vec();

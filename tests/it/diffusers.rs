@@ -15,7 +15,9 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use klein::pipeline::{Pipeline, PipelineOptions, PromptEmbeds, ReferenceTokens, Request};
+use klein::pipeline::{
+    ImageInput, Pipeline, PipelineOptions, PromptEmbeds, ReferenceTokens, Request,
+};
 use klein::stages::latents::pack_latents;
 use ndarray::{Array3, ArrayD, IxDyn};
 use safetensors::{Dtype, SafeTensors};
@@ -123,7 +125,7 @@ fn references(p: &Pipeline, fx: &Fixture) -> Vec<klein::stages::reference::Refer
     fx.case
         .refs
         .iter()
-        .map(|r| p.load_reference(&fx.dir.join(r)).unwrap())
+        .map(|r| p.load_reference(&ImageInput::file(fx.dir.join(r))).unwrap())
         .collect()
 }
 

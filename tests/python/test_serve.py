@@ -14,9 +14,11 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -565,6 +567,31 @@ BAD_NATIVE = [
 def test_bad_native_requests(server: Server, body, param):
     err = error_of(httpx.post(f"{server.url}/v1/klein/generate", json=body, timeout=60), 400)
     assert err["param"] == param, err
+
+
+def test_uploads_are_checked_from_their_headers_before_any_is_decoded(server: Server):
+    """As every front end (the library's `Pipeline::prepare`): two files that declare 2048x2048 and
+    hold no pixels overflow the token budget of a 2048x2048 output (16,384 + 2 x 4,096 tokens once
+    downscaled to 1 MP; at most 20,480), which is the error, about the size, not their data (the
+    server used to decode every upload first). At 64x64 they fit, and the first one's data is what
+    fails, named by its field; the OpenAI route answers the same about `size` and `image`."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", 2048, 2048, 8, 2, 0, 0, 0)
+    no_pixels = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"") + chunk(b"IEND", b"")
+    empty = {"data": base64.b64encode(no_pixels).decode()}
+    body = {"prompt": "x", "width": 2048, "height": 2048, "refs": [empty, empty]}
+    err = error_of(httpx.post(f"{server.url}/v1/klein/generate", json=body, timeout=60), 400)
+    assert err["param"] == "width" and "24576 image tokens" in err["message"], err
+    body |= {"width": 64, "height": 64}
+    err = error_of(httpx.post(f"{server.url}/v1/klein/generate", json=body, timeout=60), 400)
+    assert err["param"] == "refs[0]", err
+    parts = [("prompt", (None, "x")), ("size", (None, "2048x2048"))]
+    parts += [("image", (f"{n}.png", no_pixels)) for n in "ab"]
+    err = error_of(httpx.post(f"{server.url}/v1/images/edits", files=parts, timeout=60), 400)
+    assert err["param"] == "size" and "24576 image tokens" in err["message"], err
 
 
 def test_errors_are_short_json_in_the_api_shape(server: Server):

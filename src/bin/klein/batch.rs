@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::Context;
 use klein::fsutil::write_atomic;
 use klein::limits::{MAX_BATCH_FILE_BYTES, MAX_BATCH_LINES};
-use klein::pipeline::{Pipeline, PromptMemo, Request};
+use klein::pipeline::{ImageInput, Pipeline, PromptMemo, Request};
 use klein::stages::output::encode_png;
 use klein::KleinError;
 use serde::Serialize;
@@ -278,8 +278,9 @@ pub(crate) fn generate_batch(
     let started = Instant::now();
     // The command line's numbers (the lines' defaults) before anything is read; a line's own are
     // checked when it runs, and a bad one is reported in the summary.
-    crate::generate::command_line_request(args, "").check_bounds()?;
-    crate::generate::check_input_images(args)?;
+    crate::generate::with_inpaint_flags(crate::generate::command_line_spec(args, ""), args)
+        .check()
+        .map_err(|e| crate::generate::spec_error(e, true))?;
     let text = read_prompts(prompts)?;
     let lines = text
         .split(|&b| b == b'\n')
@@ -632,11 +633,7 @@ impl BatchJob<'_> {
         reporter: &Reporter,
     ) -> anyhow::Result<()> {
         let line = self.line;
-        let checked = self.request(pipeline, args).and_then(|checked| {
-            // Only the transformer reloads when a line's LoRAs differ from the previous line's.
-            pipeline.set_loras(line.loras.as_deref().unwrap_or(&args.loras))?;
-            Ok(checked)
-        });
+        let checked = self.request(pipeline, args);
         let (request, (width, height)) = match checked {
             Ok(checked) => checked,
             Err(error) => {
@@ -693,44 +690,37 @@ impl BatchJob<'_> {
         }
     }
 
-    /// The request of the line (its values, else the command line's, references loaded) and its
-    /// output size, checked before the prompt is encoded.
+    /// The request of the line (its values, else the command line's; its LoRAs applied, images
+    /// loaded) and its output size, checked before the prompt is encoded.
     fn request(
         &self,
-        pipeline: &Pipeline,
+        pipeline: &mut Pipeline,
         args: &GenerateArgs,
     ) -> anyhow::Result<(Request, (u32, u32))> {
         let line = self.line;
-        let mut request = Request::new(line.prompt.clone()).with_seed(self.seed);
-        request.width = line.width.or(args.width);
-        request.height = line.height.or(args.height);
-        request.steps = line.steps.or(args.steps);
-        request.guidance = line.guidance.or(args.guidance);
-        request.negative_prompt = line
+        let mut spec = crate::generate::command_line_spec(args, &line.prompt);
+        spec.seed = Some(self.seed);
+        spec.width = line.width.or(args.width);
+        spec.height = line.height.or(args.height);
+        spec.steps = line.steps.or(args.steps);
+        spec.guidance = line.guidance.or(args.guidance);
+        spec.negative_prompt = line
             .negative_prompt
             .clone()
             .or_else(|| args.negative_prompt.clone());
-        request.preview_every = args
-            .preview
-            .is_some()
-            .then_some(usize::from(args.preview_every));
-        // Every number, then the output (a file there must be writable), then the references
-        // from their headers, before any is decoded.
-        request.check_bounds()?;
-        crate::outputs::check_writable(&format!("output {}", self.output.display()), self.output)?;
         let (image, mask, strength, mask_crop) = self.inpaint_files(args);
-        request.inpaint =
-            crate::generate::load_inpaint(pipeline, image, mask, strength, mask_crop)?;
-        let source_size = request
-            .inpaint
-            .as_ref()
-            .map(|i| (i.image.width, i.image.height));
-        let refs: Vec<&Path> = line.refs.iter().map(PathBuf::as_path).collect();
-        request.references = pipeline.load_reference_files(
-            &refs,
-            request.width.or(source_size.map(|s| s.0)),
-            request.height.or(source_size.map(|s| s.1)),
-        )?;
+        spec.source = image.map(ImageInput::file);
+        spec.mask = mask.map(ImageInput::file);
+        spec.strength = strength;
+        spec.mask_crop = mask_crop;
+        spec.references = line.refs.iter().cloned().map(ImageInput::File).collect();
+        // Only the transformer reloads when a line's LoRAs differ from the previous line's.
+        spec.loras = Some(line.loras.clone().unwrap_or_else(|| args.loras.clone()));
+        // The output first (a file there must be writable), then every number and image.
+        crate::outputs::check_writable(&format!("output {}", self.output.display()), self.output)?;
+        let request = pipeline
+            .prepare(&spec)
+            .map_err(|e| crate::generate::spec_error(e, false))?;
         let size = pipeline.output_size(&request)?;
         Ok((request, size))
     }

@@ -2,55 +2,38 @@
 //! and read, its outputs written; batch mode ([`crate::batch`]) reuses the checks and readers.
 use std::path::{Path, PathBuf};
 
-use anyhow::Context;
 use klein::fsutil::write_all_atomic;
-use klein::pipeline::request::check_reference_count;
-use klein::pipeline::{Inpaint, Pipeline, Request};
-use klein::stages::inpaint::DEFAULT_STRENGTH;
+use klein::pipeline::{ImageInput, Input, Pipeline, RequestSpec, Rule, SpecError};
 use klein::stages::output::{encode_image, ImageFormat};
 
 use crate::args::{default_model, pipeline_options, GenerateArgs};
 use crate::outputs::output_files;
 use crate::report::Reporter;
 use crate::UsageError;
-use klein::pipeline::random_seed;
 
-/// The source image, its mask and the strength of an inpainting or img2img request (`None`
-/// without a source image).
-pub(crate) fn load_inpaint(
-    pipeline: &Pipeline,
-    image: Option<&Path>,
-    mask: Option<&Path>,
-    strength: Option<f64>,
-    mask_crop: Option<u32>,
-) -> anyhow::Result<Option<Inpaint>> {
-    let Some(image) = image else {
-        if mask.is_some() || strength.is_some() || mask_crop.is_some() {
-            return Err(UsageError(
-                "a mask, a strength or a mask crop needs a source image (--image; in a --prompts \
-                 line, \"image\")"
-                    .into(),
-            )
-            .into());
+/// A [`SpecError`] as the command line words it: the rules between the inpainting flags in the
+/// flags' names (and a batch line's fields), and, `flagged` (the command line's own images, checked
+/// before the bundle loads), the flag of the image an error is about.
+pub(crate) fn spec_error(error: SpecError, flagged: bool) -> anyhow::Error {
+    let usage = |message: &str| UsageError(message.to_string()).into();
+    match (error.rule, error.input) {
+        (Some(Rule::NeedsSource), _) => usage(
+            "a mask, a strength or a mask crop needs a source image (--image; in a --prompts \
+             line, \"image\")",
+        ),
+        (Some(_), _) => {
+            usage("--mask-crop needs a mask (--mask): it crops the source to the mask's region")
         }
-        return Ok(None);
-    };
-    let strength = strength.unwrap_or(DEFAULT_STRENGTH);
-    if let Some(padding) = mask_crop {
-        let Some(mask) = mask else {
-            return Err(UsageError(
-                "--mask-crop needs a mask (--mask): it crops the source to the mask's region"
-                    .into(),
-            )
-            .into());
-        };
-        return Ok(Some(pipeline.load_cropped(image, mask, padding, strength)?));
+        (None, Some(input)) if flagged => {
+            let flag = match input {
+                Input::Source => "--image",
+                Input::Mask => "--mask",
+                Input::Reference(_) => "--ref",
+            };
+            anyhow::Error::new(error.error).context(flag)
+        }
+        _ => error.error.into(),
     }
-    let source = pipeline.load_source(image)?;
-    let mask = mask
-        .map(|path| pipeline.load_mask(path, &source))
-        .transpose()?;
-    Ok(Some(Inpaint::new(source, mask, strength)))
 }
 
 /// The `--preview` files for `n` images (as `-o` names outputs), PNG only; none without it.
@@ -110,23 +93,6 @@ pub(crate) fn resolved(path: &Path) -> Option<PathBuf> {
     )
 }
 
-/// Reads the header of each image the command line names before the bundle loads (seconds to
-/// minutes for a full-size model): a mistyped path, or a file that is no image klein reads, is
-/// refused at once, naming its flag. A file whose header reads may still fail to decode later;
-/// a pipe or a device is not read here (it can be read only once) but when it is used.
-pub(crate) fn check_input_images(args: &GenerateArgs) -> anyhow::Result<()> {
-    let flagged = (args.image.iter().map(|p| ("--image", p)))
-        .chain(args.mask.iter().map(|p| ("--mask", p)))
-        .chain(args.refs.iter().map(|p| ("--ref", p)));
-    for (flag, path) in flagged {
-        let read_once = std::fs::metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir());
-        if !read_once {
-            klein::stages::reference::read_header(path).context(flag)?;
-        }
-    }
-    Ok(())
-}
-
 /// The inputs no file klein writes may replace: the mask and the references (the source image
 /// may be edited in place), each with what it is.
 pub(crate) fn inputs_kept(args: &GenerateArgs) -> impl Iterator<Item = (&'static str, &PathBuf)> {
@@ -171,20 +137,29 @@ pub(crate) fn inpaint_metadata(image: Option<&Path>, mask: Option<&Path>) -> Vec
         .collect()
 }
 
-/// The request of `prompt` with the command line's size, steps, guidance, negative prompt and
+/// The spec of `prompt` with the command line's size, steps, guidance, negative prompt and
 /// preview interval: one prompt's, or the defaults of a batch's lines.
-pub(crate) fn command_line_request(args: &GenerateArgs, prompt: &str) -> Request {
-    let mut request = Request::new(prompt);
-    request.width = args.width;
-    request.height = args.height;
-    request.steps = args.steps;
-    request.guidance = args.guidance;
-    request.negative_prompt = args.negative_prompt.clone();
-    request.preview_every = args
+pub(crate) fn command_line_spec(args: &GenerateArgs, prompt: &str) -> RequestSpec {
+    let mut spec = RequestSpec::new(prompt);
+    spec.width = args.width;
+    spec.height = args.height;
+    spec.steps = args.steps;
+    spec.guidance = args.guidance;
+    spec.negative_prompt = args.negative_prompt.clone();
+    spec.preview_every = args
         .preview
         .is_some()
         .then_some(usize::from(args.preview_every));
-    request
+    spec
+}
+
+/// The command line's source image, mask, strength and mask crop in `spec`.
+pub(crate) fn with_inpaint_flags(mut spec: RequestSpec, args: &GenerateArgs) -> RequestSpec {
+    spec.source = args.image.clone().map(ImageInput::File);
+    spec.mask = args.mask.clone().map(ImageInput::File);
+    spec.strength = args.strength;
+    spec.mask_crop = args.mask_crop;
+    spec
 }
 
 /// `klein generate PROMPT -o FILE`: one prompt, `--num-images` images.
@@ -196,18 +171,16 @@ pub(crate) fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<
         usize::from(args.num_images),
         args.quality,
     )?;
-    let seed = args.seed.unwrap_or_else(random_seed);
     check_outputs_spare_inputs(args, &paths)?;
     let previews = preview_files(args, usize::from(args.num_images), &paths)?;
     let reporter = Reporter::new(args.quiet).with_previews(previews);
 
-    let mut request = command_line_request(args, prompt)
-        .with_seed(seed)
-        .with_num_images(args.num_images as usize);
-    // Every number the user gave, before anything is read or loaded.
-    request.check_bounds()?;
-    check_reference_count(args.refs.len())?;
-    check_input_images(args)?;
+    let mut spec = with_inpaint_flags(command_line_spec(args, prompt), args);
+    spec.seed = args.seed;
+    spec.num_images = usize::from(args.num_images);
+    spec.references = args.refs.iter().cloned().map(ImageInput::File).collect();
+    // Every number the user gave and every image's header, before the bundle loads.
+    spec.check().map_err(|e| spec_error(e, true))?;
 
     // Every error of `Pipeline::load` names the bundle or the file in it.
     let mut pipeline = Pipeline::load(
@@ -217,23 +190,8 @@ pub(crate) fn generate_one(args: &GenerateArgs, prompt: &str) -> anyhow::Result<
         pipeline_options(&args.load, args.device, args.loras.clone())
             .with_release_transformer(true),
     )?;
-    request.inpaint = load_inpaint(
-        &pipeline,
-        args.image.as_deref(),
-        args.mask.as_deref(),
-        args.strength,
-        args.mask_crop,
-    )?;
-    let refs: Vec<&Path> = args.refs.iter().map(PathBuf::as_path).collect();
-    let source_size = request
-        .inpaint
-        .as_ref()
-        .map(|i| (i.image.width, i.image.height));
-    request.references = pipeline.load_reference_files(
-        &refs,
-        args.width.or(source_size.map(|s| s.0)),
-        args.height.or(source_size.map(|s| s.1)),
-    )?;
+    let request = pipeline.prepare(&spec).map_err(|e| spec_error(e, false))?;
+    let seed = request.seed;
     let (width, height) = pipeline.output_size(&request)?;
     reporter.say(format!("seed: {seed}"));
     reporter.say(format!(

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
-use klein::pipeline::LoraSpec;
+use klein::pipeline::{ImageInput, Input, RequestSpec, Rule, SpecError};
 use klein::stages::output::ImageFormat;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
@@ -27,45 +27,69 @@ pub(crate) struct Upload {
     pub(crate) field: String,
 }
 
-/// How a mask upload marks what to repaint.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum MaskKind {
-    /// White repaints, black keeps (`klein generate --mask`, diffusers).
-    White,
-    /// OpenAI's edits API: fully transparent pixels (alpha 0) are edited.
-    Transparent,
-}
-
-/// Inpainting or img2img: the source image, its mask, the strength (default: klein's).
-#[derive(Debug, Clone)]
-pub(crate) struct InpaintUpload {
-    pub(crate) source: Upload,
-    pub(crate) mask: Option<(Upload, MaskKind)>,
-    pub(crate) strength: Option<f64>,
-    /// `padding_mask_crop` (native route): crop to the mask's region with this padding.
-    pub(crate) mask_crop: Option<u32>,
-}
-
-/// One generation, every option resolved but the pipeline's defaults.
+/// One generation: the library's spec, and the request fields its values came in, so that an
+/// error names the client's field.
 #[derive(Debug, Clone)]
 pub(crate) struct JobSpec {
-    pub(crate) prompt: String,
-    pub(crate) width: Option<u32>,
-    pub(crate) height: Option<u32>,
-    /// The request field(s) that set `width` and `height`: `size` (OpenAI) or `None` where each
-    /// is its own field (`width`, `height`).
+    pub(crate) request: RequestSpec,
+    /// The field of each reference (`refs[0]`, `image`), in order.
+    pub(crate) reference_fields: Vec<String>,
+    /// The field that sets `width` and `height`: `size` (OpenAI), or `None` where each is its own.
     pub(crate) size_field: Option<&'static str>,
-    pub(crate) steps: Option<usize>,
-    pub(crate) guidance: Option<f64>,
-    pub(crate) negative_prompt: Option<String>,
-    pub(crate) seed: u64,
-    pub(crate) num_images: usize,
-    pub(crate) references: Vec<Upload>,
-    pub(crate) inpaint: Option<InpaintUpload>,
-    /// Step previews every this many steps (the stream sends them).
-    pub(crate) preview_every: Option<usize>,
-    pub(crate) loras: Vec<LoraSpec>,
+    /// The field of the image count (`n`, `num_images`) and of the references (`image`, `refs`).
+    pub(crate) count_field: &'static str,
+    pub(crate) references_field: &'static str,
     pub(crate) format: ImageFormat,
+}
+
+impl JobSpec {
+    pub(crate) fn new(
+        request: RequestSpec,
+        (count_field, references_field): (&'static str, &'static str),
+        size_field: Option<&'static str>,
+        format: ImageFormat,
+    ) -> Self {
+        JobSpec {
+            request,
+            reference_fields: Vec::new(),
+            size_field,
+            count_field,
+            references_field,
+            format,
+        }
+    }
+
+    pub(crate) fn add_reference(&mut self, upload: Upload) {
+        self.reference_fields.push(upload.field);
+        (self.request.references).push(ImageInput::encoded(upload.bytes, upload.label));
+    }
+
+    /// The request's field an error of the library is about ([`klein::KleinError::param`],
+    /// [`SpecError::input`]).
+    pub(crate) fn field_of(&self, error: &SpecError) -> Option<String> {
+        match error.input {
+            Some(Input::Reference(i)) => self.reference_fields.get(i).cloned(),
+            Some(Input::Source) => Some("image".into()),
+            Some(Input::Mask) => Some("mask".into()),
+            None => match error.error.param()? {
+                named @ ("width" | "height") => Some(self.size_field.unwrap_or(named).into()),
+                "num_images" => Some(self.count_field.into()),
+                "references" => Some(self.references_field.into()),
+                other => Some(other.into()),
+            },
+        }
+    }
+
+    /// A library error as the API answers it, naming the client's field.
+    pub(crate) fn api_error(&self, error: SpecError) -> ApiError {
+        if error.rule == Some(Rule::NeedsSource) {
+            return ApiError::field(
+                "image",
+                "mask, strength and padding_mask_crop need a source image (the image field)",
+            );
+        }
+        ApiError::from_klein(&error.error, self.field_of(&error).as_deref())
+    }
 }
 
 /// A finished generation: the encoded images and what they were made with.
@@ -356,22 +380,9 @@ mod tests {
     use super::*;
 
     fn spec() -> JobSpec {
-        JobSpec {
-            prompt: "a fox".into(),
-            width: Some(64),
-            height: Some(64),
-            size_field: None,
-            steps: Some(1),
-            guidance: None,
-            negative_prompt: None,
-            seed: 1,
-            num_images: 1,
-            references: Vec::new(),
-            inpaint: None,
-            preview_every: None,
-            loras: Vec::new(),
-            format: ImageFormat::Png,
-        }
+        let mut request = RequestSpec::new("a fox");
+        (request.width, request.height, request.steps) = (Some(64), Some(64), Some(1));
+        JobSpec::new(request, ("num_images", "refs"), None, ImageFormat::Png)
     }
 
     fn kind(result: Result<Submitted, ApiError>) -> ErrorKind {

@@ -422,14 +422,15 @@ async fn run_to_end(
 /// gives the size (no references, no source image), that answer needs no pipeline, and a client
 /// should not wait in the queue for it, nor be told to retry it when the queue is full.
 fn submit(state: &AppState, spec: JobSpec, id: Option<String>) -> Result<Submitted, ApiError> {
-    if spec.references.is_empty() && spec.inpaint.is_none() {
+    let asked = &spec.request;
+    if asked.references.is_empty() && asked.source.is_none() {
         let mut request = klein::pipeline::Request::new("");
-        (request.width, request.height) = (spec.width, spec.height);
+        (request.width, request.height) = (asked.width, asked.height);
         // A size the pipeline refuses is refused by the worker, with its own message.
         if let Ok((width, height)) =
             klein::pipeline::request::output_size(&state.manifest, &request)
         {
-            worker::check_pixels(width, height, spec.num_images, state.workers.max_pixels)?;
+            worker::check_pixels(width, height, asked.num_images, state.workers.max_pixels)?;
         }
     }
     state.queue.submit(spec, id)

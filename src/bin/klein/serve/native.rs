@@ -14,16 +14,14 @@ use axum::Json;
 use base64::Engine;
 use futures_util::stream::{self, Stream};
 use klein::limits::{MAX_LORAS, MAX_REFERENCES};
+use klein::pipeline::{ImageInput, RequestSpec};
 use klein::stages::output::ImageFormat;
 use serde::Deserialize;
 
 use super::error::{ApiError, ErrorKind};
-use super::jobs::{InpaintUpload, JobEvent, JobHandle, JobOutput, JobSpec, MaskKind, Upload};
+use super::jobs::{JobEvent, JobHandle, JobOutput, JobSpec, Upload};
 use super::openai::check_negative_prompt;
-use super::params::{
-    at_most, check_count, check_guidance, check_prompt, check_side, check_steps, check_strength,
-    check_tokens, format_name, image_format, seed_or_random, NATIVE_FORMAT_FIELDS,
-};
+use super::params::{at_most, format_name, image_format, whole, NATIVE_FORMAT_FIELDS};
 use super::{parse_json, request_id, run_to_end, timed_out, AppState};
 
 /// The body of the native routes: `klein generate`'s options.
@@ -69,62 +67,6 @@ struct RefBody {
 }
 
 fn spec_from(state: &AppState, body: NativeBody) -> Result<(JobSpec, ImageFormat), ApiError> {
-    if let Some(w) = body.width {
-        check_side("width", w)?;
-    }
-    if let Some(h) = body.height {
-        check_side("height", h)?;
-    }
-    if let (Some(w), Some(h)) = (body.width, body.height) {
-        check_tokens("width", w, h)?;
-    }
-    klein::pipeline::request::check_reference_count(body.refs.len())
-        .map_err(|e| ApiError::from_klein(&e, Some("refs")))?;
-    let references = body
-        .refs
-        .into_iter()
-        .enumerate()
-        .map(|(i, r)| upload(r, &format!("refs[{i}]"), format!("image-{i}")))
-        .collect::<Result<Vec<_>, ApiError>>()?;
-    if let Some(padding) = body
-        .padding_mask_crop
-        .filter(|&p| p > klein::limits::MAX_SIDE)
-    {
-        return Err(ApiError::field(
-            "padding_mask_crop",
-            format!(
-                "padding_mask_crop {padding}: give {}",
-                super::valid_numbers("padding_mask_crop").unwrap_or_default()
-            ),
-        ));
-    }
-    if body.padding_mask_crop.is_some() && body.image.is_some() && body.mask.is_none() {
-        return Err(ApiError::field(
-            "padding_mask_crop",
-            "padding_mask_crop needs a mask: it crops to the mask's region",
-        ));
-    }
-    let inpaint = match body.image {
-        Some(image) => Some(InpaintUpload {
-            source: upload(image, "image", "image".into())?,
-            mask: body
-                .mask
-                .map(|m| upload(m, "mask", "mask".into()).map(|m| (m, MaskKind::White)))
-                .transpose()?,
-            strength: check_strength(body.strength)?,
-            mask_crop: body.padding_mask_crop,
-        }),
-        None if body.mask.is_some()
-            || body.strength.is_some()
-            || body.padding_mask_crop.is_some() =>
-        {
-            return Err(ApiError::field(
-                "image",
-                "mask, strength and padding_mask_crop need a source image (the image field)",
-            ))
-        }
-        None => None,
-    };
     let format = image_format(body.format.as_deref(), body.quality, NATIVE_FORMAT_FIELDS)?;
     if body.quality.is_some() && !matches!(format, ImageFormat::Jpeg { .. }) {
         return Err(ApiError::field(
@@ -132,37 +74,33 @@ fn spec_from(state: &AppState, body: NativeBody) -> Result<(JobSpec, ImageFormat
             "quality is for jpeg, and this format is lossless: drop quality or ask for format jpeg",
         ));
     }
-    check_prompt("prompt", &body.prompt)?;
-    if let Some(negative) = &body.negative_prompt {
-        check_prompt("negative_prompt", negative)?;
+    let mut request = RequestSpec::new(body.prompt);
+    request.width = body.width;
+    request.height = body.height;
+    request.steps = body.steps.map(whole);
+    request.guidance = body.guidance;
+    request.negative_prompt = check_negative_prompt(state, body.negative_prompt)?;
+    request.seed = body.seed;
+    request.num_images = body.num_images.map_or(1, whole);
+    request.strength = body.strength;
+    request.mask_crop = body.padding_mask_crop;
+    request.preview_every = body.preview_every.map(whole);
+    request.loras = Some(state.loras.resolve_all(&body.loras)?);
+    let mut spec = JobSpec::new(request, ("num_images", "refs"), None, format);
+    for (i, r) in body.refs.into_iter().enumerate() {
+        spec.add_reference(upload(r, &format!("refs[{i}]"), format!("image-{i}"))?);
     }
-    let spec = JobSpec {
-        prompt: body.prompt,
-        width: body.width,
-        height: body.height,
-        size_field: None,
-        steps: check_steps(body.steps)?,
-        guidance: check_guidance(body.guidance)?,
-        negative_prompt: check_negative_prompt(state, body.negative_prompt)?,
-        seed: seed_or_random(body.seed),
-        num_images: check_count("num_images", body.num_images.unwrap_or(1))?,
-        references,
-        inpaint,
-        preview_every: match body.preview_every {
-            Some(n) if n == 0 || n > klein::limits::MAX_STEPS as u64 => {
-                return Err(ApiError::field(
-                    "preview_every",
-                    format!(
-                        "preview_every {n}: give 1 to {} steps",
-                        klein::limits::MAX_STEPS
-                    ),
-                ))
-            }
-            other => other.map(|n| n as usize),
-        },
-        loras: state.loras.resolve_all(&body.loras)?,
-        format,
-    };
+    for (field, image, slot) in [
+        ("image", body.image, &mut spec.request.source),
+        ("mask", body.mask, &mut spec.request.mask),
+    ] {
+        if let Some(image) = image {
+            let upload = upload(image, field, field.into())?;
+            *slot = Some(ImageInput::encoded(upload.bytes, upload.label));
+        }
+    }
+    // Every number, rule and image header, before the job is queued.
+    spec.request.check().map_err(|e| spec.api_error(e))?;
     Ok((spec, format))
 }
 

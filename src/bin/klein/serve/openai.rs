@@ -11,13 +11,13 @@ use axum::http::HeaderMap;
 use axum::Json;
 use base64::Engine;
 use klein::limits::MAX_LORAS;
+use klein::pipeline::{ImageInput, MaskKind, RequestSpec};
 use serde::Deserialize;
 
 use super::error::{ApiError, ErrorKind};
-use super::jobs::{InpaintUpload, JobOutput, JobSpec, MaskKind, Upload};
+use super::jobs::{JobOutput, JobSpec, Upload};
 use super::params::{
-    at_most, check_count, check_guidance, check_prompt, check_response_format, check_steps,
-    check_strength, image_format, parse_size, seed_or_random, OPENAI_FORMAT_FIELDS,
+    at_most, check_response_format, image_format, parse_size, whole, OPENAI_FORMAT_FIELDS,
 };
 use super::{parse_json, request_id, run_to_end, too_large, AppState};
 
@@ -64,7 +64,7 @@ pub(crate) async fn generations(
     let id = request_id(&headers)?;
     let body: GenerationsBody = parse_json(body)?;
     let notes = openai_settings(&body)?;
-    let spec = spec_from(&state, body, Vec::new())?;
+    let spec = spec_from(&state, body, Vec::new(), None)?;
     let (_, output) = run_to_end(&state, spec, id).await?;
     Ok(Json(answer(&output, notes)))
 }
@@ -111,39 +111,44 @@ fn openai_settings(body: &GenerationsBody) -> Result<Vec<String>, ApiError> {
     }
 }
 
-/// Checks the fields and builds the job.
+/// An edit's source image, its mask (transparent where to edit) and strength.
+type Edit = (Upload, Option<Upload>, Option<f64>);
+
+/// Builds the job and checks it (every number, rule and image header) before it is queued.
 fn spec_from(
     state: &AppState,
     body: GenerationsBody,
     references: Vec<Upload>,
+    edit: Option<Edit>,
 ) -> Result<JobSpec, ApiError> {
     check_response_format(body.response_format.as_deref())?;
     check_quality(body.quality.as_deref())?;
     let (width, height) = parse_size(body.size.as_deref())?;
-    check_prompt("prompt", &body.prompt)?;
-    if let Some(negative) = &body.negative_prompt {
-        check_prompt("negative_prompt", negative)?;
+    let mut request = RequestSpec::new(body.prompt);
+    (request.width, request.height) = (width, height);
+    request.steps = body.steps.map(whole);
+    request.guidance = body.guidance;
+    request.negative_prompt = check_negative_prompt(state, body.negative_prompt)?;
+    request.seed = body.seed;
+    request.num_images = body.n.map_or(1, whole);
+    request.loras = Some(state.loras.resolve_all(&body.loras)?);
+    let format = image_format(
+        body.output_format.as_deref(),
+        body.output_compression,
+        OPENAI_FORMAT_FIELDS,
+    )?;
+    let mut spec = JobSpec::new(request, ("n", "image"), Some("size"), format);
+    if let Some((source, mask, strength)) = edit {
+        spec.request.source = Some(ImageInput::encoded(source.bytes, source.label));
+        spec.request.mask = mask.map(|m| ImageInput::encoded(m.bytes, m.label));
+        spec.request.mask_kind = MaskKind::Transparent;
+        spec.request.strength = strength;
     }
-    Ok(JobSpec {
-        prompt: body.prompt,
-        width,
-        height,
-        size_field: Some("size"),
-        steps: check_steps(body.steps)?,
-        guidance: check_guidance(body.guidance)?,
-        negative_prompt: check_negative_prompt(state, body.negative_prompt)?,
-        seed: seed_or_random(body.seed),
-        num_images: check_count("n", body.n.unwrap_or(1))?,
-        references,
-        inpaint: None,
-        preview_every: None,
-        loras: state.loras.resolve_all(&body.loras)?,
-        format: image_format(
-            body.output_format.as_deref(),
-            body.output_compression,
-            OPENAI_FORMAT_FIELDS,
-        )?,
-    })
+    for reference in references {
+        spec.add_reference(reference);
+    }
+    spec.request.check().map_err(|e| spec.api_error(e))?;
+    Ok(spec)
 }
 
 /// OpenAI's `quality`: klein has one quality; `auto` and `standard` are accepted.
@@ -286,7 +291,7 @@ pub(crate) async fn edits(
                 let parsed = value.trim().parse::<f64>().map_err(|_| {
                     ApiError::field("strength", format!("strength `{value}`: give a number"))
                 })?;
-                strength = check_strength(Some(parsed))?;
+                strength = Some(parsed);
             }
             "input_fidelity" => {
                 if fidelity.is_some() {
@@ -325,8 +330,6 @@ pub(crate) async fn edits(
             "give at least one image (the image or image[] field)",
         ));
     }
-    klein::pipeline::request::check_reference_count(references.len())
-        .map_err(|e| ApiError::from_klein(&e, Some("image")))?;
     if !loras.is_empty() {
         body.insert("loras".into(), serde_json::json!(loras));
     }
@@ -334,14 +337,9 @@ pub(crate) async fn edits(
     let mut notes = openai_settings(&body)?;
     notes.extend(fidelity);
     // With a mask (or a strength), the first image is the one edited, the others references.
-    let inpaint = (mask.is_some() || strength.is_some()).then(|| InpaintUpload {
-        source: references.remove(0),
-        mask: mask.map(|m| (m, MaskKind::Transparent)),
-        strength,
-        mask_crop: None,
-    });
-    let mut spec = spec_from(&state, body, references)?;
-    spec.inpaint = inpaint;
+    let edit =
+        (mask.is_some() || strength.is_some()).then(|| (references.remove(0), mask, strength));
+    let spec = spec_from(&state, body, references, edit)?;
     let (_, output) = run_to_end(&state, spec, id).await?;
     Ok(Json(answer(&output, notes)))
 }

@@ -5,11 +5,8 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 
-use klein::limits::{
-    MAX_BATCH, MAX_GUIDANCE, MAX_IMAGE_TOKENS, MAX_PROMPT_BYTES, MAX_SIDE, MAX_STEPS, MIN_SIDE,
-};
+use klein::limits::{MAX_IMAGE_TOKENS, MAX_SIDE};
 use klein::pipeline::lora::inspect;
-use klein::pipeline::request::check_token_budget;
 use klein::pipeline::{LoraSpec, Pipeline};
 use klein::stages::output::ImageFormat;
 use serde::de::{Deserialize, Deserializer, Error as _, SeqAccess, Visitor};
@@ -63,8 +60,7 @@ where
     deserializer.deserialize_option(Nullable::<T, MAX>(PhantomData))
 }
 
-/// `size`: `WxH` (each 16 to [`MAX_SIDE`]) or `auto` (the first reference's size, else the
-/// bundle's default).
+/// `size`: `WxH` or `auto` (the first reference's size, else the bundle's default).
 pub(crate) fn parse_size(size: Option<&str>) -> Result<(Option<u32>, Option<u32>), ApiError> {
     let Some(text) = size
         .map(str::trim)
@@ -84,88 +80,13 @@ pub(crate) fn parse_size(size: Option<&str>) -> Result<(Option<u32>, Option<u32>
     };
     let (w, h) = text.split_once(['x', 'X']).ok_or_else(bad)?;
     let (w, h): (u32, u32) = (w.parse().map_err(|_| bad())?, h.parse().map_err(|_| bad())?);
-    check_side("size", w)?;
-    check_side("size", h)?;
-    check_tokens("size", w, h)?;
+    // Their bounds are the library's (RequestSpec::check), about `size`.
     Ok((Some(w), Some(h)))
 }
 
-/// An output of `w` x `h` pixels within the token budget (before the references' tokens, which
-/// are counted once they are read); `param` names the field.
-pub(crate) fn check_tokens(param: &str, w: u32, h: u32) -> Result<(), ApiError> {
-    let tokens = (w / MIN_SIDE) as usize * (h / MIN_SIDE) as usize;
-    check_token_budget(tokens, 0, 0).map_err(|e| ApiError::from_klein(&e, Some(param)))
-}
-
-/// A prompt (or negative prompt) of at most [`MAX_PROMPT_BYTES`].
-pub(crate) fn check_prompt(param: &str, prompt: &str) -> Result<(), ApiError> {
-    if prompt.len() > MAX_PROMPT_BYTES {
-        return Err(ApiError::field(
-            param,
-            format!(
-                "{param} is {} bytes: at most {MAX_PROMPT_BYTES} are accepted (the text encoder \
-                 reads its first tokens only: 512 in FLUX.2-klein bundles)",
-                prompt.len()
-            ),
-        ));
-    }
-    Ok(())
-}
-
-/// A width or height of 16 to [`MAX_SIDE`] pixels.
-pub(crate) fn check_side(param: &str, side: u32) -> Result<(), ApiError> {
-    if !(16..=MAX_SIDE).contains(&side) {
-        return Err(ApiError::field(
-            param,
-            format!("{param} {side}: each side must be 16 to {MAX_SIDE} pixels"),
-        ));
-    }
-    Ok(())
-}
-
-/// `n` / `num_images`: 1 to [`MAX_BATCH`].
-pub(crate) fn check_count(param: &str, n: u64) -> Result<usize, ApiError> {
-    if !(1..=MAX_BATCH as u64).contains(&n) {
-        return Err(ApiError::field(
-            param,
-            format!("{param} {n}: give 1 to {MAX_BATCH} images"),
-        ));
-    }
-    Ok(n as usize)
-}
-
-pub(crate) fn check_steps(steps: Option<u64>) -> Result<Option<usize>, ApiError> {
-    match steps {
-        Some(s) if !(1..=MAX_STEPS as u64).contains(&s) => Err(ApiError::field(
-            "steps",
-            format!("steps {s}: give 1 to {MAX_STEPS}"),
-        )),
-        other => Ok(other.map(|s| s as usize)),
-    }
-}
-
-pub(crate) fn check_guidance(guidance: Option<f64>) -> Result<Option<f64>, ApiError> {
-    match guidance {
-        Some(g) if !(g.is_finite() && (0.0..=MAX_GUIDANCE).contains(&g)) => Err(ApiError::field(
-            "guidance",
-            format!("guidance {g}: give 0 to {MAX_GUIDANCE}"),
-        )),
-        other => Ok(other),
-    }
-}
-
-/// A strength in (0, 1] (inpainting and img2img).
-pub(crate) fn check_strength(strength: Option<f64>) -> Result<Option<f64>, ApiError> {
-    if let Some(s) = strength {
-        klein::stages::inpaint::check_strength(s)
-            .map_err(|e| ApiError::from_klein(&e, Some("strength")))?;
-    }
-    Ok(strength)
-}
-
-/// The seed, or a random one (returned to the client and stored in the image).
-pub(crate) fn seed_or_random(seed: Option<u64>) -> u64 {
-    seed.unwrap_or_else(klein::pipeline::random_seed)
+/// A JSON whole number as a count (saturated: any count past `usize` is out of bounds anyway).
+pub(crate) fn whole(n: u64) -> usize {
+    usize::try_from(n).unwrap_or(usize::MAX)
 }
 
 /// `response_format`: only `b64_json` (klein serve keeps no files to link to).
@@ -354,8 +275,22 @@ mod tests {
         assert_eq!(parse_size(Some("512x768")).unwrap(), (Some(512), Some(768)));
         assert_eq!(parse_size(Some("auto")).unwrap(), (None, None));
         assert_eq!(parse_size(None).unwrap(), (None, None));
-        for bad in ["512", "x", "0x512", "512x99999", "-1x5", "1e3x512"] {
+        for bad in ["512", "x", "-1x5", "1e3x512"] {
             let e = parse_size(Some(bad)).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("size"), "{bad}");
+        }
+        // Sides out of bounds are the library's to refuse (RequestSpec::check), about `size`.
+        for bad in ["0x512", "512x99999", "4096x4096"] {
+            let (width, height) = parse_size(Some(bad)).unwrap();
+            let mut request = klein::pipeline::RequestSpec::new("x");
+            (request.width, request.height) = (width, height);
+            let spec = super::super::jobs::JobSpec::new(
+                request,
+                ("n", "image"),
+                Some("size"),
+                ImageFormat::Png,
+            );
+            let e = spec.api_error(spec.request.check().unwrap_err());
             assert_eq!(e.param.as_deref(), Some("size"), "{bad}");
         }
     }

@@ -7,14 +7,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use klein::pipeline::{Inpaint, LoraSpec, Pipeline, Progress, Request};
-use klein::stages::inpaint::DEFAULT_STRENGTH;
-use klein::stages::mask::decode_transparent_mask;
+use klein::pipeline::{ImageInput, LoraSpec, Pipeline, Progress};
 use klein::stages::output::{encode_image, ImageFormat};
-use klein::stages::reference::decode_image_bytes;
 
 use super::error::{ApiError, ErrorKind};
-use super::jobs::{cancelled, InpaintUpload, Job, JobEvent, JobOutput, MaskKind, Queue};
+use super::jobs::{cancelled, Job, JobEvent, JobOutput, Queue};
 use super::metrics::Metrics;
 
 /// What every worker shares: the queue, the metrics, and how many pipelines have loaded their
@@ -83,52 +80,6 @@ pub(crate) fn run(index: usize, mut pipeline: Pipeline, shared: Arc<Shared>) {
     }
 }
 
-/// The request field of a size the pipeline refused (an error about `width` or `height`, the
-/// token budget's included: [`klein::KleinError::param`]): `size_field` where one field sets
-/// both, else the one the error is about.
-fn size_param(error: &klein::KleinError, size_field: Option<&'static str>) -> Option<&'static str> {
-    let named = error.param().filter(|p| matches!(*p, "width" | "height"))?;
-    Some(size_field.unwrap_or(named))
-}
-
-/// The source image and mask of an inpainting job, decoded for `pipeline`.
-fn load_inpaint(pipeline: &Pipeline, upload: &InpaintUpload) -> Result<Inpaint, ApiError> {
-    let strength = upload.strength.unwrap_or(DEFAULT_STRENGTH);
-    if let (Some(padding), Some((mask, MaskKind::White))) = (upload.mask_crop, &upload.mask) {
-        let (source_label, mask_label) = (Path::new(&upload.source.label), Path::new(&mask.label));
-        let source = decode_image_bytes(&upload.source.bytes, source_label)
-            .map_err(|e| ApiError::from_klein(&e, Some(&upload.source.field)))?;
-        let mask_rgb = decode_image_bytes(&mask.bytes, mask_label)
-            .map_err(|e| ApiError::from_klein(&e, Some(&mask.field)))?;
-        return pipeline
-            .crop_to_mask(
-                source,
-                mask_rgb,
-                padding,
-                strength,
-                (source_label, mask_label),
-            )
-            .map_err(|e| ApiError::from_klein(&e, Some(&mask.field)));
-    }
-    let source = pipeline
-        .decode_source(&upload.source.bytes, Path::new(&upload.source.label))
-        .map_err(|e| ApiError::from_klein(&e, Some(&upload.source.field)))?;
-    let mask = match &upload.mask {
-        None => None,
-        Some((mask, MaskKind::White)) => Some(
-            pipeline
-                .decode_mask(&mask.bytes, Path::new(&mask.label), &source)
-                .map_err(|e| ApiError::from_klein(&e, Some(&mask.field)))?,
-        ),
-        Some((mask, MaskKind::Transparent)) => {
-            let rgb = decode_transparent_mask(&mask.bytes, Path::new(&mask.label))
-                .map_err(|e| ApiError::from_klein(&e, Some(&mask.field)))?;
-            Some(pipeline.prepare_mask(&rgb, &source))
-        }
-    };
-    Ok(Inpaint::new(source, mask, strength))
-}
-
 /// One generation: LoRAs, references, the pipeline, the encoded images.
 fn run_job(
     pipeline: &mut Pipeline,
@@ -141,34 +92,20 @@ fn run_job(
     // Unchanged LoRAs cost nothing: set_loras keeps the loaded transformer then.
     // The LoRAs are the server's own files, checked when it started: one that fails now (changed
     // since) is the server's fault, named as the client named it, never by its path.
-    pipeline.set_loras(&spec.loras).map_err(|e| {
-        let mut error = lora_error(&e, &spec.loras);
+    let loras = spec.request.loras.as_deref().unwrap_or_default();
+    pipeline.set_loras(loras).map_err(|e| {
+        let mut error = lora_error(&e, loras);
         error.kind = ErrorKind::Server;
         error
     })?;
-    let mut request = Request::new(spec.prompt.clone())
-        .with_seed(spec.seed)
-        .with_num_images(spec.num_images);
-    request.width = spec.width;
-    request.height = spec.height;
-    request.steps = spec.steps;
-    request.guidance = spec.guidance;
-    request.negative_prompt = spec.negative_prompt.clone();
-    request.preview_every = spec.preview_every;
-    if let Some(inpaint) = &spec.inpaint {
-        request.inpaint = Some(load_inpaint(pipeline, inpaint)?);
-    }
-    for upload in &spec.references {
-        let reference = pipeline
-            .decode_reference(&upload.bytes, Path::new(&upload.label))
-            .map_err(|e| ApiError::from_klein(&e, Some(&upload.field)))?;
-        request.references.push(reference);
-    }
+    let request = pipeline
+        .prepare(&spec.request)
+        .map_err(|e| spec.api_error(e))?;
     // The size is known once the references are: `auto` takes the first one's.
     let (width, height) = pipeline
         .output_size(&request)
-        .map_err(|e| ApiError::from_klein(&e, size_param(&e, spec.size_field)))?;
-    check_pixels(width, height, spec.num_images, max_pixels)?;
+        .map_err(|e| spec.api_error(e.into()))?;
+    check_pixels(width, height, request.num_images, max_pixels)?;
     let mut on_progress = |event: Progress| {
         let event = match event {
             Progress::StageStarted(stage) => JobEvent::StageStarted(stage.label()),
@@ -199,15 +136,16 @@ fn run_job(
         .map_err(|e| match e {
             klein::KleinError::Cancelled => cancelled(),
             // A LoRA refused when merged: named as the client named it, never by its path.
-            klein::KleinError::Lora { .. } => lora_error(&e, &spec.loras),
-            e => ApiError::from_klein(&e, size_param(&e, spec.size_field)),
+            klein::KleinError::Lora { .. } => lora_error(&e, loras),
+            e => spec.api_error(e.into()),
         })?;
-    let labels: Vec<String> = spec.references.iter().map(|u| u.label.clone()).collect();
-    let mut metadata = pipeline.image_metadata(&generation, &spec.prompt, &labels, bundle_hash);
+    let label = |image: &ImageInput| image.label().to_string_lossy().into_owned();
+    let labels: Vec<String> = spec.request.references.iter().map(label).collect();
+    let mut metadata =
+        pipeline.image_metadata(&generation, &spec.request.prompt, &labels, bundle_hash);
     // The LoRAs by the names clients give, not the server's paths.
     if let Some((_, value)) = metadata.iter_mut().find(|(key, _)| key == "loras") {
-        let names: Vec<String> = spec
-            .loras
+        let names: Vec<String> = loras
             .iter()
             .map(|l| format!("{}:{}", lora_name(l.path()), l.scale()))
             .collect();
@@ -220,10 +158,12 @@ fn run_job(
             pipeline.manifest().tokenizer.max_sequence_length
         ));
     }
-    if let Some(inpaint) = &spec.inpaint {
-        metadata.push(("image".into(), inpaint.source.label.clone()));
-        if let Some((mask, _)) = &inpaint.mask {
-            metadata.push(("mask_image".into(), mask.label.clone()));
+    for (key, image) in [
+        ("image", &spec.request.source),
+        ("mask_image", &spec.request.mask),
+    ] {
+        if let Some(image) = image {
+            metadata.push((key.into(), label(image)));
         }
     }
     let images = generation
