@@ -1,7 +1,7 @@
 //! Every bound on a number a user, a file or a manifest gives, in one place. Each is checked
 //! before anything is allocated or loaded for it ([`crate::pipeline::request`] for requests and
 //! load options, [`crate::stages::reference`] for image headers, [`crate::bundle::manifest`] for
-//! manifests), and each error names the bound. The README's "Limits" table lists them.
+//! manifests), and each error names the bound. The "Limits" table of docs/pipelines.md lists them.
 //!
 //! An output is bounded twice: each side by [`MAX_SIDE`], and its area by the token budget
 //! ([`MAX_IMAGE_TOKENS`], one token per 16x16 pixels, shared with the references): 2288x2288,

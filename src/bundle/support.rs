@@ -17,7 +17,7 @@
 //! ([`Device::auto_candidates`]) runs it; auto then skips, per graph, the devices that cannot
 //! ([`auto_skip`]), and says why.
 //! CUDA and CoreML rows are what ONNX Runtime documents and registers; they have not been run on
-//! such hardware here (see the README).
+//! such hardware (see docs/pipelines.md).
 use super::manifest::{GraphsSpec, Precision, QuantizationSpec};
 use crate::error::{KleinError, Result};
 use crate::runtime::Device;

@@ -210,7 +210,7 @@ fn router(state: Arc<AppState>) -> Router {
         .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
             ApiError::new(
                 ErrorKind::MethodNotAllowed,
-                format!("{method} is not a method of {}: see the README's table of routes", uri.path()),
+                format!("{method} is not a method of {}: see the routes in klein's docs/server-api.md", uri.path()),
             )
         })
         .layer(DefaultBodyLimit::max(max_body))
