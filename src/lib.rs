@@ -13,6 +13,8 @@
 // the libjpeg binding, and the system calls of `runtime` and `fsutil::touch`.
 #![deny(unsafe_code)]
 
+#[cfg(feature = "api")]
+pub mod api;
 pub mod bundle;
 pub mod capi;
 pub mod error;

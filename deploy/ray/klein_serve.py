@@ -31,12 +31,8 @@ A replica runs one generation at a time (its pipeline is behind a lock); generat
 thread with the GIL released, so the replica's event loop keeps answering. Scale with replicas.
 """
 
-import base64
-import json
 import os
-import time
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,50 +45,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 app = FastAPI(title="klein", description="FLUX.2-klein on Ray Serve: the OpenAI images API")
-
-#: Fields of a generations body (and text fields of an edits form). klein's own: seed, steps, guidance.
-FIELDS = (
-    "prompt",
-    "model",
-    "n",
-    "size",
-    "response_format",
-    "output_format",
-    "user",
-    "safety_identifier",
-    "quality",
-    "background",
-    "moderation",
-    "style",
-    "stream",
-    "partial_images",
-    "negative_prompt",
-    "seed",
-    "steps",
-    "guidance",
-)
-#: The numbers of an edits form, parsed from their text.
-INTEGER_FIELDS = ("n", "seed", "steps", "partial_images")
-#: Where a client that asked OpenAI's routes to stream is sent (as ``klein serve`` says it).
-STREAM_ELSEWHERE = (
-    "this deployment answers each request whole; give stream false or leave it out (klein serve streams "
-    "steps and previews on POST /v1/klein/generate/stream)"
-)
-#: ``klein.InvalidInputError.param`` (the Python argument) as the request's field: the source
-#: and the references are both ``image`` fields of the edit form.
-PARAMS = {
-    "image": "image",
-    "image_reference": "image",
-    "mask_image": "mask",
-    "prompt": "prompt",
-    "negative_prompt": "negative_prompt",
-    "num_inference_steps": "steps",
-    "guidance_scale": "guidance",
-    "width": "size",
-    "height": "size",
-    "num_images_per_prompt": "n",
-    "strength": "strength",
-}
 
 
 class ApiError(Exception):
@@ -110,273 +62,37 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
-@dataclass
-class Job:
-    """A checked request."""
-
-    prompt: str
-    n: int = 1
-    width: int | None = None
-    height: int | None = None
-    seed: int = 0
-    steps: int | None = None
-    guidance: float | None = None
-    negative_prompt: str | None = None
-    references: list[klein.EncodedImage] = field(default_factory=list)
-    #: Inpainting and img2img (an edits form with a mask or a strength): the first image, edited.
-    source: klein.EncodedImage | None = None
-    #: Where to repaint: OpenAI's mask as uploaded (transparent pixels); None: img2img.
-    mask: klein.EncodedImage | None = None
-    strength: float | None = None
-    #: The answer's warnings of the request's own (settings that change nothing).
-    notes: list[str] = field(default_factory=list)
+#: The most parts an edits form may have: its images, a mask, and a text field of each name.
+MAX_FORM_PARTS = klein.MAX_REFERENCES + 32
 
 
-def _integer(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(f"{name} {json.dumps(value)}: give a whole number", name)
-    if not low <= value <= high:
-        raise ApiError(f"{name} {value}: give {low} to {high}", name)
-    return value
+async def _generations_request(request: Request) -> klein.OpenAiRequest:
+    """The JSON body, checked by klein as ``klein serve`` checks it (the same schema)."""
+    return klein.OpenAiRequest.generations(await request.body())
 
 
-def _size(size: Any) -> tuple[int | None, int | None]:
-    """``WxH`` (16 to klein.MAX_SIDE each) or ``auto``/absent: the first reference's size, else the
-    bundle's default."""
-    if size is None or (isinstance(size, str) and size.strip().lower() == "auto"):
-        return None, None
-    bad = ApiError(
-        f"size {json.dumps(size)}: give WIDTHxHEIGHT (16 to {klein.MAX_SIDE} each, e.g. 1024x1024) or auto", "size"
-    )
-    if not isinstance(size, str):
-        raise bad
-    width, sep, height = size.strip().lower().partition("x")
-    if not sep or not width.isdigit() or not height.isdigit():
-        raise bad
-    w, h = int(width), int(height)
-    for side in (w, h):
-        if not 16 <= side <= klein.MAX_SIDE:
-            raise ApiError(f"size {side}: each side must be 16 to {klein.MAX_SIDE} pixels", "size")
-    return w, h
-
-
-def check_request(body: dict[str, Any], references: list[klein.EncodedImage]) -> Job:
-    """The fields of a generations body or an edits form (as JSON values), checked as ``klein
-    serve`` checks them; each error names its field."""
-    unknown = [name for name in body if name not in FIELDS]
-    if unknown:
-        raise ApiError(f"unknown field `{unknown[0]}`; the fields are {', '.join(FIELDS)}", unknown[0])
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str):
-        raise ApiError("prompt is required: a string", "prompt")
-    for name in ("model", "user", "negative_prompt"):  # model, user: accepted, unused
-        if body.get(name) is not None and not isinstance(body[name], str):
-            raise ApiError(f"{name} must be a string", name)
-    if body.get("response_format") not in (None, "b64_json"):
+async def _edits_request(request: Request) -> klein.OpenAiRequest:
+    """The multipart form, its parts in order, checked by klein as ``klein serve`` checks it."""
+    content_type = request.headers.get("content-type", "none")
+    if not content_type.startswith("multipart/form-data"):
         raise ApiError(
-            f"response_format {json.dumps(body['response_format'])} is not supported: this deployment stores "
-            "no images to link to; use b64_json",
-            "response_format",
+            "/v1/images/edits takes multipart/form-data, as OpenAI's (image[] files and text fields): this body's "
+            f"Content-Type is {content_type}"
         )
-    if body.get("output_format") not in (None, "png"):
-        raise ApiError(
-            f"output_format {json.dumps(body['output_format'])}: this deployment returns png", "output_format"
-        )
-    if body.get("quality") not in (None, "auto", "standard"):
-        raise ApiError(
-            f"quality {json.dumps(body['quality'])}: klein has one quality; give auto or standard, and steps for more "
-            "denoising",
-            "quality",
-        )
-    notes = _openai_settings(body)
-    guidance = body.get("guidance")
-    if guidance is not None and (
-        isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not 0 <= guidance <= klein.MAX_GUIDANCE
-    ):
-        raise ApiError(f"guidance {json.dumps(guidance)}: give 0 to {klein.MAX_GUIDANCE:g}", "guidance")
-    width, height = _size(body.get("size"))
-    seed = _integer(body, "seed", 0, 2**64 - 1)
-    return Job(
-        prompt=prompt,
-        n=_integer(body, "n", 1, klein.MAX_BATCH) or 1,
-        width=width,
-        height=height,
-        seed=klein.random_seed() if seed is None else seed,
-        steps=_integer(body, "steps", 1, klein.MAX_STEPS),
-        guidance=None if guidance is None else float(guidance),
-        negative_prompt=body.get("negative_prompt"),
-        references=references,
-        notes=notes,
-    )
-
-
-def _openai_settings(body: dict[str, Any]) -> list[str]:
-    """OpenAI's fields for what klein does one way only, as ``klein serve`` takes them: the values
-    that ask for that way accepted, the others refused naming the field; returns the warnings of
-    accepted fields that change nothing."""
-    if body.get("safety_identifier") is not None and not isinstance(body["safety_identifier"], str):
-        raise ApiError("safety_identifier must be a string", "safety_identifier")
-    if body.get("background") not in (None, "auto", "opaque"):
-        raise ApiError(
-            f"background {json.dumps(body['background'])}: klein's images are opaque (no alpha channel); give auto "
-            "or opaque",
-            "background",
-        )
-    if body.get("style") is not None:
-        raise ApiError(
-            f"style {json.dumps(body['style'])}: klein has no style presets (DALL-E 3's vivid and natural); describe "
-            "the style in the prompt",
-            "style",
-        )
-    if body.get("stream") not in (None, False):
-        raise ApiError(f"stream {json.dumps(body['stream'])}: {STREAM_ELSEWHERE}", "stream")
-    partial = _integer(body, "partial_images", 0, 2**31)
-    if partial:
-        raise ApiError(
-            f"partial_images {partial}: partial images come with stream; {STREAM_ELSEWHERE}", "partial_images"
-        )
-    moderation = body.get("moderation")
-    if moderation is None:
-        return []
-    if moderation not in ("auto", "low"):
-        raise ApiError(
-            f"moderation {json.dumps(moderation)}: give auto or low (klein moderates nothing at either)", "moderation"
-        )
-    return [f"moderation `{moderation}` changed nothing: klein moderates no prompt or image"]
-
-
-def _fidelity(text: str) -> str:
-    """OpenAI's ``input_fidelity`` of edits (high or low) as the answer's warning: klein reads its
-    images one way."""
-    if text.strip() not in ("high", "low"):
-        raise ApiError(
-            f"input_fidelity `{text}`: give high or low (klein reads its images one way at either)", "input_fidelity"
-        )
-    return f"input_fidelity `{text.strip()}` changed nothing: klein's model reads its images one way"
-
-
-async def _json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ApiError(f"the body is not JSON: {error}") from None
-    if not isinstance(body, dict):
-        raise ApiError("the body must be a JSON object")
-    return body
-
-
-@dataclass
-class EditForm:
-    """An edits form: its text fields as JSON values, its ``image``/``image[]`` files (each labelled
-    by its file name, as ``klein serve`` does), its mask and strength."""
-
-    body: dict[str, Any] = field(default_factory=dict)
-    images: list[klein.EncodedImage] = field(default_factory=list)
-    mask: klein.EncodedImage | None = None
-    strength: float | None = None
-    fidelity: str | None = None
-
-
-def _strength(text: str) -> float:
-    """``strength`` in (0, 1], as ``klein serve`` takes it (ASCII, no digit separators)."""
-    try:
-        if not text.isascii() or "_" in text:
-            raise ValueError(text)
-        strength = float(text)
-    except ValueError:
-        raise ApiError(f"strength `{text}`: give a number", "strength") from None
-    if not 0 < strength <= 1:
-        raise ApiError(f"strength {strength:g} must be above 0 and at most 1 (1 repaints from pure noise)", "strength")
-    return strength
-
-
-async def _edit_form(request: Request) -> EditForm:
-    """The edits form of ``request``, each field checked."""
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise ApiError("send multipart/form-data: image[] files and the text fields")
-    try:
-        form = await request.form(max_files=4 * klein.MAX_REFERENCES, max_fields=4 * len(FIELDS))
+        form = await request.form(max_files=MAX_FORM_PARTS, max_fields=MAX_FORM_PARTS)
     except Exception as error:  # starlette's multipart errors (malformed form, too many parts)
         raise ApiError(f"multipart body: {getattr(error, 'detail', error)}") from None
-    edit = EditForm()
     try:
+        parts = []
         for name, value in form.multi_items():
-            if name == "mask":
-                if not isinstance(value, UploadFile):
-                    raise ApiError("mask must be a file (a PNG, transparent where to edit)", "mask")
-                if edit.mask is not None:
-                    raise ApiError("give one mask", "mask")
-                edit.mask = klein.EncodedImage(await value.read(), value.filename or "mask")
-            elif name == "strength":
-                if not isinstance(value, str):
-                    raise ApiError("strength must be a text field", name)
-                edit.strength = _strength(value)
-            elif name == "input_fidelity":
-                if not isinstance(value, str):
-                    raise ApiError("input_fidelity must be a text field", name)
-                edit.fidelity = _fidelity(value)
-            elif name in ("image", "image[]"):
-                if not isinstance(value, UploadFile):
-                    raise ApiError(f"{name} must be a file", name)
-                label = value.filename or f"image-{len(edit.images)}"
-                edit.images.append(klein.EncodedImage(await value.read(), label))
-            elif name in FIELDS:
-                if not isinstance(value, str):
-                    raise ApiError(f"{name} must be a text field", name)
-                edit.body[name] = _form_value(name, value)
+            if isinstance(value, UploadFile):
+                parts.append((name, value.filename or None, await value.read()))
             else:
-                raise ApiError(
-                    f"unknown field `{name}`; the form takes image[] (files), mask (a PNG, transparent where to edit), "
-                    f"strength, input_fidelity and {', '.join(FIELDS)}",
-                    name,
-                )
+                parts.append((name, None, value.encode("utf-8", "surrogateescape")))
     finally:
         await form.close()
-    if not edit.images:
-        raise ApiError("give at least one image (the image or image[] field)", "image")
-    if len(edit.images) > klein.MAX_REFERENCES:
-        raise ApiError(f"{len(edit.images)} images: at most {klein.MAX_REFERENCES} per request", "image")
-    return edit
-
-
-async def _generations_job(request: Request) -> Job:
-    return check_request(await _json_body(request), [])
-
-
-async def _edits_job(request: Request) -> Job:
-    edit = await _edit_form(request)
-    job = check_request(edit.body, edit.images)
-    if edit.fidelity is not None:
-        job.notes.append(edit.fidelity)
-    # With a mask (or a strength), the first image is the one edited, the others references.
-    if edit.mask is not None or edit.strength is not None:
-        job.source = job.references.pop(0)
-        job.mask, job.strength = edit.mask, edit.strength
-    return job
-
-
-def _form_value(name: str, text: str) -> Any:
-    """A form field's text as the JSON value the body takes: numbers for the numeric fields."""
-    if name in INTEGER_FIELDS:
-        if not text.strip().isdigit():
-            raise ApiError(f"{name} `{text}`: give a whole number", name)
-        return int(text)
-    if name == "stream":
-        if text.strip() not in ("true", "false"):
-            raise ApiError(f"stream `{text}`: give false ({STREAM_ELSEWHERE})", name)
-        return text.strip() == "true"
-    if name == "guidance":
-        try:
-            if not text.isascii() or "_" in text:  # as klein serve parses numbers
-                raise ValueError(text)
-            return float(text)
-        except ValueError:
-            raise ApiError(f"{name} `{text}`: give a number", name) from None
-    return text
+    return klein.OpenAiRequest.edits(parts)
 
 
 @serve.deployment(max_ongoing_requests=2)
@@ -418,63 +134,24 @@ class KleinDeployment:
 
     @app.post("/v1/images/generations")
     async def generations(self, request: Request) -> JSONResponse:
-        return await self._answer(_generations_job(request))
+        return await self._answer(_generations_request(request))
 
     @app.post("/v1/images/edits")
     async def edits(self, request: Request) -> JSONResponse:
-        return await self._answer(_edits_job(request))
+        return await self._answer(_edits_request(request))
 
-    async def _answer(self, reading: Awaitable[Job]) -> JSONResponse:
-        """The answer to the job being read: generated in a worker thread, or an error."""
+    async def _answer(self, reading: Awaitable[klein.OpenAiRequest]) -> JSONResponse:
+        """The answer to the request being read: klein serve's answer, generated in a worker thread
+        (klein releases the GIL), or an error naming the request's field."""
         try:
-            job = await reading
-            return JSONResponse(await run_in_threadpool(self.generate, job))
+            request = await reading
+            return JSONResponse(await run_in_threadpool(self.pipe.answer_openai, request))
         except ApiError as error:
             return error.response()
+        except klein.InvalidInputError as error:
+            return ApiError(str(error), getattr(error, "param", None)).response()
         except Exception as error:  # an answer in the API's format, whatever failed
             return ApiError(f"internal error: {error}", status=500).response()
-
-    def generate(self, job: Job) -> dict[str, Any]:
-        """Runs ``job`` (in a worker thread; klein releases the GIL) and builds the answer."""
-        common = {
-            "width": job.width,
-            "height": job.height,
-            "num_inference_steps": job.steps,
-            "guidance_scale": job.guidance,
-            "negative_prompt": job.negative_prompt,
-            "generator": job.seed,
-            "num_images_per_prompt": job.n,
-            "output_type": "png",
-        }
-        try:
-            if job.source is None:
-                out = self.pipe(job.prompt, image=job.references or None, **common)
-            else:
-                out = self.pipe.inpaint(
-                    job.prompt,
-                    image=job.source,
-                    mask_image=job.mask,
-                    mask_transparent=True,
-                    image_reference=job.references or None,
-                    strength=job.strength,
-                    **common,
-                )
-        except klein.InvalidInputError as error:
-            # The Python argument an image's error names, as the form field that carried it.
-            raise ApiError(str(error), PARAMS.get(error.param)) from None
-        except klein.KleinError as error:
-            raise ApiError(str(error), status=500) from None
-        return {
-            "created": int(time.time()),
-            "data": [{"b64_json": base64.b64encode(png).decode("ascii")} for png in out.images],
-            "seed": out.seed,
-            "width": out.width,
-            "height": out.height,
-            "steps": out.steps,
-            "guidance": out.guidance,
-            # The request's own (the pipeline's go to Python's warnings, as klein.KleinWarning).
-            "warnings": job.notes,
-        }
 
 
 #: app_builder's arguments and their environment variables.

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import math
 import numbers
 import os
@@ -53,6 +54,7 @@ from ._klein import (
     CancelledError,
     InvalidInputError,
     KleinError,
+    OpenAiRequest,
     random_seed,
     tiny_model_dir,
 )
@@ -74,6 +76,7 @@ __all__ = [
     "KleinError",
     "KleinPipelineOutput",
     "KleinWarning",
+    "OpenAiRequest",
     "Pipeline",
     "find_ort_library",
     "random_seed",
@@ -687,6 +690,13 @@ class Pipeline:
             references=list(generation.references),
             device=generation.device,
         )
+
+    def answer_openai(self, request: OpenAiRequest) -> dict[str, Any]:
+        """Runs a request of the OpenAI images API (``OpenAiRequest.generations(body)`` or
+        ``OpenAiRequest.edits(parts)``, checked as ``klein serve`` checks it) and returns the answer
+        ``klein serve`` gives: ``{"created", "data": [{"b64_json"}], "seed", ...}``. Errors raise
+        ``InvalidInputError`` whose ``param`` is the request's field. The GIL is released."""
+        return json.loads(self._native.answer_openai(request))
 
     def set_loras(self, loras: Sequence[LoraInput] | None) -> None:
         """Applies ``loras`` in place of the current ones (empty or None: none). Only the

@@ -113,6 +113,7 @@ class Pipeline:
         preview_every: int | None = None,
         preview: Callable[[int, int, list[tuple[bytes, int, int]]], object] | None = None,
     ) -> Generation: ...
+    def answer_openai(self, request: OpenAiRequest) -> str: ...
     def set_loras(self, loras: Sequence[str | os.PathLike[str] | tuple[str | os.PathLike[str], float]]) -> None: ...
     @property
     def loras(self) -> list[tuple[Path, float]]: ...
@@ -144,6 +145,16 @@ def version() -> str:
 def tiny_model_dir() -> Path:
     """The directory of the bundled tiny model (random weights), written to the cache directory on
     first use: the model ``klein.Pipeline()`` runs when none is named, as the CLI does."""
+
+class OpenAiRequest:
+    """A checked request of the OpenAI images API, as klein serve checks it."""
+
+    @staticmethod
+    def generations(body: bytes) -> OpenAiRequest: ...
+    @staticmethod
+    def edits(parts: Sequence[tuple[str, str | None, bytes]]) -> OpenAiRequest: ...
+    @property
+    def loras(self) -> list[str]: ...
 
 def random_seed() -> int:
     """A seed for a generation that names none, below 2^53, as the CLI and the server draw it."""

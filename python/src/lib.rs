@@ -28,6 +28,7 @@ use pyo3::types::{PyBool, PyBytes, PyTuple};
 
 mod args;
 mod errors;
+mod openai;
 
 use args::*;
 use errors::*;
@@ -422,6 +423,12 @@ impl PyPipeline {
         })
     }
 
+    /// Runs a checked OpenAI images request (`klein.OpenAiRequest`) with the GIL released; the
+    /// answer's JSON, as `klein serve` answers it.
+    fn answer_openai(&self, py: Python<'_>, request: &openai::PyOpenAiRequest) -> PyResult<String> {
+        openai::answer(self, py, request)
+    }
+
     /// Applies `loras` in place of the current ones (empty: none); only the transformer reloads.
     fn set_loras(&self, py: Python<'_>, loras: Vec<LoraArg>) -> PyResult<()> {
         let specs: Vec<LoraSpec> = loras.into_iter().map(LoraArg::spec).collect();
@@ -555,6 +562,7 @@ fn _klein(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CancelledError", classes.cancelled.bind(py))?;
     m.add_class::<PyPipeline>()?;
     m.add_class::<PyGeneration>()?;
+    m.add_class::<openai::PyOpenAiRequest>()?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(random_seed, m)?)?;
     m.add_function(wrap_pyfunction!(tiny_model_dir, m)?)?;

@@ -16,7 +16,7 @@ const LAYERS: &[&[&str]] = &[
     &["runtime"],
     &["bundle"],
     &["pipeline"],
-    &["capi"],
+    &["capi", "api"],
 ];
 
 fn layer_of(module: &str) -> Option<usize> {

@@ -409,3 +409,99 @@ def test_app_builder_checks_its_settings(repo, tiny_bundle):
     kwargs = app._bound_deployment.init_kwargs
     assert (kwargs["cpu_cache"], kwargs["prompt_cache"]) == (str(Path("c").resolve()), str(Path("p").resolve()))
     assert kwargs["prompt_cache_max_mib"] is None and kwargs["cpu_cache_max_gib"] is None
+
+
+def _png_bytes(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return out.getvalue()
+
+
+#: Bodies of `POST /v1/images/generations`, good and bad, each sent to both front ends.
+SHARED_GENERATIONS = [
+    {"prompt": "a fox", "size": "64x64", "steps": 1, "seed": 5},
+    {"prompt": "a fox", "size": "64x48", "steps": 2, "seed": 6, "n": 2, "moderation": "low", "quality": "auto"},
+    {"prompt": "a fox", "size": "64x64", "steps": 1, "seed": 7, "output_format": "jpeg", "output_compression": 60},
+    {"prompt": "a fox", "size": "64x64", "steps": 1, "seed": 7, "output_format": "webp"},
+    {"prompt": "a fox", "size": "8000x64"},
+    {"prompt": "a fox", "size": "2304x2304"},
+    {"prompt": "a fox", "size": "big"},
+    {"prompt": "a fox", "n": 0},
+    {"prompt": "a fox", "n": -1},
+    {"prompt": "a fox", "n": 17},
+    {"prompt": "a fox", "steps": 0},
+    {"prompt": "a fox", "steps": "two"},
+    {"prompt": "a fox", "guidance": 200},
+    {"prompt": "a fox", "seed": 2**64},
+    {"prompt": "a fox", "response_format": "url"},
+    {"prompt": "a fox", "output_format": "gif"},
+    {"prompt": "a fox", "output_compression": 101},
+    {"prompt": "a fox", "colour": "red"},
+    {"size": "64x64"},
+    {"prompt": "a fox", "background": "transparent"},
+    {"prompt": "a fox", "style": "vivid"},
+    {"prompt": "a fox", "stream": True},
+    {"prompt": "a fox", "partial_images": 2},
+    {"prompt": "a fox", "moderation": "strict"},
+    {"prompt": "a fox", "quality": "hd"},
+    {"prompt": "x" * 70000},
+    {"prompt": "a fox", "size": "64x64", "steps": 1, "negative_prompt": "blurry"},  # a distilled model
+]
+
+
+def _edit_forms(reference: bytes) -> list[tuple[list, dict]]:
+    """Forms of `POST /v1/images/edits`, good and bad: (files, text fields)."""
+    image = ("image[]", ("ref.png", reference, "image/png"))
+    transparent = _png_bytes(Image.new("RGBA", (64, 64), (0, 0, 0, 0)))
+    mask = ("mask", ("m.png", transparent, "image/png"))
+    form = {"prompt": "a hat", "size": "64x64", "steps": "1", "seed": "3"}
+    return [
+        ([image], form),
+        ([image, mask], form | {"strength": "0.75"}),
+        ([image], form | {"input_fidelity": "high"}),
+        ([], form),
+        ([image, ("mask", ("m.png", b"x", "image/png"))], form),
+        ([image], form | {"strength": "1.5"}),
+        ([image], form | {"strength": "much"}),
+        ([image], form | {"n": "two"}),
+        ([image], form | {"colour": "red"}),
+        ([image], form | {"steps": "-1"}),
+        ([image], form | {"input_fidelity": "max"}),
+        ([("image[]", ("notes.png", b"these are not pixels", "image/png"))], form),
+        ([image] * 11, form),
+    ]
+
+
+def _answer(response: requests.Response) -> tuple:
+    """What a front end answered: the status and the body (errors whole; for images, the images
+    and every field but the time)."""
+    body = response.json()
+    body.pop("created", None)
+    return response.status_code, body
+
+
+def test_klein_serve_and_ray_answer_the_same_bodies_alike(serve_url, klein_bin, tiny_bundle, expected):
+    """One OpenAI schema (klein::api::openai): the same good and bad bodies sent to `klein serve`
+    and to the Ray deployment get the same status and body: the same images byte for byte, and
+    the same error type, param and message."""
+    from test_serve import Server
+
+    server = Server(klein_bin, tiny_bundle)
+    try:
+        for body in SHARED_GENERATIONS:
+            got = [
+                _answer(requests.post(f"{url}/v1/images/generations", json=body, timeout=HTTP_TIMEOUT))
+                for url in (server.url, serve_url)
+            ]
+            assert got[0] == got[1], (body, got)
+            assert got[0][0] in (200, 400), (body, got)
+        for files, data in _edit_forms(expected["ref.png"]):
+            # Text fields as parts too: multipart even without an image.
+            parts = files + [(name, (None, value)) for name, value in data.items()]
+            got = [
+                _answer(requests.post(f"{url}/v1/images/edits", files=parts, timeout=HTTP_TIMEOUT))
+                for url in (server.url, serve_url)
+            ]
+            assert got[0] == got[1], (data, [f[1][0] for f in files], got)
+    finally:
+        assert server.stop() == 0

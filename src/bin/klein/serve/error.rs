@@ -3,6 +3,8 @@
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use klein::api::{FieldError, Job};
+use klein::pipeline::SpecError;
 use klein::KleinError;
 
 /// What went wrong, for the body's `type` and the `klein_errors_total{kind}` metric.
@@ -121,6 +123,27 @@ impl ApiError {
                 "code": serde_json::Value::Null,
             }
         })
+    }
+}
+
+impl From<FieldError> for ApiError {
+    fn from(error: FieldError) -> Self {
+        ApiError {
+            param: error.param,
+            ..ApiError::new(ErrorKind::InvalidRequest, error.message)
+        }
+    }
+}
+
+/// A library error about `job` as the API answers it: the client's field (a 400), or the
+/// runtime's failure (a 500).
+pub(crate) fn job_error(job: &Job, error: SpecError) -> ApiError {
+    match job.error_of(&error) {
+        (param, Some(message)) => ApiError {
+            param,
+            ..ApiError::new(ErrorKind::InvalidRequest, message)
+        },
+        (param, None) => ApiError::from_klein(&error.error, param.as_deref()),
     }
 }
 

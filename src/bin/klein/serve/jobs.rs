@@ -10,105 +10,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
-use klein::pipeline::{ImageInput, Input, RequestSpec, Rule, SpecError};
-use klein::stages::output::ImageFormat;
+pub(crate) use klein::api::{Job as JobSpec, Output as JobOutput};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::error::{ApiError, ErrorKind};
 use super::metrics::Metrics;
 use super::sync::lock;
-
-/// An image a client sent as a reference: its name (upload file name, or `image-N`) and bytes.
-#[derive(Debug, Clone)]
-pub(crate) struct Upload {
-    pub(crate) label: String,
-    pub(crate) bytes: Vec<u8>,
-    /// The request's field it came in (`refs[0]`, `image`, `mask`): errors about it name it.
-    pub(crate) field: String,
-}
-
-/// One generation: the library's spec, and the request fields its values came in, so that an
-/// error names the client's field.
-#[derive(Debug, Clone)]
-pub(crate) struct JobSpec {
-    pub(crate) request: RequestSpec,
-    /// The field of each reference (`refs[0]`, `image`), in order.
-    pub(crate) reference_fields: Vec<String>,
-    /// The field that sets `width` and `height`: `size` (OpenAI), or `None` where each is its own.
-    pub(crate) size_field: Option<&'static str>,
-    /// The field of the image count (`n`, `num_images`) and of the references (`image`, `refs`).
-    pub(crate) count_field: &'static str,
-    pub(crate) references_field: &'static str,
-    pub(crate) format: ImageFormat,
-}
-
-impl JobSpec {
-    pub(crate) fn new(
-        request: RequestSpec,
-        (count_field, references_field): (&'static str, &'static str),
-        size_field: Option<&'static str>,
-        format: ImageFormat,
-    ) -> Self {
-        JobSpec {
-            request,
-            reference_fields: Vec::new(),
-            size_field,
-            count_field,
-            references_field,
-            format,
-        }
-    }
-
-    pub(crate) fn add_reference(&mut self, upload: Upload) {
-        self.reference_fields.push(upload.field);
-        (self.request.references).push(ImageInput::encoded(upload.bytes, upload.label));
-    }
-
-    /// The request's field an error of the library is about ([`klein::KleinError::param`],
-    /// [`SpecError::input`]).
-    pub(crate) fn field_of(&self, error: &SpecError) -> Option<String> {
-        match error.input {
-            Some(Input::Reference(i)) => self.reference_fields.get(i).cloned(),
-            Some(Input::Source) => Some("image".into()),
-            Some(Input::Mask) => Some("mask".into()),
-            None => match error.error.param()? {
-                named @ ("width" | "height") => Some(self.size_field.unwrap_or(named).into()),
-                "num_images" => Some(self.count_field.into()),
-                "references" => Some(self.references_field.into()),
-                other => Some(other.into()),
-            },
-        }
-    }
-
-    /// A library error as the API answers it, naming the client's field.
-    pub(crate) fn api_error(&self, error: SpecError) -> ApiError {
-        if error.rule == Some(Rule::NeedsSource) {
-            return ApiError::field(
-                "image",
-                "mask, strength and padding_mask_crop need a source image (the image field)",
-            );
-        }
-        ApiError::from_klein(&error.error, self.field_of(&error).as_deref())
-    }
-}
-
-/// A finished generation: the encoded images and what they were made with.
-#[derive(Debug, Clone)]
-pub(crate) struct JobOutput {
-    pub(crate) images: Vec<Vec<u8>>,
-    pub(crate) seed: u64,
-    pub(crate) width: u32,
-    pub(crate) height: u32,
-    pub(crate) steps: usize,
-    pub(crate) guidance: f64,
-    pub(crate) prompt_truncated: bool,
-    /// The text stored in the images (PNG text chunks, the JPEG comment).
-    pub(crate) metadata: Vec<(String, String)>,
-    /// Seconds per stage, in the order they ran.
-    pub(crate) timings: Vec<(&'static str, f64)>,
-    /// What the request asked for that changed nothing, or a problem that did not stop it.
-    pub(crate) warnings: Vec<String>,
-}
 
 /// What a job reports, in order: `Started`, stages and steps, then `Done`.
 #[derive(Debug)]
@@ -378,6 +285,9 @@ impl Drop for JobHandle {
 #[allow(clippy::unwrap_used)] // tests may unwrap: a failure is a test failure
 mod tests {
     use super::*;
+
+    use klein::pipeline::RequestSpec;
+    use klein::stages::output::ImageFormat;
 
     fn spec() -> JobSpec {
         let mut request = RequestSpec::new("a fox");

@@ -26,17 +26,17 @@ use crate::args::{check_device_flags, default_model, pipeline_options, ServeArgs
 use crate::UsageError;
 use error::{ApiError, ErrorKind};
 use jobs::{JobOutput, JobSpec, Queue, Submitted};
+use loras::LoraCatalog;
 use metrics::{Gauges, Metrics};
-use params::LoraCatalog;
 use worker::Shared;
 
 mod error;
 mod jobs;
 mod listen;
+mod loras;
 mod metrics;
 mod native;
 mod openai;
-mod params;
 mod sync;
 mod worker;
 
@@ -57,8 +57,6 @@ pub(crate) struct AppState {
     manifest: klein::bundle::Manifest,
     /// When the server started (Unix seconds): the model object's `created`.
     started: u64,
-    /// A distilled model: no guidance, so no negative prompt.
-    distilled: bool,
     /// Set by SIGTERM / Ctrl-C: no new work, readiness fails.
     draining: AtomicBool,
 }
@@ -91,7 +89,6 @@ pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .collect::<klein::Result<Vec<_>>>()?;
     loras.check_against(&pipelines[0])?;
     let model_name = pipelines[0].manifest().model.name.clone();
-    let distilled = pipelines[0].manifest().model.is_distilled;
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -127,7 +124,6 @@ pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
             model_name,
             manifest: pipelines[0].manifest().clone(),
             started: unix_seconds(),
-            distilled,
             draining: AtomicBool::new(false),
         });
         let threads: Vec<_> = pipelines
@@ -510,150 +506,20 @@ fn too_large() -> ApiError {
     )
 }
 
-/// A JSON body; errors name the field (`steps: invalid type...`).
+/// A JSON object body ([`klein::api::parse_json`]: errors name the field).
 fn parse_json<T: DeserializeOwned>(
     body: Result<axum::body::Bytes, BytesRejection>,
 ) -> Result<T, ApiError> {
     let bytes = body.map_err(|rejection| {
-        let kind = if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ErrorKind::TooLarge
-        } else {
-            ErrorKind::InvalidRequest
-        };
-        if kind == ErrorKind::TooLarge {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
             return too_large();
         }
-        ApiError::new(kind, format!("request body: {}", rejection.body_text()))
-    })?;
-    // serde would also read a struct from an array of its fields in order.
-    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-        return Err(ApiError::new(
-            ErrorKind::InvalidRequest,
-            "the body must be a JSON object ({\"prompt\": ...})",
-        ));
-    }
-    let mut deserializer = serde_json::Deserializer::from_slice(&bytes);
-    let value = serde_path_to_error::deserialize(&mut deserializer).map_err(field_error)?;
-    // Whitespace only after the object: a second object (`{..}{"n": 99}`) is not ignored.
-    deserializer.end().map_err(|error| {
         ApiError::new(
             ErrorKind::InvalidRequest,
-            format!("the body is not valid JSON: {error} after the object"),
+            format!("request body: {}", rejection.body_text()),
         )
     })?;
-    Ok(value)
-}
-
-/// [`parse_json`] for a body already made into a JSON value (the edits form).
-fn parse_value<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, ApiError> {
-    serde_path_to_error::deserialize(value).map_err(field_error)
-}
-
-fn field_error(error: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
-    let path = error.path().to_string();
-    let inner = error.into_inner();
-    if inner.is_syntax() || inner.is_eof() || inner.is_io() {
-        // A field's value JSON cannot hold (`1e309`) is named by its field.
-        let field = (inner.is_syntax() && path != "." && path != "?").then_some(path);
-        return ApiError {
-            param: field,
-            ..ApiError::new(
-                ErrorKind::InvalidRequest,
-                format!("the body is not valid JSON: {inner}"),
-            )
-        };
-    }
-    let message = client_message(&inner.to_string());
-    // Missing and unknown fields are errors of the object; the message names the field.
-    let param = if path == "." || path == "?" {
-        message.split('`').nth(1).map(str::to_string)
-    } else {
-        Some(path.clone())
-    };
-    let mut text = if param.as_deref() == Some(path.as_str()) {
-        format!("{path}: {message}")
-    } else {
-        message
-    };
-    if let Some(valid) = param.as_deref().and_then(valid_numbers) {
-        text = format!("{text} ({valid})");
-    }
-    ApiError {
-        param,
-        ..ApiError::new(ErrorKind::InvalidRequest, text)
-    }
-}
-
-/// The values a numeric field takes, as a client should read them (the bounds are the CLI's).
-pub(crate) fn valid_numbers(field: &str) -> Option<String> {
-    use klein::limits::{MAX_BATCH, MAX_GUIDANCE, MAX_SIDE, MAX_STEPS, MIN_SIDE};
-    Some(match field {
-        "width" | "height" => format!("{MIN_SIDE} to {MAX_SIDE} pixels"),
-        "steps" => format!("a whole number, 1 to {MAX_STEPS}"),
-        "n" | "num_images" => format!("a whole number, 1 to {MAX_BATCH}"),
-        "seed" => format!("a whole number, 0 to {}", u64::MAX),
-        "guidance" => format!("a number, 0 to {MAX_GUIDANCE}"),
-        "strength" => "a number above 0, at most 1".to_string(),
-        "padding_mask_crop" => format!("a whole number of pixels, 0 to {MAX_SIDE}"),
-        "output_compression" | "quality" => "a whole number, 1 to 100".to_string(),
-        "preview_every" => "a whole number of steps, 1 or more".to_string(),
-        "partial_images" => {
-            "0 (partial images come with stream, which OpenAI's routes do not do here)".to_string()
-        }
-        _ => return None,
-    })
-}
-
-/// A deserialisation message as a client should read it: the server's type names (`struct
-/// RefBody`, `u64`) as what they are in JSON, a quoted string shortened ([`shorten_quoted`]), and
-/// without serde's position (`at line 1 column 35`: the field is named instead).
-fn client_message(message: &str) -> String {
-    let message = match message.rsplit_once(" at line ") {
-        Some((text, position))
-            if position
-                .split(" column ")
-                .all(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())) =>
-        {
-            text
-        }
-        _ => message,
-    };
-    let mut shortened = shorten_quoted(message);
-    for (rust, json) in [
-        ("expected u64", "expected a whole number of 0 or more"),
-        ("expected u32", "expected a whole number of 0 or more"),
-        ("expected u16", "expected a whole number of 0 or more"),
-        ("expected f64", "expected a number"),
-        ("expected f32", "expected a number"),
-    ] {
-        shortened = shortened.replace(rust, json);
-    }
-    let mut out = String::with_capacity(shortened.len());
-    let mut rest = shortened.as_str();
-    while let Some(at) = rest.find("struct ") {
-        out.push_str(&rest[..at]);
-        out.push_str("a JSON object");
-        rest = rest[at + "struct ".len()..]
-            .trim_start_matches(|c: char| c.is_alphanumeric() || c == '_');
-    }
-    out.push_str(rest);
-    out
-}
-
-/// `message` with the string that serde quotes in `invalid type: string "...", expected ...` (a
-/// base64 image given where an object belongs, megabytes long) cut to its first characters.
-fn shorten_quoted(message: &str) -> String {
-    const QUOTED_CHARS: usize = 40;
-    const OPEN: &str = "string \"";
-    let (Some(open), Some(close)) = (message.find(OPEN), message.rfind("\", expected")) else {
-        return message.to_string();
-    };
-    let start = open + OPEN.len();
-    let quoted = message.get(start..close).unwrap_or_default();
-    match quoted.char_indices().nth(QUOTED_CHARS) {
-        Some((cut, _)) => format!("{}...{}", &message[..start + cut], &message[close..]),
-        None => message.to_string(),
-    }
+    Ok(klein::api::parse_json(&bytes)?)
 }
 
 /// The client's `X-Request-Id` (1-128 of `A-Z a-z 0-9 . _ -`, not `klein-...`), the id

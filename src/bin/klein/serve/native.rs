@@ -19,10 +19,9 @@ use klein::stages::output::ImageFormat;
 use serde::Deserialize;
 
 use super::error::{ApiError, ErrorKind};
-use super::jobs::{JobEvent, JobHandle, JobOutput, JobSpec, Upload};
-use super::openai::check_negative_prompt;
-use super::params::{at_most, format_name, image_format, whole, NATIVE_FORMAT_FIELDS};
+use super::jobs::{JobEvent, JobHandle, JobOutput, JobSpec};
 use super::{parse_json, request_id, run_to_end, timed_out, AppState};
+use klein::api::{at_most, format_name, image_format, whole, Upload, NATIVE_FORMAT_FIELDS};
 
 /// The body of the native routes: `klein generate`'s options.
 #[derive(Debug, Deserialize)]
@@ -79,7 +78,7 @@ fn spec_from(state: &AppState, body: NativeBody) -> Result<(JobSpec, ImageFormat
     request.height = body.height;
     request.steps = body.steps.map(whole);
     request.guidance = body.guidance;
-    request.negative_prompt = check_negative_prompt(state, body.negative_prompt)?;
+    request.negative_prompt = body.negative_prompt;
     request.seed = body.seed;
     request.num_images = body.num_images.map_or(1, whole);
     request.strength = body.strength;
@@ -100,7 +99,7 @@ fn spec_from(state: &AppState, body: NativeBody) -> Result<(JobSpec, ImageFormat
         }
     }
     // Every number, rule and image header, before the job is queued.
-    spec.request.check().map_err(|e| spec.api_error(e))?;
+    spec.check()?;
     Ok((spec, format))
 }
 

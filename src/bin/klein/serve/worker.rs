@@ -7,10 +7,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use klein::pipeline::{ImageInput, LoraSpec, Pipeline, Progress};
+use klein::pipeline::{LoraSpec, Pipeline, Progress};
 use klein::stages::output::{encode_image, ImageFormat};
 
-use super::error::{ApiError, ErrorKind};
+use super::error::{job_error, ApiError, ErrorKind};
 use super::jobs::{cancelled, Job, JobEvent, JobOutput, Queue};
 use super::metrics::Metrics;
 
@@ -100,11 +100,11 @@ fn run_job(
     })?;
     let request = pipeline
         .prepare(&spec.request)
-        .map_err(|e| spec.api_error(e))?;
+        .map_err(|e| job_error(spec, e))?;
     // The size is known once the references are: `auto` takes the first one's.
     let (width, height) = pipeline
         .output_size(&request)
-        .map_err(|e| spec.api_error(e.into()))?;
+        .map_err(|e| job_error(spec, e.into()))?;
     check_pixels(width, height, request.num_images, max_pixels)?;
     let mut on_progress = |event: Progress| {
         let event = match event {
@@ -137,57 +137,15 @@ fn run_job(
             klein::KleinError::Cancelled => cancelled(),
             // A LoRA refused when merged: named as the client named it, never by its path.
             klein::KleinError::Lora { .. } => lora_error(&e, loras),
-            e => spec.api_error(e.into()),
+            e => job_error(spec, e.into()),
         })?;
-    let label = |image: &ImageInput| image.label().to_string_lossy().into_owned();
-    let labels: Vec<String> = spec.request.references.iter().map(label).collect();
-    let mut metadata =
-        pipeline.image_metadata(&generation, &spec.request.prompt, &labels, bundle_hash);
     // The LoRAs by the names clients give, not the server's paths.
-    if let Some((_, value)) = metadata.iter_mut().find(|(key, _)| key == "loras") {
-        let names: Vec<String> = loras
-            .iter()
-            .map(|l| format!("{}:{}", lora_name(l.path()), l.scale()))
-            .collect();
-        *value = serde_json::Value::from(names).to_string();
-    }
-    let mut warnings = pipeline.take_warnings();
-    if generation.prompt_truncated {
-        warnings.push(format!(
-            "the prompt is longer than {} tokens and was truncated, as the reference pipeline does",
-            pipeline.manifest().tokenizer.max_sequence_length
-        ));
-    }
-    for (key, image) in [
-        ("image", &spec.request.source),
-        ("mask_image", &spec.request.mask),
-    ] {
-        if let Some(image) = image {
-            metadata.push((key.into(), label(image)));
-        }
-    }
-    let images = generation
-        .images
+    let names = loras
         .iter()
-        .map(|image| encode_image(image, spec.format, &metadata))
-        .collect::<klein::Result<Vec<_>>>()
-        .map_err(|e| ApiError::from_klein(&e, None))?;
-    Ok(JobOutput {
-        images,
-        seed: generation.seed,
-        width: generation.width,
-        height: generation.height,
-        steps: generation.steps,
-        guidance: generation.guidance,
-        prompt_truncated: generation.prompt_truncated,
-        metadata,
-        timings: generation
-            .timings
-            .iter()
-            .map(|(stage, d)| (stage.label(), d.as_secs_f64()))
-            .collect(),
-        warnings,
-    })
+        .map(|l| format!("{}:{}", lora_name(l.path()), l.scale()))
+        .collect();
+    spec.output(pipeline, &generation, bundle_hash, Some(names))
+        .map_err(|e| ApiError::from_klein(&e, None))
 }
 
 /// `--max-pixels`: `num_images` images of `width` x `height` at most `max_pixels` in all.
