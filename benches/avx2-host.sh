@@ -7,7 +7,7 @@
 # - with `cpuid_fault` in /proc/cpuinfo: every `cpuid` instruction of the command and its children
 #   is answered masked (torch, ONNX Runtime, klein, everything);
 # - without it (or with AVX2_HOST_MODE=patched): copies made here of ONNX Runtime's library
-#   (ORT_DYLIB_PATH, else .ort/), of the .venv's onnxruntime and klein (bindings) Python packages
+#   (ORT_DYLIB_PATH, else .ort/), of the .venv's onnxruntime and klein_runtime (bindings) Python packages
 #   and of target/release/klein (each where it exists) have their `cpuid` instructions turned into `ud2`
 #   (benches/avx2_patch.py) and are answered masked; ORT_DYLIB_PATH, PYTHONPATH and
 #   KLEIN_AVX2_HOST_BIN point at them (compare.py runs that klein; any other program of ours must be
@@ -46,13 +46,13 @@ if [ "${AVX2_HOST_MODE:-}" = patched ] || ! grep -qw cpuid_fault /proc/cpuinfo; 
             patched "$so" "$out/python/onnxruntime/capi/$(basename "$so")"
         done
     fi
-    # The Python bindings (klein._klein, installed by scripts/test.sh): their runtime reads CPUID too.
-    bindings=$(ls -d "$root"/.venv/lib/python3*/site-packages/klein 2>/dev/null | head -n 1)
+    # The Python bindings (klein_runtime._klein, installed by scripts/test.sh): their runtime reads CPUID too.
+    bindings=$(ls -d "$root"/.venv/lib/python3*/site-packages/klein_runtime 2>/dev/null | head -n 1)
     if [ -n "$bindings" ] && ls "$bindings"/_klein*.so >/dev/null 2>&1; then
         mkdir -p "$out/python"
-        tar -C "$(dirname "$bindings")" --exclude '_klein*.so' -cf - klein | tar -C "$out/python" -xf -
+        tar -C "$(dirname "$bindings")" --exclude '_klein*.so' -cf - klein_runtime | tar -C "$out/python" -xf -
         for so in "$bindings"/_klein*.so; do
-            patched "$so" "$out/python/klein/$(basename "$so")"
+            patched "$so" "$out/python/klein_runtime/$(basename "$so")"
         done
     fi
     [ ! -d "$out/python" ] || export PYTHONPATH="$out/python${PYTHONPATH:+:$PYTHONPATH}"

@@ -10,11 +10,9 @@ export KLEIN_ORT_DYLIB
 source scripts/python-env.sh
 # The build first: the C API test links the example against the cdylib this produces.
 cargo build --release
-# The Python bindings (python/): this build's wheel, installed into .venv for tests/python.
-wheel_dir=target/wheels/test
-rm -rf "$wheel_dir"
-maturin build --release -m python/Cargo.toml -o "$wheel_dir" --quiet
-python -m pip install --quiet --force-reinstall --no-deps "$wheel_dir"/klein-*.whl
+# The Python bindings (python/, the distribution klein-runtime): built and installed into .venv for
+# tests/python with plain pip, as users install it (pip runs maturin; the build reuses target/).
+python -m pip install --quiet --force-reinstall --no-deps ./python
 cargo test --release
 # Lints: clippy (the lints lib.rs sets, and clippy's defaults) on every target of the workspace
 # (the library, the CLI, the Python bindings, tests, benches, examples), and rustfmt.

@@ -36,7 +36,7 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
-import klein
+import klein_runtime as klein
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from ray import serve

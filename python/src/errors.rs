@@ -20,7 +20,7 @@ pub(crate) struct Exceptions {
 
 pub(crate) static EXCEPTIONS: PyOnceLock<Exceptions> = PyOnceLock::new();
 
-/// Creates `name` (in module `klein`) with `bases`; several bases need `type()` itself, which
+/// Creates `name` (in module `klein_runtime`) with `bases`; several bases need `type()` itself, which
 /// `create_exception!` does not offer.
 pub(crate) fn exception_type<'py>(
     py: Python<'py>,
@@ -29,7 +29,7 @@ pub(crate) fn exception_type<'py>(
     doc: &str,
 ) -> PyResult<Py<PyType>> {
     let namespace = PyDict::new(py);
-    namespace.set_item("__module__", "klein")?;
+    namespace.set_item("__module__", "klein_runtime")?;
     namespace.set_item("__doc__", doc)?;
     // The argument at fault, where the error is one input's (set on the instance); else None.
     namespace.set_item("param", py.None())?;

@@ -1,4 +1,5 @@
-//! `klein._klein`: the native half of the `klein` Python package (python/klein/ is the other).
+//! `klein_runtime._klein`: the native half of the `klein_runtime` Python package
+//! (python/klein_runtime/ is the other).
 //!
 //! A thin layer over [`klein::pipeline::Pipeline`]: the Python side turns PIL images, generators
 //! and output types into the plain values taken here (paths, PNG bytes, integers) and back. Every
@@ -68,7 +69,7 @@ struct ModelInfo {
 }
 
 /// A loaded klein bundle. Calls from several threads take turns; each runs without the GIL.
-#[pyclass(module = "klein._klein", name = "Pipeline", frozen)]
+#[pyclass(module = "klein_runtime._klein", name = "Pipeline", frozen)]
 struct PyPipeline {
     pipeline: Mutex<Pipeline>,
     model: ModelInfo,
@@ -93,7 +94,7 @@ struct Made {
 }
 
 /// The result of `Pipeline.generate`.
-#[pyclass(module = "klein._klein", name = "Generation", frozen)]
+#[pyclass(module = "klein_runtime._klein", name = "Generation", frozen)]
 struct PyGeneration {
     images: Vec<Py<PyBytes>>,
     png: Option<Vec<Py<PyBytes>>>,

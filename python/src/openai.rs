@@ -10,7 +10,7 @@ use crate::errors::{named, to_py_err};
 use crate::{lock, PyPipeline};
 
 /// A checked request of `POST /v1/images/generations` or `POST /v1/images/edits`.
-#[pyclass(name = "OpenAiRequest", module = "klein", frozen)]
+#[pyclass(name = "OpenAiRequest", module = "klein_runtime", frozen)]
 pub(crate) struct PyOpenAiRequest {
     inner: OpenAiRequest,
 }

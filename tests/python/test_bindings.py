@@ -14,7 +14,7 @@ import time
 import warnings
 from pathlib import Path
 
-import klein
+import klein_runtime as klein
 import numpy as np
 import pytest
 from PIL import Image
@@ -281,7 +281,8 @@ def test_ctrl_c_cancels(tiny_bundle):
     ignored, and Python then leaves it ignored (a terminal user has the handler)."""
     script = textwrap.dedent(
         f"""
-        import _thread, signal, threading, klein
+        import _thread, signal, threading
+        import klein_runtime as klein
         signal.signal(signal.SIGINT, signal.default_int_handler)
         pipe = klein.Pipeline({str(tiny_bundle)!r})
         seen = []

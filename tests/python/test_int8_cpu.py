@@ -36,7 +36,7 @@ def int8_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def test_every_front_end_gives_the_export_tools_int8_image(int8_bundle: Path, klein_bin: Path, tmp_path: Path):
-    import klein
+    import klein_runtime as klein
 
     from klein_export.int8_kernels import int8_products_saturate
     from klein_export.ort_pipeline import bundle_image

@@ -1,4 +1,4 @@
-"""Type stubs of klein._klein, the native module (python/src/lib.rs). Use the ``klein`` package:
+"""Type stubs of klein_runtime._klein, the native module (python/src/lib.rs). Use the ``klein_runtime`` package:
 its ``Pipeline`` takes PIL images, generators and output types and calls this one."""
 
 import os

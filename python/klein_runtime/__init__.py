@@ -1,6 +1,7 @@
-"""klein: the FLUX.2-klein image models on ONNX Runtime, from Python.
+"""klein_runtime: the FLUX.2-klein image models on ONNX Runtime, from Python (``pip install
+klein-runtime``; the name ``klein`` is another project's on PyPI).
 
-    import klein
+    import klein_runtime as klein
 
     pipe = klein.Pipeline("bundles/klein-4b")  # default: $KLEIN_MODEL, else the bundled tiny model
     out = pipe(prompt="a red fox in the snow", width=512, height=512, generator=7)
