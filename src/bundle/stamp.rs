@@ -175,20 +175,7 @@ struct StampedFile {
     sha256: String,
 }
 
-/// Where klein keeps its caches (verification stamps): `$KLEIN_CACHE_DIR`, else
-/// `$XDG_CACHE_HOME/klein`, else `$HOME/.cache/klein`, else `%LOCALAPPDATA%\klein`; `None` when
-/// none of these variables is set.
-pub fn default_cache_dir() -> Option<PathBuf> {
-    let var = |name: &str| {
-        std::env::var_os(name)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    var("KLEIN_CACHE_DIR")
-        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("klein")))
-        .or_else(|| var("HOME").map(|d| d.join(".cache").join("klein")))
-        .or_else(|| var("LOCALAPPDATA").map(|d| d.join("klein")))
-}
+pub use crate::fsutil::default_cache_dir;
 
 /// `<cache_dir>/verified/<sha256 of the canonical bundle path and of manifest.json>.json`, or
 /// `None` when the bundle's path or manifest cannot be read.

@@ -1,8 +1,9 @@
 //! File-system helpers shared by the bundle checks, the caches and the outputs: atomic writes
 //! (`atomic`), working directories (`work_dir`) and streamed SHA-256.
+use std::ffi::OsString;
 use std::fs::File;
 use std::io::Read;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
@@ -11,6 +12,7 @@ use crate::error::{KleinError, Result};
 mod atomic;
 mod evict;
 mod work_dir;
+
 pub use atomic::{
     check_writable, replaced_file, write_all_atomic, write_atomic, MAX_FILE_NAME_BYTES,
 };
@@ -96,6 +98,22 @@ pub fn sha256_file(path: &Path) -> Result<String> {
         hasher.update(&buffer[..n]);
     }
     Ok(hex(&hasher.finalize()))
+}
+
+/// Where klein keeps its caches (verification stamps, the ONNX Runtime library `klein setup`
+/// installs): `$KLEIN_CACHE_DIR`, else `$XDG_CACHE_HOME/klein`, else `$HOME/.cache/klein`, else
+/// `%LOCALAPPDATA%\klein`; `None` when none of these variables is set.
+pub fn default_cache_dir() -> Option<PathBuf> {
+    cache_dir_from(&|name| std::env::var_os(name))
+}
+
+/// [`default_cache_dir`] of the environment variables `env` gives.
+pub fn cache_dir_from(env: &dyn Fn(&str) -> Option<OsString>) -> Option<PathBuf> {
+    let var = |name: &str| env(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    var("KLEIN_CACHE_DIR")
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("klein")))
+        .or_else(|| var("HOME").map(|d| d.join(".cache").join("klein")))
+        .or_else(|| var("LOCALAPPDATA").map(|d| d.join("klein")))
 }
 
 #[cfg(test)]

@@ -13,13 +13,10 @@ use crate::error::{KleinError, Result};
 /// Environment variable naming the ONNX Runtime library (the name `ort` itself uses).
 pub const ORT_DYLIB_ENV: &str = "ORT_DYLIB_PATH";
 
-/// Library path baked in at build time (`KLEIN_ORT_DYLIB=... cargo build`).
-const BUILD_TIME_LIBRARY: Option<&str> = option_env!("KLEIN_ORT_DYLIB");
-
 /// What to tell a user who has no usable library.
-const HOW_TO_PROVIDE: &str = "Provide ONNX Runtime 1.31 or newer: set ORT_DYLIB_PATH to its shared library \
-     (libonnxruntime.so.1.31.1 from the `onnxruntime` Python wheel works), or run scripts/setup-ort.sh in the \
-     klein repository: it installs the library into .ort/, where a klein built in that repository finds it";
+pub(super) const HOW_TO_PROVIDE: &str = "Provide ONNX Runtime 1.31 or newer: run `klein setup` (it installs the \
+     official library into klein's cache), or `pip install onnxruntime==1.31.1` (klein finds the package's \
+     library), or set ORT_DYLIB_PATH to its shared library";
 
 /// Receives ONNX Runtime's own log messages of level warning and above.
 pub type LogSink = Arc<dyn Fn(LogLevel, &str) + Send + Sync>;
@@ -83,6 +80,12 @@ pub enum LibrarySource {
     NextToExecutable,
     /// `<executable dir>/../../.ort/`, filled by `scripts/setup-ort.sh`.
     RepoOrtDir,
+    /// `<cache dir>/ort/`, filled by `klein setup`.
+    Setup,
+    /// The `onnxruntime` Python package of the active environment, or of `python3`.
+    PythonPackage,
+    /// A folder of the system's library path.
+    System,
 }
 
 impl fmt::Display for LibrarySource {
@@ -93,6 +96,9 @@ impl fmt::Display for LibrarySource {
             LibrarySource::BuildTime => "baked in at build time from KLEIN_ORT_DYLIB",
             LibrarySource::NextToExecutable => "found next to the executable",
             LibrarySource::RepoOrtDir => "found in the repository's .ort/ folder",
+            LibrarySource::Setup => "installed by `klein setup` in klein's cache",
+            LibrarySource::PythonPackage => "from the installed onnxruntime Python package",
+            LibrarySource::System => "found in the system's library path",
         })
     }
 }
@@ -153,7 +159,7 @@ pub fn init(options: RuntimeOptions) -> Result<&'static RuntimeInfo> {
         return Ok(&runtime.info);
     }
 
-    let (path, source) = locate_library(library.as_deref())?;
+    let (path, source) = super::locate::locate_library(library.as_deref())?;
     // Absolute, so that `ort` and `library_version` open this file (`ort` would try a relative
     // path beside the executable first).
     let path = std::path::absolute(&path).unwrap_or(path);
@@ -245,86 +251,6 @@ fn library_version(path: &Path) -> std::result::Result<Option<OrtVersion>, Strin
             .into_owned()
     };
     Ok(OrtVersion::parse_leading(&text))
-}
-
-/// Finds the ONNX Runtime library without loading it (the search order is in the module docs).
-pub fn locate_library(explicit: Option<&Path>) -> Result<(PathBuf, LibrarySource)> {
-    if let Some(path) = explicit {
-        return existing(path, LibrarySource::Explicit, "given explicitly");
-    }
-    if let Some(value) = std::env::var_os(ORT_DYLIB_ENV).filter(|v| !v.is_empty()) {
-        return existing(
-            Path::new(&value),
-            LibrarySource::EnvVar,
-            "the value of ORT_DYLIB_PATH",
-        );
-    }
-    let mut looked = Vec::new();
-    if let Some(baked) = BUILD_TIME_LIBRARY.filter(|s| !s.is_empty()) {
-        let baked = Path::new(baked);
-        if baked.is_file() {
-            return Ok((baked.to_path_buf(), LibrarySource::BuildTime));
-        }
-        looked.push(format!(
-            "{} (baked in at build time, now missing)",
-            baked.display()
-        ));
-    }
-    match std::env::current_exe() {
-        Ok(exe) => {
-            let exe_dir = exe.parent().unwrap_or(Path::new("."));
-            if let Some(found) = library_in_dir(exe_dir) {
-                return Ok((found, LibrarySource::NextToExecutable));
-            }
-            looked.push(exe_dir.display().to_string());
-            if let Some(repo) = exe_dir.ancestors().nth(2) {
-                let ort_dir = repo.join(".ort");
-                if let Some(found) = library_in_dir(&ort_dir) {
-                    return Ok((found, LibrarySource::RepoOrtDir));
-                }
-                looked.push(ort_dir.display().to_string());
-            }
-        }
-        Err(e) => looked.push(format!("(the executable's folder: unknown, {e})")),
-    }
-    Err(KleinError::RuntimeLibrary(format!(
-        "no ONNX Runtime library found; ORT_DYLIB_PATH is not set and none was in: {}. {HOW_TO_PROVIDE}",
-        looked.join(", ")
-    )))
-}
-
-fn existing(path: &Path, source: LibrarySource, what: &str) -> Result<(PathBuf, LibrarySource)> {
-    if path.is_file() {
-        Ok((path.to_path_buf(), source))
-    } else {
-        Err(KleinError::RuntimeLibrary(format!(
-            "{} ({what}) does not exist. {HOW_TO_PROVIDE}",
-            path.display()
-        )))
-    }
-}
-
-/// The ONNX Runtime main library in `dir` (not its provider plug-ins): the unversioned name if
-/// present, else the highest versioned one (`libonnxruntime.so.1.31.1`, as the wheel ships it).
-fn library_in_dir(dir: &Path) -> Option<PathBuf> {
-    let (unversioned, prefix, suffix) = if cfg!(target_os = "windows") {
-        ("onnxruntime.dll", "onnxruntime.dll", "")
-    } else if cfg!(target_os = "macos") {
-        ("libonnxruntime.dylib", "libonnxruntime.", ".dylib")
-    } else {
-        ("libonnxruntime.so", "libonnxruntime.so.", "")
-    };
-    let names: Vec<String> = std::fs::read_dir(dir)
-        .ok()?
-        .filter_map(|entry| entry.ok())
-        .filter(|entry| entry.path().is_file())
-        .filter_map(|entry| entry.file_name().into_string().ok())
-        .filter(|name| name == unversioned || (name.starts_with(prefix) && name.ends_with(suffix)))
-        .collect();
-    if names.iter().any(|name| name == unversioned) {
-        return Some(dir.join(unversioned));
-    }
-    names.into_iter().max().map(|name| dir.join(name))
 }
 
 fn same_file(a: &Path, b: &Path) -> bool {

@@ -18,7 +18,13 @@
 //!    of `scripts/setup-ort.sh`); skipped when that file no longer exists;
 //! 4. `libonnxruntime.so*` / `libonnxruntime*.dylib` / `onnxruntime.dll` next to the executable;
 //! 5. the same in `<executable dir>/../../.ort/` (`target/debug/klein` -> `<repo>/.ort/`, the
-//!    folder `scripts/setup-ort.sh` fills).
+//!    folder `scripts/setup-ort.sh` fills);
+//! 6. the same in `<cache dir>/ort/`, which `klein setup` fills
+//!    ([`crate::fsutil::default_cache_dir`]);
+//! 7. the `onnxruntime` Python package's `capi/` folder: of the active environment
+//!    (`$VIRTUAL_ENV`, `$CONDA_PREFIX`), else of `python3`;
+//! 8. the system's library folders (`LD_LIBRARY_PATH` / `DYLD_LIBRARY_PATH`, `/usr/local/lib`,
+//!    `/usr/lib`...).
 //!
 //! A path given by 1 or 2 that does not exist is an error, not a reason to look further. The
 //! library is loaded once per process; [`RuntimeInfo`] says which file was used, why, and its
@@ -42,6 +48,7 @@ mod device;
 mod graph;
 mod heap;
 mod library;
+mod locate;
 pub mod onnx_proto;
 mod prefetch;
 mod tensor;
@@ -57,9 +64,10 @@ pub use heap::{
     give_back_freed_memory, retain_freed_memory, start_tunables, GivenBack, GLIBC_TUNABLES,
 };
 pub use library::{
-    init, locate_library, runtime_info, LibrarySource, LogLevel, LogSink, RuntimeInfo,
-    RuntimeOptions, ORT_DYLIB_ENV,
+    init, runtime_info, LibrarySource, LogLevel, LogSink, RuntimeInfo, RuntimeOptions,
+    ORT_DYLIB_ENV,
 };
+pub use locate::{library_in_dir, locate_library, SETUP_DIR};
 pub use prefetch::{fits_in_memory, prefetch, prefetch_in_turn};
 pub use tensor::{
     tensor_names, Dtype, Initializer, InitializerData, Outputs, TensorInfo, TensorInput,

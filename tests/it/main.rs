@@ -25,6 +25,7 @@ mod previews;
 mod prompt_cache;
 mod runtime;
 mod sessions;
+mod setup;
 mod spec;
 mod threads;
 mod tokenize;

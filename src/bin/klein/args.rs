@@ -29,6 +29,16 @@ pub(crate) enum Command {
     Info(InfoArgs),
     /// Serve the model over HTTP: the OpenAI images API and klein's own routes.
     Serve(Box<ServeArgs>),
+    /// Install the official ONNX Runtime library into klein's cache, where klein finds it (for a klein installed with cargo install)
+    Setup(SetupArgs),
+}
+
+/// `klein setup`.
+#[derive(Args)]
+pub(crate) struct SetupArgs {
+    /// Install it again, even when it is there
+    #[arg(long)]
+    pub(crate) force: bool,
 }
 
 /// `klein serve`: one pipeline per device, a bounded queue in front of them.

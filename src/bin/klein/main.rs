@@ -16,6 +16,7 @@ mod jsonl;
 mod outputs;
 mod report;
 mod serve;
+mod setup;
 
 use args::{check_device_flags, Cli, Command, GenerateArgs};
 
@@ -36,6 +37,7 @@ fn main() -> ExitCode {
         }
         // The server handles SIGTERM and Ctrl-C itself: it finishes accepted requests first.
         Command::Serve(args) => serve::serve(*args).map(|()| ExitCode::SUCCESS),
+        Command::Setup(args) => setup::setup(args).map(|()| ExitCode::SUCCESS),
     };
     match result {
         Ok(code) => code,
