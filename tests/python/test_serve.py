@@ -766,16 +766,38 @@ def test_loras_by_name_never_by_path(klein_bin: Path, tiny_bundle: Path, tiny_lo
         assert str(loras) not in err["message"], err
     finally:
         assert s.stop() == 0
-    # A broken file is refused when the server starts, by name, not offered and failed later.
+    # A file that is broken or for another model is skipped when the server starts, with a warning
+    # naming it, and never offered; the others are.
     (loras / "bad.safetensors").write_bytes(b"garbage")
-    r = subprocess.run(
-        [str(klein_bin), "serve", "--model", str(tiny_bundle), "--port", "0", "--lora-dir", str(loras)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert r.returncode == 2, r.stderr
-    assert "LoRA `bad` cannot be offered" in r.stderr and "not a safetensors file" in r.stderr, r.stderr
+    s = Server(klein_bin, tiny_bundle, "--lora-dir", str(loras))
+    try:
+        log = "".join(s.log)
+        assert "LoRA `bad` cannot be offered, skipped" in log and "not a safetensors file" in log, log
+        assert "klein serve: LoRAs: style" in log, log
+        assert httpx.get(f"{s.url}/v1/klein/loras").json() == {"loras": ["style"]}
+        err = error_of(httpx.post(f"{s.url}/v1/images/generations", json={**body, "loras": ["bad"]}), 400)
+        assert err["param"] == "loras", err
+    finally:
+        assert s.stop() == 0
+
+
+def test_the_log_has_a_ready_line_and_a_line_per_request(server: Server):
+    """Operators read the server's stderr: a ready line once every pipeline has loaded, and one
+    line per request with its time (UTC), method, route, status, job id and seconds."""
+    log = "".join(server.log)
+    assert re.search(r"klein serve: \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ ready: 1 pipeline\(s\) loaded", log), log
+    r = httpx.post(f"{server.url}/v1/klein/generate", json={"prompt": "x", "width": 64, "height": 64, "steps": 1})
+    assert r.status_code == 200, r.text
+    job = r.json()["id"]
+    httpx.post(f"{server.url}/v1/images/generations", json={"prompt": "x", "n": 99})
+    deadline = time.monotonic() + 10
+    pattern = rf"Z POST /v1/klein/generate 200 job {re.escape(job)} [0-9.]+ s"
+    while not re.search(pattern, "".join(server.log)):
+        assert time.monotonic() < deadline, "".join(server.log)[-2000:]
+        time.sleep(0.05)
+    while "POST /v1/images/generations 400 job - " not in "".join(server.log):
+        assert time.monotonic() < deadline, "".join(server.log)[-2000:]
+        time.sleep(0.05)
 
 
 def test_body_limit_and_unknown_routes(klein_bin: Path, tiny_bundle: Path):

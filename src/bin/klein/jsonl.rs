@@ -141,11 +141,18 @@ pub(crate) fn parse_batch(
                 } else {
                     "invalid JSON"
                 };
+                // serde's position is in the line's own text (always "line 1"): the column
+                // alone, so that the message names one line, the file's.
+                let text = e.to_string();
+                let reason = match text.rfind(" at line ") {
+                    Some(at) if e.line() > 0 => format!("{} at column {}", &text[..at], e.column()),
+                    _ => text,
+                };
                 parsed.push(Err(fail(
                     default_name(line),
                     prompt,
                     format!(
-                        "{kind}: {e}; each line must be an object such as {{\"prompt\": \"a cat\", \"seed\": 1}}"
+                        "{kind}: {reason}; each line must be an object such as {{\"prompt\": \"a cat\", \"seed\": 1}}"
                     ),
                 )));
                 used.entry(name_key(&default_name(line))).or_insert(line);
@@ -329,5 +336,14 @@ mod tests {
             );
         }
         assert_eq!(errors[3].prompt.as_deref(), Some("x"));
+        // One "line" per message, the file's: serde's position in the line is its column.
+        for error in &errors[..3] {
+            assert!(!error.message.contains("line 1"), "{}", error.message);
+        }
+        assert!(
+            errors[0].message.contains("at column"),
+            "{}",
+            errors[0].message
+        );
     }
 }

@@ -64,7 +64,12 @@ fn end_quietly_on_a_closed_pipe() {
 /// that no hidden partial file is left, writes a running batch's summary as interrupted, then
 /// exits. Outputs are renamed into place only whole.
 fn install_interrupt_handler() {
-    let handler = ctrlc::set_handler(|| batch::interrupted(remove_pending_temp_files, INTERRUPTED));
+    let handler = ctrlc::set_handler(|| {
+        if let Some(at) = report::interrupted_at() {
+            eprintln!("\nklein: {at}");
+        }
+        batch::interrupted(remove_pending_temp_files, INTERRUPTED)
+    });
     if let Err(error) = handler {
         eprintln!("klein: warning: no interrupt handler ({error}); an interrupted write may leave a temporary file");
     }

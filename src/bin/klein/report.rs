@@ -4,6 +4,7 @@ use std::collections::HashSet;
 use std::io::IsTerminal;
 use std::ops::ControlFlow;
 use std::path::PathBuf;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
@@ -26,6 +27,28 @@ pub(crate) struct Reporter {
     step_began: Cell<Option<Instant>>,
     /// The pipeline warnings printed so far.
     warned: RefCell<HashSet<String>>,
+}
+
+/// Where the generation running now is, for the interrupt handler's message: the stage's label
+/// and, while denoising, the last step finished of how many.
+static WHERE: Mutex<Option<(&'static str, usize, usize)>> = Mutex::new(None);
+
+/// What an interrupt stopped: `interrupted at step k/N` while denoising, else the stage, else
+/// nothing (none had started).
+pub(crate) fn interrupted_at() -> Option<String> {
+    let at = *WHERE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    at.map(|(stage, step, total)| match total {
+        0 => format!("interrupted during {stage}"),
+        _ => format!("interrupted at step {step}/{total}"),
+    })
+}
+
+fn set_where(at: (&'static str, usize, usize)) {
+    *WHERE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(at);
 }
 
 impl Reporter {
@@ -96,15 +119,19 @@ impl Reporter {
                         self.steps.borrow_mut().clear();
                         self.step_began.set(Some(Instant::now()));
                     }
+                    // Position first: a redraw between the two calls shows 0/N, never the last
+                    // stage's N/1 (which stayed on screen while the VAE decoder loaded: "3/1").
+                    set_where((stage.label(), 0, 0));
                     bar.set_message(format!("{prefix}{}", stage.label()));
-                    bar.set_length(1);
                     bar.set_position(0);
+                    bar.set_length(1);
                 }
                 Progress::Step { step, total } => {
                     let now = Instant::now();
                     if let Some(began) = self.step_began.replace(Some(now)) {
                         self.steps.borrow_mut().push(now - began);
                     }
+                    set_where((Stage::Denoise.label(), step, total));
                     bar.set_message(format!("{prefix}denoise"));
                     bar.set_length(total as u64);
                     bar.set_position(step as u64);

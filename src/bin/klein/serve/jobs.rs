@@ -98,6 +98,8 @@ impl Queue {
             let n = self.next_id.fetch_add(1, Ordering::Relaxed);
             format!("klein-{:016x}", self.id_hasher.hash_one(n))
         });
+        // The request's log line names its job.
+        let _ = super::log::JOB_ID.try_with(|slot| *lock(slot) = Some(id.clone()));
         let cancel = Arc::new(AtomicBool::new(false));
         {
             let mut jobs = lock(&self.jobs);

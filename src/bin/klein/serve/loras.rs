@@ -76,20 +76,26 @@ impl LoraCatalog {
         Ok(LoraSpec::new(path, scale))
     }
 
-    /// Reads every LoRA and checks it against `pipeline`'s bundle, as a request would apply it:
-    /// a file that is broken or does not fit the model stops the server from starting, rather
-    /// than being offered and failing every request that names it.
-    pub(crate) fn check_against(&self, pipeline: &Pipeline) -> anyhow::Result<()> {
-        for (name, path) in &self.files {
-            let spec = LoraSpec::new(path, 1.0);
-            inspect(&[spec], pipeline.manifest(), pipeline.bundle_dir()).map_err(|e| {
-                crate::UsageError(format!(
-                    "--lora-dir: LoRA `{name}` cannot be offered: {}; remove it or fix it",
-                    klein::error::chain(&e)
-                ))
-            })?;
-        }
-        Ok(())
+    /// Reads every LoRA and checks it against `pipeline`'s bundle, as a request would apply it.
+    /// A file that is broken or does not fit the model (a shared `models/loras` folder holds
+    /// SDXL and FLUX.1 files too) is not offered: it is dropped, and the warning for it
+    /// returned.
+    pub(crate) fn keep_usable(&mut self, pipeline: &Pipeline) -> Vec<String> {
+        let mut warnings = Vec::new();
+        self.files.retain(|name, path| {
+            let spec = LoraSpec::new(path.as_path(), 1.0);
+            match inspect(&[spec], pipeline.manifest(), pipeline.bundle_dir()) {
+                Ok(_) => true,
+                Err(e) => {
+                    warnings.push(format!(
+                        "--lora-dir: LoRA `{name}` cannot be offered, skipped: {}",
+                        klein::error::chain(&e)
+                    ));
+                    false
+                }
+            }
+        });
+        warnings
     }
 
     pub(crate) fn resolve_all(&self, names: &[String]) -> Result<Vec<LoraSpec>, ApiError> {

@@ -33,6 +33,7 @@ use worker::Shared;
 mod error;
 mod jobs;
 mod listen;
+mod log;
 mod loras;
 mod metrics;
 mod native;
@@ -74,7 +75,7 @@ pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .clone()
         .or_else(|| std::env::var("KLEIN_API_KEY").ok())
         .filter(|k| !k.is_empty());
-    let loras = LoraCatalog::scan(args.lora_dir.as_deref())?;
+    let mut loras = LoraCatalog::scan(args.lora_dir.as_deref())?;
     let model = default_model(args.load.model.clone())?;
     // Every pipeline's bundle checks (manifest, hashes) before the port is taken: a bad bundle
     // is an error now, not a server that never gets ready. Graphs load on the workers.
@@ -87,7 +88,9 @@ pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
             Pipeline::load(&model, options)
         })
         .collect::<klein::Result<Vec<_>>>()?;
-    loras.check_against(&pipelines[0])?;
+    for warning in loras.keep_usable(&pipelines[0]) {
+        eprintln!("klein serve: warning: {warning}");
+    }
     let model_name = pipelines[0].manifest().model.name.clone();
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -110,6 +113,7 @@ pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
             queue: queue.clone(),
             metrics: metrics.clone(),
             loaded: AtomicUsize::new(0),
+            pipelines: pipelines.len(),
             max_pixels: args.max_pixels,
         });
         let state = Arc::new(AppState {
@@ -243,13 +247,26 @@ async fn count(State(state): State<Arc<AppState>>, request: Request, next: Next)
         .get::<MatchedPath>()
         .map_or("unmatched", MatchedPath::as_str)
         .to_string();
+    let method = request.method().to_string();
     let mut pending = Pending {
         state: state.clone(),
         route,
         start: Instant::now(),
         done: false,
     };
-    let response = next.run(request).await;
+    let job = Arc::new(std::sync::Mutex::new(None));
+    let response = log::JOB_ID.scope(job.clone(), next.run(request)).await;
+    let job = job.lock().ok().and_then(|j| j.clone());
+    eprintln!(
+        "{}",
+        log::request_line(
+            &method,
+            &pending.route,
+            response.status().as_u16(),
+            job.as_deref(),
+            pending.start
+        )
+    );
     if let Some(kind) = response.extensions().get::<ErrorKind>() {
         state.metrics.count_error(kind.name());
     }

@@ -22,6 +22,8 @@ pub(crate) struct Shared {
     pub(crate) queue: Arc<Queue>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) loaded: AtomicUsize,
+    /// How many pipelines there are (all loaded: the server is ready).
+    pub(crate) pipelines: usize,
 }
 
 /// Loads every graph of `pipeline` (the `index`-th of `--device`), then runs jobs until the
@@ -43,7 +45,13 @@ pub(crate) fn run(index: usize, mut pipeline: Pipeline, shared: Arc<Shared>) {
             std::process::exit(1);
         }
     };
-    shared.loaded.fetch_add(1, Ordering::SeqCst);
+    if shared.loaded.fetch_add(1, Ordering::SeqCst) + 1 == shared.pipelines {
+        eprintln!(
+            "klein serve: {} ready: {} pipeline(s) loaded",
+            super::log::utc_now(),
+            shared.pipelines
+        );
+    }
     loop {
         let Some(job) = shared.queue.take() else {
             return; // closed and empty: shutting down
