@@ -225,7 +225,13 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("convert", help="diffusers checkpoint -> bundle")
-    c.add_argument("--checkpoint", required=True, help="diffusers-format FLUX.2-klein checkpoint directory")
+    c.add_argument(
+        "--checkpoint",
+        required=True,
+        help="diffusers-format FLUX.2-klein checkpoint: a directory, or a Hugging Face Hub id (ORG/NAME, "
+        "downloaded into the Hugging Face cache: only the files the export reads)",
+    )
+    c.add_argument("--revision", help="with a Hub id: the branch, tag or commit (default main)")
     c.add_argument("--out", required=True, help="bundle directory to write")
     c.add_argument(
         "--transformer",
@@ -415,6 +421,11 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         with stops_raised():
+            if getattr(args, "checkpoint", None):
+                from .hub import resolve_checkpoint
+
+                # A Hub id (ORG/NAME) becomes its snapshot in the Hugging Face cache.
+                args.checkpoint = str(resolve_checkpoint(args.checkpoint, getattr(args, "revision", None)))
             return args.func(args)
     except (KleinExportError, FileExistsError, FileNotFoundError) as e:
         print(f"klein-export: error: {e}", file=sys.stderr)

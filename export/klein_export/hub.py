@@ -1,0 +1,82 @@
+"""Checkpoints named by their Hugging Face Hub id (`black-forest-labs/FLUX.2-klein-4B`), downloaded
+with `huggingface_hub`: its cache (shared with diffusers and transformers), resumed downloads,
+`HF_TOKEN` / `hf auth login`, `HF_HUB_OFFLINE` and `HF_ENDPOINT`. Only the files an export reads
+are fetched: the configs, the tokenizer and the weights of the four components, not the variants
+(`*.fp16.safetensors`) or other formats a repository may also hold."""
+
+import re
+import sys
+from pathlib import Path
+
+from .errors import CheckpointError
+
+#: `ORG/NAME`, as the Hub spells repository ids.
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+#: What `Checkpoint` reads (checkpoint.py): model_index.json, every component's config and
+#: weights (sharded ones with their index), the scheduler and the tokenizer.
+ALLOW_PATTERNS = [
+    "model_index.json",
+    "scheduler/*.json",
+    "tokenizer/*",
+    *(f"{component}/*.json" for component in ("text_encoder", "transformer", "vae")),
+    *(f"{component}/*.safetensors" for component in ("text_encoder", "transformer", "vae")),
+]
+#: Weight variants (`model.fp16.safetensors`) that diffusers loads only when asked.
+IGNORE_PATTERNS = ["*/*.*.safetensors"]
+
+
+def is_hub_id(text: str) -> bool:
+    """A Hub id rather than a local path: `ORG/NAME` where no such file or folder exists."""
+    return bool(HUB_ID.match(text)) and not Path(text).exists()
+
+
+def resolve_checkpoint(text: str, revision: str | None = None, log=None) -> Path:
+    """The local directory of checkpoint `text`: itself when it is a path; for a Hub id, its
+    snapshot in the Hugging Face cache, downloaded first where needed. Errors say what to do."""
+    if not is_hub_id(text):
+        if revision is not None:
+            raise CheckpointError(f"--revision {revision}: it goes with a Hub id (ORG/NAME), not a local checkpoint")
+        return Path(text)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    if log is None:
+
+        def log(message):  # stderr: stdout is the bundle's path, which scripts read
+            print(message, file=sys.stderr)
+
+    at = f"{text}@{revision}" if revision else text
+    log(f"klein-export: fetching {at} from the Hugging Face Hub (only the files the export reads)")
+    page = f"https://huggingface.co/{text}"
+    try:
+        folder = snapshot_download(
+            repo_id=text, revision=revision, allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS
+        )
+    except GatedRepoError:
+        raise CheckpointError(
+            f"{text} is a gated repository: accept its terms on {page} with your account, then log in "
+            "(`hf auth login`) or set HF_TOKEN to a token of that account"
+        ) from None
+    except RevisionNotFoundError:
+        raise CheckpointError(f"{text}: no revision {revision!r} (give a branch, tag or commit of {page})") from None
+    except RepositoryNotFoundError:
+        raise CheckpointError(
+            f"{text}: no such model repository on the Hub, or a private one: check the id, or log in "
+            "(`hf auth login`) or set HF_TOKEN"
+        ) from None
+    except LocalEntryNotFoundError as error:
+        raise CheckpointError(
+            f"{at} is not in the Hugging Face cache, and the Hub cannot be reached (HF_HUB_OFFLINE, or no "
+            f"connection): download it where the Hub is reachable, or give a local checkpoint directory ({error})"
+        ) from None
+    except HfHubHTTPError as error:
+        raise CheckpointError(f"{at}: the Hub answered {error}") from None
+    log(f"klein-export: {at} is in {folder}")
+    return Path(folder)

@@ -1,0 +1,152 @@
+"""Checkpoints by Hugging Face Hub id, through the real `huggingface_hub` client: against a local
+endpoint (HF_ENDPOINT) that serves the real bytes of a tiny checkpoint as the Hub's HTTP API does
+(repo info, tree listing, resolve with X-Repo-Commit and ETag; gated and missing repositories with
+the Hub's X-Error-Code), then from the Hugging Face cache that download filled, with
+HF_HUB_OFFLINE=1. The real Hub is never reached from here."""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+class FakeHub(BaseHTTPRequestHandler):
+    """The Hub's routes that `snapshot_download` uses, for the repositories of `self.server.repos`
+    (`id -> folder`, or `"gated"`)."""
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, status, body=b"", headers=()):
+        self.send_response(status)
+        for name, value in headers:
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _error(self, status, code, message):
+        body = json.dumps({"error": message}).encode()
+        self._send(status, body, [("X-Error-Code", code), ("Content-Type", "application/json")])
+
+    def _files(self, folder):
+        return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+    def do_HEAD(self):
+        self.do_GET()
+
+    def do_GET(self):
+        path = self.path.split("?")[0]
+        api = path.startswith("/api/models/")
+        parts = path.removeprefix("/api/models/" if api else "/").split("/")
+        repo_id, rest = "/".join(parts[:2]), parts[2:]
+        folder = self.server.repos.get(repo_id)
+        if folder is None:
+            return self._error(404, "RepoNotFound", "Repository not found")
+        if folder == "gated":
+            return self._error(403, "GatedRepo", "Access to this model is restricted: accept its conditions")
+        if len(rest) < 2 or rest[1] not in ("main", COMMIT):
+            return self._error(404, "RevisionNotFound", "Invalid rev id")
+        kind, file = rest[0], "/".join(rest[2:])
+        if api and kind == "revision":
+            info = {"id": repo_id, "sha": COMMIT, "siblings": [{"rfilename": f} for f in self._files(folder)]}
+            return self._send(200, json.dumps(info).encode(), [("Content-Type", "application/json")])
+        if api and kind == "tree":
+            entries = [
+                {
+                    "type": "file",
+                    "path": f,
+                    "size": (folder / f).stat().st_size,
+                    "oid": hashlib.sha1(f.encode()).hexdigest(),
+                }
+                for f in self._files(folder)
+            ]
+            return self._send(200, json.dumps(entries).encode(), [("Content-Type", "application/json")])
+        if not api and kind == "resolve" and (folder / file).is_file():
+            data = (folder / file).read_bytes()
+            etag = hashlib.sha256(data).hexdigest()
+            return self._send(200, data, [("X-Repo-Commit", COMMIT), ("ETag", f'"{etag}"')])
+        return self._error(404, "EntryNotFound", f"{file} not found")
+
+
+@pytest.fixture(scope="module")
+def hub(tiny_checkpoint, tmp_path_factory):
+    """A local Hub with `org/klein-tiny` (the tiny checkpoint, plus files an export never reads)
+    and the gated `org/gated`; its URL."""
+    served = tmp_path_factory.mktemp("hub") / "klein-tiny"
+    shutil.copytree(tiny_checkpoint, served)
+    (served / "README.md").write_text("a model card")
+    (served / "flux-klein-tiny.safetensors").write_bytes(b"a single-file copy the export does not read")
+    variant = served / "vae" / "diffusion_pytorch_model.fp16.safetensors"
+    shutil.copy(next((served / "vae").glob("*.safetensors")), variant)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
+    server.repos = {"org/klein-tiny": served, "org/gated": "gated"}
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", served
+    server.shutdown()
+
+
+def _run(code, cache, **env):
+    environment = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_DISABLE_TELEMETRY": "1", **env}
+    environment.pop("HF_TOKEN", None)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=300)
+
+
+RESOLVE = (
+    "import sys; from klein_export.hub import resolve_checkpoint; from klein_export.checkpoint import Checkpoint; "
+    "p = resolve_checkpoint(sys.argv[1] if len(sys.argv) > 1 else 'org/klein-tiny'); Checkpoint(p); print(p)"
+)
+
+
+def test_hub_ids_download_only_what_the_export_reads_then_work_offline(hub, tiny_checkpoint, tmp_path):
+    url, served = hub
+    cache = tmp_path / "hf-cache"
+    online = _run(RESOLVE, cache, HF_ENDPOINT=url)
+    assert online.returncode == 0, online.stderr
+    snapshot = Path(online.stdout.strip())
+    assert snapshot.parent.name == "snapshots" and snapshot.name == COMMIT, snapshot
+    assert (cache / "models--org--klein-tiny" / "refs" / "main").read_text() == COMMIT
+    fetched = sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
+    wanted = sorted(p.relative_to(tiny_checkpoint).as_posix() for p in Path(tiny_checkpoint).rglob("*") if p.is_file())
+    read = ("model_index.json", "scheduler", "tokenizer", "text_encoder", "transformer", "vae")
+    wanted = [f for f in wanted if f.split("/")[0] in read]
+    assert fetched == wanted, (fetched, wanted)
+    for name in fetched:  # the real bytes
+        assert (snapshot / name).read_bytes() == (Path(tiny_checkpoint) / name).read_bytes(), name
+    # The cache alone, the Hub unreachable by setting: the same snapshot.
+    offline = _run(RESOLVE, cache, HF_HUB_OFFLINE="1")
+    assert offline.returncode == 0, offline.stderr
+    assert offline.stdout.strip() == str(snapshot)
+
+
+def test_gated_missing_and_uncached_repositories_say_what_to_do(hub, tmp_path):
+    url, _ = hub
+    cli = [sys.executable, "-m", "klein_export.cli", "convert", "--out", str(tmp_path / "out"), "--checkpoint"]
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hf-cache"), "HF_ENDPOINT": url}
+    env.pop("HF_TOKEN", None)
+    gated = subprocess.run([*cli, "org/gated"], capture_output=True, text=True, env=env, timeout=300)
+    assert gated.returncode == 2, gated.stderr
+    page = "https://huggingface.co/org/gated"
+    for needle in ("org/gated is a gated repository", f"accept its terms on {page}", "HF_TOKEN"):
+        assert needle in gated.stderr, gated.stderr
+    missing = subprocess.run([*cli, "org/nothing"], capture_output=True, text=True, env=env, timeout=300)
+    assert missing.returncode == 2 and "no such model repository" in missing.stderr, missing.stderr
+    revision = subprocess.run(
+        [*cli, "org/klein-tiny", "--revision", "v9"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert revision.returncode == 2 and "no revision 'v9'" in revision.stderr, revision.stderr
+    offline = subprocess.run(
+        [*cli, "org/klein-tiny"], capture_output=True, text=True, env={**env, "HF_HUB_OFFLINE": "1"}, timeout=300
+    )
+    assert offline.returncode == 2 and "is not in the Hugging Face cache" in offline.stderr, offline.stderr
+    assert not (tmp_path / "out").exists()
