@@ -2,6 +2,7 @@
 
 import argparse
 import sys
+import time
 
 from .errors import CheckpointError, KleinExportError, QuantizationError
 from .lora_merge import parse_lora
@@ -55,6 +56,7 @@ def _quantization(args, required=False):
 def _convert(args):
     from .convert import convert
 
+    start = time.perf_counter()
     out = convert(
         args.checkpoint,
         args.out,
@@ -67,9 +69,16 @@ def _convert(args):
         refs=args.refs,
         loras=[parse_lora(text) for text in args.lora],
         transformer=args.transformer,
+        log=_progress,
     )
+    _progress(f"wrote {out} in {time.perf_counter() - start:.1f} s")
     print(out)
     return 0
+
+
+def _progress(message: str) -> None:
+    """A progress line, on stderr (stdout is the bundle's path, which scripts read)."""
+    print(f"klein-export: {message}", file=sys.stderr, flush=True)
 
 
 def _lora_map(args):

@@ -294,7 +294,8 @@ def convert(
         shutil.copyfile(ckpt.root / "tokenizer" / "tokenizer.json", tmp / "tokenizer.json")
         del tokenizer
         graphs = {}
-        for label in EXPORTS:
+        for number, label in enumerate(EXPORTS, 1):
+            log(f"[{number}/{len(EXPORTS)}] exporting {label} ({precision})...")
             start = time.perf_counter()
             fused = buckets is None
             entries, child_peak_mb = _export_isolated(label, ckpt.arguments, tmp, precision, tuple(loras), fused)
@@ -304,7 +305,10 @@ def convert(
         kind = "KV" if ckpt.is_kv else "distilled" if ckpt.is_distilled else "base"
         log(f"a {kind} model (model_index.json of {ckpt.root}): {4 if ckpt.is_distilled else 50} steps by default")
         manifest = build_manifest(ckpt, facts, graphs, name or out.name, variant)
+        start = time.perf_counter()
+        log("fitting the step-preview map on the VAE...")
         manifest["preview"] = fit_preview(ckpt.load_vae())
+        log(f"fitted the step-preview map in {time.perf_counter() - start:.1f} s")
         if loras:
             manifest["model"]["loras"] = [lora.to_json() for lora in loras]
         if transformer is not None:
@@ -314,9 +318,12 @@ def convert(
             manifest["static_shapes"] = make_static(
                 tmp, manifest["graphs"], buckets, refs, seq, manifest["latents"]["pixel_multiple"], log
             )
+        start = time.perf_counter()
+        log("hashing the bundle's files for the manifest...")
         stamp_bundle(tmp)
         manifest["files"] = bundle_files(tmp)
         write_manifest(manifest, tmp)
+        log(f"hashed and wrote the manifest in {time.perf_counter() - start:.1f} s")
         if quantization is not None:
             # After every torch module is freed; one graph in memory at a time.
             start = time.perf_counter()
