@@ -5,12 +5,56 @@
 //! system's library folders. A `cargo install`ed `klein` thus runs where users already have the
 //! library, or after one `klein setup`.
 use std::ffi::OsString;
+use std::fmt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use super::library::{LibrarySource, HOW_TO_PROVIDE, ORT_DYLIB_ENV};
 use crate::error::{KleinError, Result};
 use crate::fsutil::cache_dir_from;
+
+/// Environment variable naming the ONNX Runtime library (the name `ort` itself uses).
+pub const ORT_DYLIB_ENV: &str = "ORT_DYLIB_PATH";
+
+/// What to tell a user who has no usable library.
+pub(super) const HOW_TO_PROVIDE: &str = "Provide ONNX Runtime 1.31 or newer: run `klein setup` (it installs the \
+     official library into klein's cache), or `pip install onnxruntime==1.31.1` (klein finds the package's \
+     library), or set ORT_DYLIB_PATH to its shared library";
+
+/// How the ONNX Runtime library was found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LibrarySource {
+    /// [`RuntimeOptions::with_library`].
+    Explicit,
+    /// The `ORT_DYLIB_PATH` environment variable.
+    EnvVar,
+    /// `KLEIN_ORT_DYLIB` at build time.
+    BuildTime,
+    /// Next to the executable.
+    NextToExecutable,
+    /// `<executable dir>/../../.ort/`, filled by `scripts/setup-ort.sh`.
+    RepoOrtDir,
+    /// `<cache dir>/ort/`, filled by `klein setup`.
+    Setup,
+    /// The `onnxruntime` Python package of the active environment, or of `python3`.
+    PythonPackage,
+    /// A folder of the system's library path.
+    System,
+}
+
+impl fmt::Display for LibrarySource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LibrarySource::Explicit => "given explicitly",
+            LibrarySource::EnvVar => "from ORT_DYLIB_PATH",
+            LibrarySource::BuildTime => "baked in at build time from KLEIN_ORT_DYLIB",
+            LibrarySource::NextToExecutable => "found next to the executable",
+            LibrarySource::RepoOrtDir => "found in the repository's .ort/ folder",
+            LibrarySource::Setup => "installed by `klein setup` in klein's cache",
+            LibrarySource::PythonPackage => "from the installed onnxruntime Python package",
+            LibrarySource::System => "found in the system's library path",
+        })
+    }
+}
 
 /// Library path baked in at build time (`KLEIN_ORT_DYLIB=... cargo build`).
 const BUILD_TIME_LIBRARY: Option<&str> = option_env!("KLEIN_ORT_DYLIB");

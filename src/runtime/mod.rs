@@ -63,11 +63,8 @@ pub use graph::{describe_skipped, graph_files, load_graph, Graph};
 pub use heap::{
     give_back_freed_memory, retain_freed_memory, start_tunables, GivenBack, GLIBC_TUNABLES,
 };
-pub use library::{
-    init, runtime_info, LibrarySource, LogLevel, LogSink, RuntimeInfo, RuntimeOptions,
-    ORT_DYLIB_ENV,
-};
-pub use locate::{library_in_dir, locate_library, SETUP_DIR};
+pub use library::{init, runtime_info, LogLevel, LogSink, RuntimeInfo, RuntimeOptions};
+pub use locate::{library_in_dir, locate_library, LibrarySource, ORT_DYLIB_ENV, SETUP_DIR};
 pub use prefetch::{fits_in_memory, prefetch, prefetch_in_turn};
 pub use tensor::{
     tensor_names, Dtype, Initializer, InitializerData, Outputs, TensorInfo, TensorInput,

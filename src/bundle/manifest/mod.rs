@@ -402,43 +402,37 @@ impl Manifest {
     /// names one model's widths over another model's graphs (a 4B manifest on 9B graphs) would load
     /// and run, with prompt caches and LoRAs checked against the wrong numbers.
     fn graph_width_problems(&self) -> Vec<String> {
-        let g = &self.graphs;
         let checks = [
             (
-                "text_encoder",
-                &g.text_encoder,
+                Component::TextEncoder,
                 "prompt_embeds",
                 -1,
                 self.text_encoder.embed_dim,
                 "text_encoder.embed_dim",
             ),
             (
-                "transformer",
-                &g.transformer,
+                Component::Transformer,
                 "prompt_embeds",
                 -1,
                 self.transformer.joint_attention_dim,
                 "transformer.joint_attention_dim",
             ),
             (
-                "transformer",
-                &g.transformer,
+                Component::Transformer,
                 "latents",
                 -1,
                 self.latents.channels,
                 "latents.channels",
             ),
             (
-                "vae_decoder",
-                &g.vae_decoder,
+                Component::VaeDecoder,
                 "latents",
                 1,
                 self.latents.channels,
                 "latents.channels",
             ),
             (
-                "vae_encoder",
-                &g.vae_encoder,
+                Component::VaeEncoder,
                 "latents",
                 1,
                 self.latents.channels,
@@ -447,8 +441,8 @@ impl Manifest {
         ];
         checks
             .into_iter()
-            .filter_map(|(graph, spec, tensor, axis, want, what)| {
-                let got = spec.fixed_dim(tensor, axis)?;
+            .filter_map(|(graph, tensor, axis, want, what)| {
+                let got = self.graphs.get(graph).fixed_dim(tensor, axis)?;
                 (got != want as u64).then(|| {
                     format!(
                         "graphs.{graph} `{tensor}` is {got} wide but {what} is {want}: the \
