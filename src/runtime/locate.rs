@@ -23,7 +23,7 @@ pub(super) const HOW_TO_PROVIDE: &str = "Provide ONNX Runtime 1.31 or newer: run
 /// How the ONNX Runtime library was found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LibrarySource {
-    /// [`RuntimeOptions::with_library`].
+    /// [`super::RuntimeOptions::with_library`].
     Explicit,
     /// The `ORT_DYLIB_PATH` environment variable.
     EnvVar,
