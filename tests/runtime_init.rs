@@ -40,7 +40,7 @@ fn library_discovery_and_loading() {
         "{} is missing: run scripts/setup-ort.sh first",
         good.display()
     );
-    let how_to = ["ORT_DYLIB_PATH", "scripts/setup-ort.sh"];
+    let how_to = ["ORT_DYLIB_PATH", "klein setup", "scripts/setup-ort.sh"];
 
     // ORT_DYLIB_PATH pointing nowhere is an error, not a reason to look elsewhere. This binary runs
     // one test, so changing the environment races with nothing.

@@ -18,7 +18,8 @@ pub const ORT_DYLIB_ENV: &str = "ORT_DYLIB_PATH";
 /// What to tell a user who has no usable library.
 pub(super) const HOW_TO_PROVIDE: &str = "Provide ONNX Runtime 1.31 or newer: run `klein setup` (it installs the \
      official library into klein's cache), or `pip install onnxruntime==1.31.1` (klein finds the package's \
-     library), or set ORT_DYLIB_PATH to its shared library";
+     library), or set ORT_DYLIB_PATH to its shared library; in a clone of klein, scripts/setup-ort.sh \
+     installs it into .ort/";
 
 /// How the ONNX Runtime library was found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
