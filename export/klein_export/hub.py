@@ -68,8 +68,8 @@ def resolve_checkpoint(text: str, revision: str | None = None, log=None) -> Path
         raise CheckpointError(f"{text}: no revision {revision!r} (give a branch, tag or commit of {page})") from None
     except RepositoryNotFoundError:
         raise CheckpointError(
-            f"{text}: no such model repository on the Hub, or a private one: check the id, or log in "
-            "(`hf auth login`) or set HF_TOKEN"
+            f"{text}: no such local directory, and no such model repository on the Hub (or a private one: "
+            "check the id, or log in with `hf auth login` or set HF_TOKEN)"
         ) from None
     except LocalEntryNotFoundError as error:
         raise CheckpointError(
