@@ -197,9 +197,9 @@ def test_unsupported_scheduler_option_is_refused(tiny_checkpoint, tmp_path):
 )
 def test_an_interrupted_convert_ends_at_once_and_leaves_nothing(tiny_checkpoint, tmp_path, name, group):
     """Ctrl-C while a component exports in its worker process: `klein-export` exits 130 within seconds
-    with its one line, no traceback (the worker's included) and no warning, no output, no process
-    left. `parent-only` is `timeout -s INT` or `kill -INT PID` (the worker outlived it and the exit
-    hung in 3 of 14 tries); `terminal` signals the whole process group, as a terminal's Ctrl-C.
+    with its one line after the progress lines, no traceback (the worker's included) and no warning,
+    no output, no process left. `parent-only` is `timeout -s INT` or `kill -INT PID` (the worker
+    outlived it and the exit hung in 3 of 14 tries); `terminal` signals the whole process group, as a terminal's Ctrl-C.
     The child starts with SIGINT's default action: started from a background job, the test run
     inherits SIGINT ignored, and so would the child (Python then leaves it ignored, and the
     export ran to its end; a terminal user has the default). `kill` (SIGTERM to the parent) and
@@ -236,7 +236,10 @@ def test_an_interrupted_convert_ends_at_once_and_leaves_nothing(tiny_checkpoint,
             break
         time.sleep(0.1)
     said = "interrupted" if name == "SIGINT" else f"stopped by {name}"
-    assert (child.returncode, err.decode()) == (128 + signum, f"klein-export: {said}; nothing was written\n")
+    # The progress lines of what ran, then the one line that says it stopped: no traceback, no warning.
+    *progress, last = err.decode().splitlines()
+    assert (child.returncode, last) == (128 + signum, f"klein-export: {said}; nothing was written"), err
+    assert all(line.startswith(("klein-export: [", "klein-export: exported ")) for line in progress), err
     assert waited < 15, f"exited {waited:.1f} s after the interrupt"
     assert not leftover, f"processes of the group still running: {leftover}"
     assert list(tmp_path.iterdir()) == []
