@@ -167,12 +167,22 @@ fn a_preview_over_an_output_or_an_input_is_refused() {
     }
 }
 
+/// `klein ARGS OUT` interrupted (SIGINT) 1.5 s after it started.
+#[cfg(unix)]
+fn interrupted_after(args: &[&str], out: &Path) -> std::process::Output {
+    let started = std::time::Instant::now();
+    crate::cli::interrupted_klein(
+        args.iter()
+            .map(std::ffi::OsStr::new)
+            .chain([out.as_os_str()]),
+        || started.elapsed() > std::time::Duration::from_millis(1500),
+    )
+}
+
 /// SIGINT while generating: exit 130, no output and no temporary file.
 #[cfg(unix)]
 #[test]
 fn an_interrupted_run_leaves_nothing() {
-    use std::time::{Duration, Instant};
-
     let dir = temp_dir("outputs-interrupt");
     let out = dir.join("out.png");
     // The bundle's default 1024x1024 with many steps: long enough to be interrupted.
@@ -185,13 +195,7 @@ fn an_interrupted_run_leaves_nothing() {
         "2",
         "-o",
     ];
-    let started = Instant::now();
-    let output = crate::cli::interrupted_klein(
-        args.iter()
-            .map(std::ffi::OsStr::new)
-            .chain([out.as_os_str()]),
-        || started.elapsed() > Duration::from_millis(1500),
-    );
+    let output = interrupted_after(&args, &out);
     assert_eq!(output.status.code(), Some(130), "{:?}", output.status);
     assert!(
         files_in(&dir).is_empty(),
@@ -205,20 +209,12 @@ fn an_interrupted_run_leaves_nothing() {
 #[cfg(unix)]
 #[test]
 fn an_interrupt_says_at_which_step_it_stopped() {
-    use std::time::{Duration, Instant};
-
     let dir = temp_dir("interrupted-step");
     let out = dir.join("fox.png");
     let args = [
         "generate", "a fox", "--steps", "1000", "--width", "64", "--height", "64", "-o",
     ];
-    let started = Instant::now();
-    let output = crate::cli::interrupted_klein(
-        args.iter()
-            .map(std::ffi::OsStr::new)
-            .chain([out.as_os_str()]),
-        || started.elapsed() > Duration::from_millis(1500),
-    );
+    let output = interrupted_after(&args, &out);
     assert_eq!(output.status.code(), Some(130), "{:?}", output.status);
     let stderr = String::from_utf8_lossy(&output.stderr);
     let at = stderr
