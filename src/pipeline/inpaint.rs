@@ -49,11 +49,7 @@ impl Pipeline {
         kind: MaskKind,
         source: &ReferenceImage,
     ) -> Result<Mask> {
-        let bytes = image.read()?;
-        let rgb = match kind {
-            MaskKind::White => decode_image_bytes(&bytes, image.label())?,
-            MaskKind::Transparent => decode_transparent_mask(&bytes, image.label())?,
-        };
+        let rgb = decode_mask(&image.read()?, image.label(), kind)?;
         Ok(self.mask_for(&rgb, source))
     }
 
@@ -109,6 +105,14 @@ impl Pipeline {
         let mut inpaint = Inpaint::new(image, Some(region_mask), strength);
         inpaint.crop = Some(MaskCrop::new(region, padding, source, mask));
         Ok(inpaint)
+    }
+}
+
+/// A mask file's bytes as klein's mask image (white repaints), read as `kind` marks it.
+pub(super) fn decode_mask(bytes: &[u8], label: &Path, kind: MaskKind) -> Result<image::RgbImage> {
+    match kind {
+        MaskKind::White => decode_image_bytes(bytes, label),
+        MaskKind::Transparent => decode_transparent_mask(bytes, label),
     }
 }
 

@@ -11,11 +11,12 @@ use std::borrow::Cow;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
+use super::inpaint::decode_mask;
 use super::request::{check_mask_crop, check_reference_count, check_token_budget};
 use super::{random_seed, Inpaint, LoraSpec, Pipeline, Request};
 use crate::error::{KleinError, Result};
 use crate::stages::inpaint::{check_strength, DEFAULT_STRENGTH};
-use crate::stages::mask::{decode_transparent_mask, preprocess_mask, Mask};
+use crate::stages::mask::{preprocess_mask, Mask};
 use crate::stages::reference::{
     decode_image_bytes, processed_size, read_file, read_header_bytes, source_size, ReferenceImage,
 };
@@ -400,11 +401,7 @@ impl Pipeline {
         mask_crop: Option<u32>,
     ) -> Result<Inpaint, SpecError> {
         let decode_mask = |(label, bytes): (&Path, &[u8])| {
-            match kind {
-                MaskKind::White => decode_image_bytes(bytes, label),
-                MaskKind::Transparent => decode_transparent_mask(bytes, label),
-            }
-            .map_err(SpecError::of(Input::Mask))
+            decode_mask(bytes, label, kind).map_err(SpecError::of(Input::Mask))
         };
         let source_rgb =
             decode_image_bytes(source, source_label).map_err(SpecError::of(Input::Source))?;
