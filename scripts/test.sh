@@ -38,6 +38,18 @@ ruff format --config export/pyproject.toml --check python tests/python deploy be
 # time is exporting tiny checkpoints, single-threaded Python (on a 2-core host: 19:16 in one process
 # before onnx_export.without_slices_split, 9:44 with it in two).
 python -m pytest -q -n 2 --dist loadfile --durations=10 export/tests
+# The web page's tests (tests/python/test_web.py) drive Debian's Chromium with Playwright (a pip
+# package of export[test]); Playwright's own browser download needs a host we cannot reach.
+if ! command -v chromium >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "test.sh: installing Debian's chromium for the web page's tests" >&2
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    else
+        echo "test.sh: the web page's tests need Chromium on PATH: install it (Debian, Ubuntu: sudo apt-get install chromium)" >&2
+        exit 1
+    fi
+fi
 python -m pytest -q --durations=5 tests/python
 # The int8 checks again as on a CPU without VNNI (AVX2 only: AMD Zen 1-3, Intel before Ice Lake),
 # whatever this host has: ONNX Runtime, the Python bindings and the CLI are run from copies whose CPUID

@@ -74,6 +74,9 @@ pub(crate) struct ServeArgs {
     /// Release the text encoder after each prompt and the transformer before each decode (less memory, slower requests)
     #[arg(long)]
     pub(crate) low_memory: bool,
+    /// Serve no web page at / (the API only)
+    #[arg(long)]
+    pub(crate) no_web: bool,
     // Last: its help headings apply to what follows them.
     #[command(flatten)]
     pub(crate) load: LoadArgs,

@@ -39,6 +39,7 @@ mod metrics;
 mod native;
 mod openai;
 mod sync;
+mod web;
 mod worker;
 
 /// What every handler shares.
@@ -60,6 +61,8 @@ pub(crate) struct AppState {
     started: u64,
     /// Set by SIGTERM / Ctrl-C: no new work, readiness fails.
     draining: AtomicBool,
+    /// The web page at `/` (off with `--no-web`).
+    web: bool,
 }
 
 pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -129,6 +132,7 @@ pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
             manifest: pipelines[0].manifest().clone(),
             started: unix_seconds(),
             draining: AtomicBool::new(false),
+            web: !args.no_web,
         });
         let threads: Vec<_> = pipelines
             .into_iter()
@@ -156,6 +160,9 @@ pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 "none"
             }
         );
+        if state.web {
+            eprintln!("klein serve: web page: http://{local}/ (off with --no-web)");
+        }
         if args.lora_dir.is_some() {
             let names: Vec<&str> = state.loras.names().collect();
             eprintln!(
@@ -202,9 +209,16 @@ fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(render_metrics))
         .route_layer(middleware::from_fn_with_state(state.clone(), read_body))
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
-    Router::new()
-        .route("/healthz", get(|| async { Json(serde_json::json!({ "status": "ok" })) }))
-        .route("/readyz", get(readyz))
+    let mut public = Router::new()
+        .route(
+            "/healthz",
+            get(|| async { Json(serde_json::json!({ "status": "ok" })) }),
+        )
+        .route("/readyz", get(readyz));
+    if state.web {
+        public = public.merge(web::routes());
+    }
+    public
         .merge(protected)
         .fallback(|| async { ApiError::new(ErrorKind::NotFound, "no such route; see GET /v1/models, POST /v1/images/generations, POST /v1/klein/generate") })
         .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
@@ -390,13 +404,33 @@ async fn retrieve_model(
     Ok(Json(model_object(&state)))
 }
 
-/// OpenAI's model object (`created`: the server's start; typed clients need an integer there).
+/// OpenAI's model object (`created`: the server's start; typed clients need an integer there),
+/// with what the model and this server allow under `klein` (OpenAI clients keep unknown fields):
+/// the web page shows its controls from it.
 fn model_object(state: &AppState) -> serde_json::Value {
+    let model = &state.manifest.model;
     serde_json::json!({
         "id": state.model_name,
         "object": "model",
         "created": state.started,
         "owned_by": "klein",
+        "klein": {
+            "distilled": model.is_distilled,
+            // Base models take guidance and a negative prompt; distilled ones run without.
+            "guidance": !model.is_distilled,
+            "default_steps": model.default_steps,
+            "default_guidance": model.default_guidance,
+            "default_width": model.default_width,
+            "default_height": model.default_height,
+            "pixel_multiple": state.manifest.latents.pixel_multiple,
+            "min_side": klein::limits::MIN_SIDE,
+            "max_side": klein::limits::MAX_SIDE,
+            "max_steps": klein::limits::MAX_STEPS,
+            "max_images": klein::limits::MAX_BATCH,
+            "max_references": klein::limits::MAX_REFERENCES,
+            "max_loras": klein::limits::MAX_LORAS,
+            "max_pixels": state.workers.max_pixels,
+        },
     })
 }
 
