@@ -6,9 +6,12 @@ target/test-output/web/."""
 from __future__ import annotations
 
 import base64
+import io
 import json
 import re
 import shutil
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +20,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from playwright.sync_api import Browser, Page, expect, sync_playwright
-from test_serve import Server, cli_png
+from test_serve import LONG, Server, cli_png
 
 PROMPT = "a red fox in the snow"
 REFS = Path(__file__).parents[1] / "fixtures" / "reference"
@@ -210,6 +213,61 @@ def test_cancel_stops_a_50_step_run_midway(page: Page):
     shot(page, "08-cancelled")
 
 
+def test_the_queue_position_shows_while_another_request_runs(page: Page, server: Server):
+    other = threading.Thread(
+        target=lambda: httpx.post(
+            f"{server.url}/v1/klein/generate", json=LONG, headers={"X-Request-Id": "web-long"}, timeout=120
+        )
+    )
+    other.start()
+    try:
+        deadline = time.monotonic() + 30
+        while server.metric("klein_jobs_running") < 1:
+            assert time.monotonic() < deadline, "the other request never ran"
+            time.sleep(0.05)
+        page.fill("#prompt", "after the other one")
+        settings(page, width=32, height=32, steps=1, seed=2)
+        page.click("#generate")
+        expect(page.locator("#progress-text")).to_have_text("waiting: 1 ahead in the queue")
+        shot(page, "09-queued")
+    finally:
+        httpx.delete(f"{server.url}/v1/klein/jobs/web-long")
+        other.join()
+    expect(page.locator("#gallery .card")).to_have_count(1)
+
+
+def test_loras_are_picked_with_their_scales(
+    browser: Browser, klein_bin: Path, tiny_bundle: Path, tiny_lora: Path, tmp_path: Path
+):
+    loras = tmp_path / "loras"
+    loras.mkdir()
+    shutil.copy(tiny_lora, loras / "style.safetensors")
+    server = Server(klein_bin, tiny_bundle, "--lora-dir", str(loras))
+    try:
+        page, problems = open_page(browser, server.url)
+        expect(page.locator("#loras-field")).to_be_visible()
+        page.get_by_label("style").check()
+        page.fill("#lora-scale-0", "0.8")
+        page.fill("#prompt", PROMPT)
+        settings(page, width=64, height=64, steps=2, seed=3)
+        page.click("#generate")
+        expect(page.locator("#gallery .card")).to_have_count(1)
+        expect(page.locator("#gallery .card .params")).to_contain_text("LoRAs style:0.8")
+        shot(page, "10-lora")
+        png = download(page)
+        args = ["--width", "64", "--height", "64", "--steps", "2", "--seed", "3"]
+        (cli,) = cli_png(
+            klein_bin, tiny_bundle, tmp_path, PROMPT, *args, "--lora", f"{loras / 'style.safetensors'}:0.8"
+        )
+        # The pixels of the CLI's file; the server names the LoRA, the CLI its path.
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(png))), np.asarray(Image.open(io.BytesIO(cli))))
+        assert Image.open(io.BytesIO(png)).text["loras"] == '["style:0.8"]'
+        page.context.close()
+        assert not problems
+    finally:
+        assert server.stop() == 0
+
+
 def test_a_result_is_reused_and_kept_across_a_reload(page: Page):
     page.fill("#prompt", "a lighthouse")
     settings(page, width=64, height=48, steps=2)
@@ -230,7 +288,7 @@ def test_a_result_is_reused_and_kept_across_a_reload(page: Page):
     assert (page.input_value("#prompt"), page.input_value("#steps")) == ("a lighthouse", "2")
     assert (page.input_value("#width"), page.input_value("#height"), page.input_value("#seed")) == ("64", "48", seed)
     assert page.is_checked("#seed-lock")
-    shot(page, "09-reused")
+    shot(page, "11-reused")
     page.click("#generate")
     expect(page.locator("#gallery .card")).to_have_count(2)
     assert download(page, 0) == first
@@ -252,7 +310,7 @@ def test_errors_show_next_to_their_field(page: Page):
     expect(error).to_contain_text("4096")
     expect(page.locator("#width")).to_have_attribute("aria-invalid", "true")
     expect(page.locator("#run-error")).to_be_hidden()
-    shot(page, "10-bad-size")
+    shot(page, "12-bad-size")
     page.fill("#width", "64")
     page.fill("#steps", "0")
     page.click("#generate")
@@ -269,7 +327,7 @@ def test_the_page_asks_for_the_api_key_and_sends_it(browser: Browser, klein_bin:
         page.fill("#api-key", "wrong")
         page.click("#key-save")
         expect(page.locator("#key-message")).to_contain_text("refused")
-        shot(page, "11-api-key")
+        shot(page, "13-api-key")
         page.fill("#api-key", "s3cret")
         page.click("#key-save")
         expect(page.locator("#server-status")).to_have_text("ready")
@@ -306,7 +364,7 @@ def test_base_model_controls_follow_the_model(
         settings(base_page, width=64, height=64, steps=2, seed=3)
         base_page.click("#generate")
         expect(base_page.locator("#gallery .card")).to_have_count(1)
-        shot(base_page, "12-base-model")
+        shot(base_page, "14-base-model")
         args = (PROMPT, "--negative-prompt", "blurry", "--guidance", "2.5", "--width", "64", "--height", "64")
         assert [download(base_page)] == cli_png(klein_bin, base, tmp_path, *args, "--steps", "2", "--seed", "3")
         base_page.context.close()
@@ -334,7 +392,7 @@ def test_phone_width_labels_focus_and_weight(browser: Browser, server: Server):
         page.keyboard.press("Tab")
         order.append(page.evaluate("document.activeElement.id || document.activeElement.name"))
     assert order.index("size-preset") < order.index("steps") < order.index("seed") < order.index("generate")
-    shot(page, "13-phone")
+    shot(page, "15-phone")
     page.context.close()
     assert not problems
     # The page with all its assets, as sent.

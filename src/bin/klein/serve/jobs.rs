@@ -156,9 +156,10 @@ impl Queue {
         }
         waiting.jobs.push_back(job);
         let position = waiting.jobs.len();
+        let ahead = position - 1 + self.running.load(Ordering::SeqCst);
         drop(waiting);
         self.job_queued.notify_one();
-        Ok(handle.with_position(position))
+        Ok(handle.with_position(position, ahead))
     }
 
     /// The oldest waiting job, once there is one; `None` once the queue is closed and empty
@@ -236,17 +237,20 @@ pub(crate) struct JobHandle {
     finished: bool,
 }
 
-/// A handle and the job's position in the queue when it was submitted (1: next).
+/// A handle and the job's position in the queue when it was submitted (1: next), with the
+/// requests before it then, waiting or running.
 pub(crate) struct Submitted {
     pub(crate) handle: JobHandle,
     pub(crate) position: usize,
+    pub(crate) ahead: usize,
 }
 
 impl JobHandle {
-    fn with_position(self, position: usize) -> Submitted {
+    fn with_position(self, position: usize, ahead: usize) -> Submitted {
         Submitted {
             handle: self,
             position,
+            ahead,
         }
     }
 

@@ -193,7 +193,9 @@ pub(crate) async fn generate_stream(
     let id = request_id(&headers)?;
     let (spec, format) = spec_from(&state, parse_json(body)?)?;
     let submitted = super::submit(&state, spec, id)?;
-    let queued = serde_json::json!({ "id": submitted.handle.id, "position": submitted.position });
+    let queued = serde_json::json!({
+        "id": submitted.handle.id, "position": submitted.position, "ahead": submitted.ahead,
+    });
     let start = StreamState {
         handle: Some(submitted.handle),
         format,

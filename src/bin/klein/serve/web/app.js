@@ -487,7 +487,7 @@ function handle(run, { name, data }, body) {
   switch (name) {
     case 'queued':
       run.id = data.id;
-      progress(data.position > 1 ? `waiting: ${data.position - 1} ahead in the queue` : 'queued', 0);
+      progress(data.ahead > 0 ? `waiting: ${data.ahead} ahead in the queue` : 'queued', 0);
       return false;
     case 'started':
       progress('started', 0);
