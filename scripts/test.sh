@@ -37,6 +37,9 @@ ruff format --config export/pyproject.toml --check python tests/python deploy be
 # Two processes, a test file each at a time (its module fixtures built once): most of these tests'
 # time is exporting tiny checkpoints, single-threaded Python (on a 2-core host: 19:16 in one process
 # before onnx_export.without_slices_split, 9:44 with it in two).
+# Their fixtures' converts share an export cache (export/tests/conftest.py), emptied here: the two
+# processes, and the int8 run below, copy the components exported once.
+rm -rf target/test-export-cache
 python -m pytest -q -n 2 --dist loadfile --durations=10 export/tests
 # The web page's tests (tests/python/test_web.py) drive Debian's Chromium with Playwright (a pip
 # package of export[test]); Playwright's own browser download needs a host we cannot reach.

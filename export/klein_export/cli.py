@@ -1,6 +1,7 @@
 """Command line: `klein-export convert | lora-map | preview | quantize | tiny | verify | ranges | fixtures`."""
 
 import argparse
+import os
 import sys
 import time
 
@@ -69,6 +70,7 @@ def _convert(args):
         refs=args.refs,
         loras=[parse_lora(text) for text in args.lora],
         transformer=args.transformer,
+        cache=args.cache,
         log=_progress,
     )
     _progress(f"wrote {out} in {time.perf_counter() - start:.1f} s")
@@ -248,6 +250,14 @@ def parser() -> argparse.ArgumentParser:
         help="a fine-tuned transformer as one .safetensors file (BFL, ComfyUI or diffusers key names; float32, "
         "float16 or bfloat16), exported instead of the checkpoint's transformer weights; its architecture is the "
         "checkpoint's transformer/config.json, and everything else comes from --checkpoint",
+    )
+    c.add_argument(
+        "--cache",
+        metavar="DIR",
+        default=os.environ.get("KLEIN_EXPORT_CACHE") or None,
+        help="keep each exported component in DIR, keyed by the files and options its export reads; a later "
+        "convert of the same checkpoint (with another LoRA, transformer file or static shapes) copies what is "
+        "unchanged, such as the text encoder, instead of exporting it again (default: $KLEIN_EXPORT_CACHE; none)",
     )
     c.add_argument(
         "--force", action="store_true", help="replace an existing bundle (a bundle or an empty directory only)"

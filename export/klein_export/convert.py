@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.export import Dim
 
-from . import contract
+from . import contract, export_cache
 from .atomic import atomic_directory, check_output
 from .cache_key import stamp_bundle
 from .checkpoint import Checkpoint
@@ -78,6 +78,21 @@ def _export_isolated(label, checkpoint, out, precision, loras, fused=True):
 
 
 RESOURCE_TRACKER_QUIET = "ignore::UserWarning:multiprocessing.resource_tracker"
+
+
+def _export_cached(cache, ckpt, label, out, precision, loras, fused, log):
+    """`_export_isolated` through the export cache: its entry when it has one (peak None), else the
+    export, then kept there."""
+    log(f"hashing what the {label} export reads, for the export cache...")
+    key = export_cache.component_key(ckpt, label, precision, loras, fused)
+    with export_cache.locked(cache, key):
+        entries = export_cache.fetch(cache, key, out)
+        if entries is not None:
+            return entries, None
+        before = {p.name for p in out.iterdir()}
+        entries, peak = _export_isolated(label, ckpt.arguments, out, precision, tuple(loras), fused)
+        export_cache.store(cache, key, out, sorted({p.name for p in out.iterdir()} - before), entries)
+        return entries, peak
 
 
 def _peak_rss_mb() -> float:
@@ -251,6 +266,7 @@ def convert(
     refs=0,
     loras=(),
     transformer=None,
+    cache=None,
 ):
     """Export every component of `checkpoint` into the bundle directory `out`.
 
@@ -261,6 +277,7 @@ def convert(
     list) are merged into the transformer before export, and listed in the manifest's `model.loras`.
     `transformer`: a single .safetensors file with the transformer's weights (single_file.py), used
     instead of the checkpoint's, recorded as the manifest's `model.transformer_file`.
+    `cache`: a directory of exported components (export_cache.py), read and written.
     """
     check_precision(precision)
     if quantization is not None and not isinstance(quantization, QuantizationConfig):
@@ -298,10 +315,16 @@ def convert(
             log(f"[{number}/{len(EXPORTS)}] exporting {label} ({precision})...")
             start = time.perf_counter()
             fused = buckets is None
-            entries, child_peak_mb = _export_isolated(label, ckpt.arguments, tmp, precision, tuple(loras), fused)
+            if cache is None:
+                entries, child_peak_mb = _export_isolated(label, ckpt.arguments, tmp, precision, tuple(loras), fused)
+            else:
+                entries, child_peak_mb = _export_cached(Path(cache), ckpt, label, tmp, precision, loras, fused, log)
             graphs.update((entry.io.component, entry) for entry in entries)
             seconds = time.perf_counter() - start
-            log(f"exported {label} ({precision}) in {seconds:.1f} s (peak RSS {child_peak_mb:.0f} MB)")
+            if child_peak_mb is None:
+                log(f"took {label} ({precision}) from the export cache {cache} in {seconds:.1f} s")
+            else:
+                log(f"exported {label} ({precision}) in {seconds:.1f} s (peak RSS {child_peak_mb:.0f} MB)")
         kind = "KV" if ckpt.is_kv else "distilled" if ckpt.is_distilled else "base"
         log(f"a {kind} model (model_index.json of {ckpt.root}): {4 if ckpt.is_distilled else 50} steps by default")
         manifest = build_manifest(ckpt, facts, graphs, name or out.name, variant)

@@ -1,8 +1,23 @@
+import os
+from pathlib import Path
+
 import pytest
 
 from klein_export.convert import convert
 from klein_export.quantize import DYNAMIC, STATIC, QuantizationConfig, quantize_copy
 from klein_export.tiny import build_tiny
+
+# The export cache (convert's `cache`, export_cache.py) the fixtures' converts share: across the two
+# test processes, and across scripts/test.sh's runs (it empties it first). Tests of the export itself
+# convert without it.
+EXPORT_CACHE = Path(
+    os.environ.get("KLEIN_TEST_EXPORT_CACHE", Path(__file__).resolve().parents[2] / "target" / "test-export-cache")
+)
+
+
+@pytest.fixture(scope="session")
+def export_cache():
+    return EXPORT_CACHE
 
 
 @pytest.fixture(scope="session")
@@ -12,15 +27,14 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_bundle(tiny_checkpoint, tmp_path_factory):
-    return convert(
-        tiny_checkpoint, tmp_path_factory.mktemp("bundle") / "klein-tiny", variant="tiny", log=lambda _: None
-    )
+    out = tmp_path_factory.mktemp("bundle") / "klein-tiny"
+    return convert(tiny_checkpoint, out, variant="tiny", log=lambda _: None, cache=EXPORT_CACHE)
 
 
 @pytest.fixture(scope="session")
 def fp16_bundle(tiny_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("fp16") / "klein-tiny-fp16"
-    return convert(tiny_checkpoint, out, variant="tiny", precision="fp16", log=lambda _: None)
+    return convert(tiny_checkpoint, out, variant="tiny", precision="fp16", log=lambda _: None, cache=EXPORT_CACHE)
 
 
 @pytest.fixture(scope="session")

@@ -428,7 +428,7 @@ def test_pipeline_settings_of_the_wrong_type_are_named(tiny_checkpoint, tmp_path
     assert not (tmp_path / "out").exists()
 
 
-def test_a_lora_whose_merge_overflows_is_refused(tiny_checkpoint, tmp_path, capsys):
+def test_a_lora_whose_merge_overflows_is_refused(tiny_checkpoint, tmp_path, capsys, export_cache):
     """Factors and a scale each within bounds whose merge is not finite (kohya's alpha 1e30 over
     float16 factors): refused, not exported as NaN and infinite weights."""
     import torch
@@ -444,6 +444,7 @@ def test_a_lora_whose_merge_overflows_is_refused(tiny_checkpoint, tmp_path, caps
         },
         lora,
     )
-    err = _run(["convert", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "out", "--lora", lora], capsys)
+    convert = ["convert", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "out", "--cache", export_cache]
+    err = _run([*convert, "--lora", lora], capsys)
     assert f"{lora}: merged into the transformer" in err and "non-finite values" in err, err
     assert not (tmp_path / "out").exists()

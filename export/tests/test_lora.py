@@ -122,7 +122,7 @@ def test_scale_zero_is_no_lora(loras, tiny_bundle, tmp_path):
     assert np.array_equal(plain, zero)
 
 
-def test_export_time_merge_equals_diffusers(loras, tiny_checkpoint, tmp_path):
+def test_export_time_merge_equals_diffusers(loras, tiny_checkpoint, tmp_path, export_cache):
     """`convert --lora` (for quantized and static bundles): diffusers' own fuse_lora before export."""
     adapters = [(loras["bfl"], 0.7), (loras["lokr-lycoris"], -1.0)]
     bundle = convert(
@@ -131,6 +131,7 @@ def test_export_time_merge_equals_diffusers(loras, tiny_checkpoint, tmp_path):
         variant="tiny",
         log=lambda _: None,
         loras=[LoraSpec(path, scale) for path, scale in adapters],
+        cache=export_cache,  # the text encoder and VAE of tiny_bundle's convert
     )
     want, floor = diffusers_image(tiny_checkpoint, adapters)
     got = klein_image(bundle, [], tmp_path / "klein.png")

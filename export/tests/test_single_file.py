@@ -103,10 +103,12 @@ def linear_weights(bundle) -> dict:
 
 
 @pytest.fixture(scope="module")
-def exported(finetune, tiny_checkpoint, tmp_path_factory):
-    """The base checkpoint converted with the BFL file as its transformer."""
+def exported(finetune, tiny_checkpoint, tmp_path_factory, export_cache):
+    """The base checkpoint converted with the BFL file as its transformer (the text encoder and VAE
+    from the export cache)."""
     out = tmp_path_factory.mktemp("single-file") / "bundle"
     args = ["convert", "--checkpoint", str(tiny_checkpoint), "--transformer", str(finetune[1]), "--out", str(out)]
+    args += ["--cache", str(export_cache)]
     assert main(args) == 0
     return out
 

@@ -33,9 +33,17 @@ BUCKETS = [(64, 64), (96, 64)]  # references must be 64 px or more a side
 
 
 @pytest.fixture(scope="module")
-def static_bundle(tiny_checkpoint, tmp_path_factory):
+def static_bundle(tiny_checkpoint, tmp_path_factory, export_cache):
     out = tmp_path_factory.mktemp("static") / "klein-tiny-static"
-    return convert(tiny_checkpoint, out, variant="tiny", static_shapes="64x64,96x64", refs=1, log=lambda _: None)
+    return convert(
+        tiny_checkpoint,
+        out,
+        variant="tiny",
+        static_shapes="64x64,96x64",
+        refs=1,
+        log=lambda _: None,
+        cache=export_cache,
+    )
 
 
 def _manifest(bundle):
@@ -174,7 +182,7 @@ def test_klein_runs_each_bucket_as_the_dynamic_bundle(static_bundle, tiny_bundle
         assert diff.max() <= 1 and pixels <= 0.01, (diff.max(), pixels)
 
 
-def test_non_finite_latents_are_counted_over_every_chunk(tiny_checkpoint, tmp_path):
+def test_non_finite_latents_are_counted_over_every_chunk(tiny_checkpoint, tmp_path, export_cache):
     """Static graphs denoise one image per call, so `--num-images 2` runs in two chunks: the
     warning about non-finite latents must count both (one warning, 2 x 2048 values at 64x64), and
     the images are still written, as diffusers would. The overflow is the LoRA test's (tests/it/
@@ -187,7 +195,16 @@ def test_non_finite_latents_are_counted_over_every_chunk(tiny_checkpoint, tmp_pa
     to_q = "transformer_blocks.0.attn.to_q.weight"
     tensors[to_q] = np.full_like(tensors[to_q], 1.58e38)
     save_file(tensors, weights)
-    bundle = convert(checkpoint, tmp_path / "bundle", variant="tiny", static_shapes="64x64", refs=1, log=lambda _: None)
+    # Its text encoder and VAE are the static bundle's (from the export cache).
+    bundle = convert(
+        checkpoint,
+        tmp_path / "bundle",
+        variant="tiny",
+        static_shapes="64x64",
+        refs=1,
+        log=lambda _: None,
+        cache=export_cache,
+    )
     ref = tmp_path / "ref.png"
     Image.new("RGB", (64, 64), (90, 140, 200)).save(ref)
     out = tmp_path / "out.png"
