@@ -4,6 +4,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 from .errors import CheckpointError, KleinExportError, QuantizationError
 from .lora_merge import parse_lora
@@ -76,6 +77,61 @@ def _convert(args):
     _progress(f"wrote {out} in {time.perf_counter() - start:.1f} s")
     print(out)
     return 0
+
+
+def _pull(args):
+    from .convert import convert
+    from .errors import CheckpointError
+    from .hub import fetch_bundle, is_hub_id, resolve_checkpoint
+    from .models import check_name, default_name, models_dir
+
+    hub = is_hub_id(args.model)
+    if args.name is None and not hub:
+        raise CheckpointError(f"{args.model}: not a Hub id (ORG/NAME); give --name for a local checkpoint")
+    name = check_name(args.name or default_name(args.model) + (f"-{args.quantize}" if args.quantize else ""))
+    folder = Path(args.models_dir) if args.models_dir else models_dir()
+    if folder is None:
+        raise CheckpointError("no models folder: set KLEIN_MODELS_DIR, or give --models-dir")
+    start = time.perf_counter()
+    bundle = fetch_bundle(args.model, args.revision, log=_progress) if hub else None
+    if bundle is not None:
+        out = _install_bundle(bundle, folder / name, args)
+    else:
+        checkpoint = resolve_checkpoint(args.model, args.revision, log=_progress)
+        out = convert(
+            checkpoint,
+            folder / name,
+            force=args.force,
+            name=name,
+            precision=args.precision,
+            quantization=_quantization(args),
+            cache=args.cache,
+            log=_progress,
+        )
+    _progress(f"installed {name} in {out} in {time.perf_counter() - start:.1f} s")
+    _progress(f'use it by name: klein generate --model {name} "a red fox in the snow"')
+    print(out)
+    return 0
+
+
+def _install_bundle(bundle, out, args):
+    """A downloaded bundle, copied (or quantized) into `out`."""
+    import shutil
+
+    from .atomic import atomic_directory, check_output
+    from .errors import BundleExistsError, CheckpointError
+    from .quantize import quantize_copy
+
+    if args.precision != "fp32":
+        raise CheckpointError(f"{args.model} holds a bundle, whose precision is set: leave out --precision")
+    quantization = _quantization(args)
+    if quantization is not None:
+        return quantize_copy(bundle, out, quantization, force=args.force, log=_progress)
+    check_output(out, args.force, [(bundle, "the download")], error=BundleExistsError)
+    with atomic_directory(out) as tmp:
+        for path in bundle.iterdir():
+            shutil.copyfile(path, tmp / path.name)  # the files, not the Hub cache's links to them
+    return out
 
 
 def _progress(message: str) -> None:
@@ -298,6 +354,40 @@ def parser() -> argparse.ArgumentParser:
     )
     _add_quantization_args(c)
     c.set_defaults(func=_convert)
+
+    pl = sub.add_parser(
+        "pull",
+        help="download a checkpoint from the Hugging Face Hub and convert it into klein's models folder, "
+        "where --model takes it by name",
+    )
+    pl.add_argument(
+        "model",
+        help="a Hub id (ORG/NAME, e.g. black-forest-labs/FLUX.2-klein-4B) of a diffusers checkpoint, which is "
+        "converted, or of a klein bundle, whose files are checked against its manifest's sha256; or a local "
+        "checkpoint directory with --name",
+    )
+    pl.add_argument("--revision", help="the branch, tag or commit (default main)")
+    pl.add_argument(
+        "--name",
+        help="the installed model's name, what --model takes (default: the repository's name in lower case, "
+        "with -int8 or -int4 when quantized); --model ORG/NAME also finds the default name",
+    )
+    pl.add_argument(
+        "--models-dir",
+        metavar="DIR",
+        help="klein's models folder (default: $KLEIN_MODELS_DIR, else $XDG_DATA_HOME/klein/models, else "
+        "~/.local/share/klein/models)",
+    )
+    pl.add_argument("--precision", default="fp32", choices=PRECISIONS, help="as convert's --precision")
+    pl.add_argument("--force", action="store_true", help="replace an installed model of that name")
+    pl.add_argument(
+        "--cache",
+        metavar="DIR",
+        default=os.environ.get("KLEIN_EXPORT_CACHE") or None,
+        help="as convert's --cache (default: $KLEIN_EXPORT_CACHE; none)",
+    )
+    _add_quantization_args(pl)
+    pl.set_defaults(func=_pull)
 
     m = sub.add_parser(
         "lora-map",

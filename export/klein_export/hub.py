@@ -4,6 +4,7 @@ with `huggingface_hub`: its cache (shared with diffusers and transformers), resu
 are fetched: the configs, the tokenizer and the weights of the four components, not the variants
 (`*.fp16.safetensors`) or other formats a repository may also hold."""
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -38,6 +39,21 @@ def resolve_checkpoint(text: str, revision: str | None = None, log=None) -> Path
         if revision is not None:
             raise CheckpointError(f"--revision {revision}: it goes with a Hub id (ORG/NAME), not a local checkpoint")
         return Path(text)
+    log = log or _stderr
+    at = f"{text}@{revision}" if revision else text
+    log(f"klein-export: fetching {at} from the Hugging Face Hub (only the files the export reads)")
+    folder = download(text, revision, ALLOW_PATTERNS, IGNORE_PATTERNS)
+    log(f"klein-export: {at} is in {folder}")
+    return folder
+
+
+def _stderr(message):  # stderr: stdout is the bundle's path, which scripts read
+    print(message, file=sys.stderr)
+
+
+def download(text: str, revision: str | None, allow_patterns, ignore_patterns=None) -> Path:
+    """`snapshot_download` of these files of the Hub repository `text`; the Hub's errors as
+    CheckpointErrors that say what to do."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -47,17 +63,13 @@ def resolve_checkpoint(text: str, revision: str | None = None, log=None) -> Path
         RevisionNotFoundError,
     )
 
-    if log is None:
-
-        def log(message):  # stderr: stdout is the bundle's path, which scripts read
-            print(message, file=sys.stderr)
-
     at = f"{text}@{revision}" if revision else text
-    log(f"klein-export: fetching {at} from the Hugging Face Hub (only the files the export reads)")
     page = f"https://huggingface.co/{text}"
     try:
-        folder = snapshot_download(
-            repo_id=text, revision=revision, allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS
+        return Path(
+            snapshot_download(
+                repo_id=text, revision=revision, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns
+            )
         )
     except GatedRepoError:
         raise CheckpointError(
@@ -78,5 +90,38 @@ def resolve_checkpoint(text: str, revision: str | None = None, log=None) -> Path
         ) from None
     except HfHubHTTPError as error:
         raise CheckpointError(f"{at}: the Hub answered {error}") from None
-    log(f"klein-export: {at} is in {folder}")
-    return Path(folder)
+
+
+def fetch_bundle(text: str, revision: str | None = None, log=None) -> Path | None:
+    """For a Hub repository that holds a klein bundle (a `manifest.json` and no `model_index.json`
+    at its root): its snapshot, every file the manifest lists downloaded and checked against the
+    manifest's size and sha256. None for a repository that holds a checkpoint."""
+    log = log or _stderr
+    at = f"{text}@{revision}" if revision else text
+    probe = download(text, revision, ["manifest.json", "model_index.json"])
+    if not (probe / "manifest.json").is_file() or (probe / "model_index.json").is_file():
+        return None
+    try:
+        files = json.loads((probe / "manifest.json").read_text())["files"]
+        names = [str(name) for name in files]
+    except (ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{at}: its manifest.json is not a klein manifest with `files` ({error})") from None
+    if any(name.startswith(("/", "..")) or "/" in name or "\\" in name for name in names):
+        raise CheckpointError(f"{at}: its manifest lists a file outside the bundle's folder")
+    log(f"klein-export: {at} holds a klein bundle: fetching its {len(names)} files")
+    folder = download(text, revision, ["manifest.json", *names])
+    from .manifest import file_entry
+
+    for name in names:
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{at}: {name}, listed in its manifest, is not in the repository")
+        got, want = file_entry(path), files[name]
+        if (got["bytes"], got["sha256"]) != (want.get("bytes"), want.get("sha256")):
+            raise CheckpointError(
+                f"{at}: {name} does not match the manifest (sha256 {got['sha256']}, {got['bytes']} bytes; the "
+                f"manifest says {want.get('sha256')}, {want.get('bytes')} bytes): the download is damaged or the "
+                "repository is inconsistent; nothing was installed"
+            )
+    log(f"klein-export: {at}: every file matches its manifest's sha256")
+    return folder

@@ -26,7 +26,11 @@ def test_a_cached_convert_is_the_same_bundle(tiny_checkpoint, tiny_bundle, tmp_p
     assert _files(again) == _files(tiny_bundle)
 
 
-def test_a_changed_transformer_is_exported_and_the_rest_copied(tiny_checkpoint, tiny_bundle, tmp_path, export_cache):
+def test_what_changed_or_was_half_written_is_exported_and_the_rest_copied(
+    tiny_checkpoint, tiny_bundle, tmp_path, export_cache, capsys
+):
+    """One convert through a copy of the cache: the transformer's weights changed (exported again),
+    the VAE's entry half-written (exported again), the text encoder unchanged (copied)."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint, ckpt)
     weights = ckpt / "transformer" / "diffusion_pytorch_model.safetensors"
@@ -34,39 +38,18 @@ def test_a_changed_transformer_is_exported_and_the_rest_copied(tiny_checkpoint, 
     name = "transformer_blocks.0.attn.to_q.weight"
     tensors[name] = (tensors[name] * np.float32(1.5)).astype(tensors[name].dtype)
     save_file(tensors, weights)
-    lines = []
-    bundle = convert(ckpt, tmp_path / "klein-tiny", variant="tiny", log=lines.append, cache=export_cache)
-    assert [line.split()[1] for line in lines if "from the export cache" in line] == ["text_encoder", "vae"], lines
-    assert [line.split()[1] for line in lines if line.startswith("exported ")] == ["transformer"], lines
-    changed, before = _files(bundle), _files(tiny_bundle)
-    assert changed["text_encoder.onnx"] == before["text_encoder.onnx"]
-    assert changed["vae_decoder.onnx"] == before["vae_decoder.onnx"]
-    assert changed["transformer.onnx"] != before["transformer.onnx"]
-
-
-def test_a_half_written_entry_is_exported_again(tiny_checkpoint, tiny_bundle, tmp_path, export_cache, capsys):
     cache = tmp_path / "cache"
     shutil.copytree(export_cache, cache, ignore=shutil.ignore_patterns("*.lock"))
-    key = component_key(Checkpoint(tiny_checkpoint), "vae", "fp32", (), True)
-    (cache / key / ENTRIES).unlink()
+    vae = component_key(Checkpoint(ckpt), "vae", "fp32", (), True)
+    (cache / vae / ENTRIES).unlink()
     out = tmp_path / "klein-tiny"
-    assert (
-        main(
-            [
-                "convert",
-                "--checkpoint",
-                str(tiny_checkpoint),
-                "--out",
-                str(out),
-                "--variant",
-                "tiny",
-                "--cache",
-                str(cache),
-            ]
-        )
-        == 0
-    )
+    argv = ["convert", "--checkpoint", str(ckpt), "--out", str(out), "--variant", "tiny", "--cache", str(cache)]
+    assert main(argv) == 0
     err = capsys.readouterr().err
-    assert "took text_encoder (fp32) from the export cache" in err and "exported vae (fp32)" in err, err
-    assert _files(out) == _files(tiny_bundle)
-    assert (cache / key / ENTRIES).is_file()
+    assert "took text_encoder (fp32) from the export cache" in err, err
+    assert "exported transformer (fp32)" in err and "exported vae (fp32)" in err, err
+    changed, before = _files(out), _files(tiny_bundle)
+    assert changed["text_encoder.onnx"] == before["text_encoder.onnx"]
+    assert changed["vae_decoder.onnx"] == before["vae_decoder.onnx"]  # exported again: the same bytes
+    assert changed["transformer.onnx"] != before["transformer.onnx"]
+    assert (cache / vae / ENTRIES).is_file()

@@ -80,9 +80,10 @@ class FakeHub(BaseHTTPRequestHandler):
 
 
 @pytest.fixture(scope="module")
-def hub(tiny_checkpoint, tmp_path_factory):
-    """A local Hub with `org/klein-tiny` (the tiny checkpoint, plus files an export never reads)
-    and the gated `org/gated`; its URL."""
+def hub(tiny_checkpoint, tiny_bundle, tmp_path_factory):
+    """A local Hub with `org/klein-tiny` (the tiny checkpoint, plus files an export never reads),
+    `org/klein-tiny-bundle` (the tiny bundle), `org/tampered` (that bundle with one byte of a graph
+    changed) and the gated `org/gated`; its URL."""
     served = tmp_path_factory.mktemp("hub") / "klein-tiny"
     shutil.copytree(tiny_checkpoint, served)
     (served / "README.md").write_text("a model card")
@@ -90,7 +91,17 @@ def hub(tiny_checkpoint, tmp_path_factory):
     variant = served / "vae" / "diffusion_pytorch_model.fp16.safetensors"
     shutil.copy(next((served / "vae").glob("*.safetensors")), variant)
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
-    server.repos = {"org/klein-tiny": served, "org/gated": "gated"}
+    tampered = tmp_path_factory.mktemp("hub") / "tampered"
+    shutil.copytree(tiny_bundle, tampered)
+    data = bytearray((tampered / "vae_decoder.onnx").read_bytes())
+    data[-1] ^= 1
+    (tampered / "vae_decoder.onnx").write_bytes(data)
+    server.repos = {
+        "org/klein-tiny": served,
+        "org/klein-tiny-bundle": tiny_bundle,
+        "org/tampered": tampered,
+        "org/gated": "gated",
+    }
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}", served
     server.shutdown()
@@ -150,3 +161,72 @@ def test_gated_missing_and_uncached_repositories_say_what_to_do(hub, tmp_path):
     )
     assert offline.returncode == 2 and "is not in the Hugging Face cache" in offline.stderr, offline.stderr
     assert not (tmp_path / "out").exists()
+
+
+KLEIN = Path(__file__).resolve().parents[2] / "target" / "release" / "klein"
+
+
+def test_pull_installs_a_model_every_front_end_takes_by_name(hub, tmp_path, export_cache):
+    """`klein-export pull ORG/NAME` downloads and converts into the models folder; then the CLI and
+    the Python bindings take its name, and the CLI its Hub id, as the bundle's directory."""
+    url, _ = hub
+    models = tmp_path / "models"
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hf-cache"), "HF_ENDPOINT": url}
+    env["KLEIN_MODELS_DIR"] = str(models)
+    env.pop("HF_TOKEN", None)
+    pull = [sys.executable, "-m", "klein_export.cli", "pull", "org/klein-tiny", "--cache", str(export_cache)]
+    run = subprocess.run(pull, capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr
+    installed = models / "klein-tiny"
+    assert run.stdout.strip() == str(installed) and "klein generate --model klein-tiny" in run.stderr, run.stderr
+    assert json.loads((installed / "manifest.json").read_text())["model"]["name"] == "klein-tiny"
+
+    def generate(model, out):
+        args = [str(KLEIN), "generate", "--model", model, "-q", "-o", str(out), "--width", "64", "--height", "64"]
+        return subprocess.run([*args, "--seed", "3", "x"], capture_output=True, text=True, env=env, cwd=tmp_path)
+
+    outputs = []
+    for i, model in enumerate(["klein-tiny", "org/klein-tiny", str(installed)]):
+        done = generate(model, tmp_path / f"{i}.png")
+        assert done.returncode == 0, done.stderr
+        outputs.append((tmp_path / f"{i}.png").read_bytes())
+    assert outputs[0] == outputs[1] == outputs[2]
+    listed = subprocess.run([str(KLEIN), "models"], capture_output=True, text=True, env=env)
+    assert listed.returncode == 0 and "klein-tiny" in listed.stdout and str(installed) in listed.stdout, listed
+    code = "import klein_runtime as k; p = k.Pipeline(model='klein-tiny'); print(p.model_name, p.bundle_dir)"
+    bindings = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert bindings.returncode == 0 and bindings.stdout.split() == ["klein-tiny", str(installed)], bindings.stderr
+
+    # A name nothing has: exit 2, naming what is installed and how to get more.
+    unknown = generate("klein-other", tmp_path / "x.png")
+    assert unknown.returncode == 2, unknown.stderr
+    for needle in ("klein-other", "not an installed model", "klein-tiny", "klein-export pull"):
+        assert needle in unknown.stderr, unknown.stderr
+    # Pulled again: refused without --force, which replaces it.
+    again = subprocess.run(pull, capture_output=True, text=True, env=env, timeout=600)
+    assert again.returncode == 2 and "--force" in again.stderr, again.stderr
+    assert subprocess.run([*pull, "--force"], capture_output=True, text=True, env=env, timeout=600).returncode == 0
+
+
+def test_pull_of_a_bundle_repository_checks_every_file_against_its_manifest(hub, tiny_bundle, tmp_path):
+    url, _ = hub
+    models = tmp_path / "models"
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hf-cache"), "HF_ENDPOINT": url}
+    env["KLEIN_MODELS_DIR"] = str(models)
+    env.pop("HF_TOKEN", None)
+    pull = [sys.executable, "-m", "klein_export.cli", "pull"]
+    run = subprocess.run([*pull, "org/klein-tiny-bundle"], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "every file matches its manifest's sha256" in run.stderr, run.stderr
+    installed = models / "klein-tiny-bundle"
+    want = {p.name: p.read_bytes() for p in Path(tiny_bundle).iterdir()}
+    assert {p.name: p.read_bytes() for p in installed.iterdir()} == want
+    assert not any(p.is_symlink() for p in installed.iterdir())
+    args = [str(KLEIN), "generate", "--model", "org/klein-tiny-bundle", "-q", "-o", str(tmp_path / "a.png")]
+    done = subprocess.run([*args, "--width", "32", "--height", "32", "x"], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    # One byte changed in the repository: refused, naming the file, and nothing installed.
+    bad = subprocess.run([*pull, "org/tampered"], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2, bad.stderr
+    assert "vae_decoder.onnx does not match the manifest" in bad.stderr and "nothing was installed" in bad.stderr
+    assert not (models / "tampered").exists()

@@ -6,6 +6,7 @@ pub mod buckets;
 pub mod bundled;
 pub mod component;
 pub mod contract;
+pub mod installed;
 pub mod kv;
 pub mod lora_targets;
 pub mod manifest;

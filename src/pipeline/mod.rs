@@ -151,6 +151,8 @@ impl Pipeline {
             vae_tiling,
             vae_tile_size,
         } = options;
+        // A name or Hub id of an installed model (`klein-export pull`) is its bundle directory.
+        let dir = &crate::bundle::installed::resolve(dir);
         request::check_session(&session)?;
         request::check_cache_limit(
             "prompt_cache_max_mib",

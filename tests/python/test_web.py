@@ -130,7 +130,18 @@ def test_generate_streams_previews_and_downloads_the_cli_png(
 
 
 def test_references_are_uploaded_and_composed(page: Page, klein_bin: Path, tiny_bundle: Path, tmp_path: Path):
-    page.set_input_files("#refs-input", [str(REFS / "gray.png"), str(REFS / "wide.png")])
+    page.set_input_files("#refs-input", [str(REFS / "gray.png")])
+    # The second dropped on the box, as a file dragged from the desktop.
+    dropped = page.evaluate_handle(
+        """(b64) => {
+            const data = new DataTransfer();
+            const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+            data.items.add(new File([bytes], 'wide.png', {type: 'image/png'}));
+            return data;
+        }""",
+        base64.b64encode((REFS / "wide.png").read_bytes()).decode(),
+    )
+    page.dispatch_event("#refs-drop", "drop", {"dataTransfer": dropped})
     expect(page.locator("#refs-list img")).to_have_count(2)
     expect(page.locator("#refs-count")).to_contain_text("2 of up to 10")
     page.get_by_role("button", name="Remove reference wide.png").click()

@@ -31,6 +31,8 @@ pub(crate) enum Command {
     Serve(Box<ServeArgs>),
     /// Install the official ONNX Runtime library into klein's cache, where klein finds it (for a klein installed with cargo install)
     Setup(SetupArgs),
+    /// List the installed models (klein-export pull ORG/NAME installs one), by the names --model takes
+    Models,
 }
 
 /// `klein setup`.
@@ -324,7 +326,8 @@ fn parse_vae_tile_size(text: &str) -> Result<u32, String> {
 pub(crate) fn default_model(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     let from_env = || std::env::var_os("KLEIN_MODEL").filter(|m| !m.is_empty());
     match model.or_else(|| from_env().map(PathBuf::from)) {
-        Some(model) => Ok(model),
+        // A name or Hub id of an installed model (`klein-export pull`) is its bundle directory.
+        Some(model) => Ok(klein::bundle::installed::resolve(&model)),
         None => Ok(tiny_model_dir()?),
     }
 }

@@ -102,7 +102,7 @@ fn load_args(command: &Command) -> Option<&LoadArgs> {
     match command {
         Command::Generate(args) => Some(&args.load),
         Command::Serve(args) => Some(&args.load),
-        Command::Info(_) | Command::Setup(_) => None,
+        Command::Info(_) | Command::Setup(_) | Command::Models => None,
     }
 }
 

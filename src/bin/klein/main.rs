@@ -13,6 +13,7 @@ mod generate;
 mod heap;
 mod info;
 mod jsonl;
+mod models;
 mod outputs;
 mod report;
 mod serve;
@@ -38,6 +39,10 @@ fn main() -> ExitCode {
         // The server handles SIGTERM and Ctrl-C itself: it finishes accepted requests first.
         Command::Serve(args) => serve::serve(*args).map(|()| ExitCode::SUCCESS),
         Command::Setup(args) => setup::setup(args).map(|()| ExitCode::SUCCESS),
+        Command::Models => {
+            end_quietly_on_a_closed_pipe();
+            models::models().map(|()| ExitCode::SUCCESS)
+        }
     };
     match result {
         Ok(code) => code,

@@ -20,10 +20,11 @@ impl Manifest {
         if !bundle_dir.is_dir() {
             let reason = if bundle_dir.exists() {
                 "is not a directory; pass the bundle directory (the one holding manifest.json)"
+                    .to_string()
             } else {
-                "does not exist; pass the directory written by `klein-export convert`"
+                crate::bundle::installed::missing_hint(bundle_dir)
             };
-            return Err(bundle_error(bundle_dir, reason.to_string()));
+            return Err(bundle_error(bundle_dir, reason));
         }
         let manifest_path = bundle_dir.join(MANIFEST_FILE);
         let reading = |source| KleinError::Io {
