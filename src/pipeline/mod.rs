@@ -557,8 +557,33 @@ fn internal(what: &str, error: impl std::fmt::Display) -> KleinError {
 }
 
 /// The warning for a size given that is not a multiple of the latent grid's `multiple` (16): it is
-/// floored, as diffusers floors it (and warns).
+/// floored, as diffusers floors it (and warns). With a source image (inpainting, img2img), a size
+/// other than the source's: it is ignored, as diffusers ignores it there.
 fn floored_size(request: &Request, plan: &Plan, multiple: u32) -> Option<String> {
+    if let Some(inpaint) = &request.inpaint {
+        let source = &inpaint.image;
+        let ignored: Vec<String> = [
+            ("width", request.width, source.width),
+            ("height", request.height, source.height),
+        ]
+        .into_iter()
+        .filter_map(|(name, given, side)| {
+            given
+                .filter(|&g| g / multiple * multiple != side / multiple * multiple)
+                .map(|g| format!("{name} {g}"))
+        })
+        .collect();
+        return (!ignored.is_empty()).then(|| {
+            format!(
+                "{} {} ignored: inpainting and img2img make an image of the source image's size \
+                 ({}x{}), as diffusers does; resize the source for another size",
+                ignored.join(" and "),
+                if ignored.len() > 1 { "are" } else { "is" },
+                plan.width,
+                plan.height
+            )
+        });
+    }
     let floored: Vec<String> = [
         ("width", request.width, plan.width),
         ("height", request.height, plan.height),

@@ -336,12 +336,7 @@ impl Plan {
                     model.name
                 )))
             }
-            Some(inpaint) => Some(check_inpaint(
-                inpaint,
-                request,
-                steps,
-                manifest.latents.pixel_multiple,
-            )?),
+            Some(inpaint) => Some(check_inpaint(inpaint, request, steps)?),
             None => None,
         };
         let ref_tokens: usize = request
@@ -451,35 +446,12 @@ fn check_finite<'a>(
     }
 }
 
-/// Inpainting's own checks; gives the first step that runs. The output is the source's size (as
-/// diffusers, which ignores `height` and `width` there: klein refuses a different one instead,
-/// once floored to `multiple` as every size is: 80x72 asks for the 80x64 of an 80x72 source);
-/// the mask must be at the source's size, and with several references all must have one size
+/// Inpainting's own checks; gives the first step that runs. The output is the source's size
+/// ([`output_size`]: as diffusers, which takes `height` and `width` there and ignores them); the
+/// mask must be at the source's size, and with several references all must have one size
 /// (diffusers crops the others to the first's).
-fn check_inpaint(
-    inpaint: &Inpaint,
-    request: &Request,
-    steps: usize,
-    multiple: u32,
-) -> Result<usize> {
+fn check_inpaint(inpaint: &Inpaint, request: &Request, steps: usize) -> Result<usize> {
     let source = &inpaint.image;
-    for (what, given, size) in [
-        ("width", request.width, source.width),
-        ("height", request.height, source.height),
-    ] {
-        if given.is_some_and(|g| g / multiple * multiple != size) {
-            return Err(KleinError::request_about(
-                what,
-                format!(
-                    "{what} {} was given, but inpainting and img2img make an image of the source \
-                 image's size ({}x{}); leave the size out or resize the source",
-                    given.unwrap_or_default(),
-                    source.width,
-                    source.height
-                ),
-            ));
-        }
-    }
     if let Some(mask) = &inpaint.mask {
         if (mask.width, mask.height) != (source.width, source.height) {
             return Err(KleinError::request(format!(
@@ -587,18 +559,22 @@ pub(crate) fn check_cache_limit(
 /// default; floored to the latent multiple (16), as the reference pipeline does.
 pub fn output_size(manifest: &Manifest, request: &Request) -> Result<(u32, u32)> {
     let first = request.conditioning_images().next();
-    let width = request
-        .width
+    // Inpainting and img2img make an image of the source's size, whatever width and height say, as
+    // diffusers' inpaint pipeline does (it takes them and uses the source's); the pipeline warns.
+    let (asked_width, asked_height) = match request.inpaint {
+        Some(_) => (None, None),
+        None => (request.width, request.height),
+    };
+    let width = asked_width
         .or(first.map(|r| r.width))
         .unwrap_or(manifest.model.default_width);
-    let height = request
-        .height
+    let height = asked_height
         .or(first.map(|r| r.height))
         .unwrap_or(manifest.model.default_height);
     let multiple = manifest.latents.pixel_multiple;
     for (what, value, given) in [
-        ("width", width, request.width),
-        ("height", height, request.height),
+        ("width", width, asked_width),
+        ("height", height, asked_height),
     ] {
         if value < multiple || value > MAX_SIDE {
             // A size nobody gave is the image's: say so, and how to change it.
