@@ -396,7 +396,6 @@ def test_invalid_input(pipe, tiny_bundle, tmp_path):
         (lambda: pipe("a fox", width=64, height=64, negative_prompt="blurry"), "negative_prompt"),
         (lambda: pipe("a fox", output_type="pt"), "output_type"),
         (lambda: pipe("a fox", callback=5), "callback"),
-        (lambda: pipe.inpaint("a fox", image=synthetic(), width=128), "width"),
         (lambda: pipe.inpaint("a fox", image=synthetic(), padding_mask_crop=8), "padding_mask_crop"),
         (lambda: pipe.inpaint("a fox", image=[synthetic(), synthetic()]), "image"),
         (lambda: klein.Pipeline(tiny_bundle, vae_tiling="maybe"), "vae_tiling"),
@@ -566,12 +565,15 @@ def test_inpaint_is_the_cli_file(pipe, klein_bin, tiny_bundle, tmp_path):
     img2img = pipe.inpaint("a hat", image=str(source), generator=9, output_type="png")
     assert img2img.images == [(tmp_path / "i.png").read_bytes()]
     assert img2img.images != out.images
-    # height/width: the output's size, else refused (diffusers ignores them here).
+    # height/width: ignored, as diffusers ignores them here: the source's size, with a warning when
+    # another size is given.
     sized = pipe.inpaint("a hat", image=str(source), mask_image=str(mask), strength=0.75, generator=9,
                          width=96, height=64, output_type="png")  # fmt: skip
     assert sized.images == out.images
-    with pytest.raises(klein.InvalidInputError, match="width 64 was given, but inpainting"):
-        pipe.inpaint("a hat", image=str(source), mask_image=str(mask), width=64, height=48)
+    with pytest.warns(klein.KleinWarning, match="width 64 and height 48 are ignored"):
+        other = pipe.inpaint("a hat", image=str(source), mask_image=str(mask), strength=0.75, generator=9,
+                             width=64, height=48, output_type="png")  # fmt: skip
+    assert other.images == out.images
     with pytest.raises(klein.InvalidInputError, match="strength 2 must be above 0"):
         pipe.inpaint("a hat", image=str(source), strength=2, generator=9)
     with pytest.raises(klein.InvalidInputError, match="one source image"):
