@@ -106,6 +106,19 @@ def transformer_kv_io(in_channels: int, joint_dim: int, n_axes: int, layers: int
     )
 
 
+def flux3_transformer_io(in_channels: int, joint_dim: int, n_axes: int, flow_map: bool) -> GraphIO:
+    """FLUX.3's transformer (flux3_wrappers.Flux3Transformer): the references are tokens of their own
+    (`cond_latents`, none for text-to-image) and a flow-map model takes `target_timestep` too."""
+    plain = transformer_io(in_channels, joint_dim, n_axes)
+    inputs = plain.inputs + (
+        Tensor("cond_latents", "float32", (BATCH, REF_TOKENS, in_channels)),
+        Tensor("cond_ids", "int64", (REF_TOKENS, n_axes)),
+    )
+    if flow_map:
+        inputs += (Tensor("target_timestep", "float32", (BATCH,)),)
+    return GraphIO(plain.component, plain.file, inputs, plain.outputs)
+
+
 def vae_encoder_io(latent_channels: int) -> GraphIO:
     return GraphIO(
         "vae_encoder",

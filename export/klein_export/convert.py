@@ -22,6 +22,8 @@ from .cache_key import stamp_bundle
 from .checkpoint import Checkpoint
 from .contract import GraphEntry
 from .errors import BundleExistsError, CheckpointError, StaticShapesError
+from .flux3 import FAMILY as FLUX3
+from .flux3 import Flux3Checkpoint, is_flux3
 from .fused_attention import TRANSLATIONS as ATTENTION
 from .fused_attention import fused_attention
 from .fused_rotary import TRANSLATIONS as ROTARY
@@ -45,6 +47,10 @@ def _export_component(label, checkpoint, out, precision, loras, fused):
     """Runs in a child process: exports one component of `checkpoint` (Checkpoint's arguments), returns
     its GraphEntry list and the child's peak RSS."""
     options = {"fused": fused}
+    if checkpoint[0] == FLUX3:
+        from .flux3_convert import EXPORTS as FLUX3_EXPORTS
+
+        return FLUX3_EXPORTS[label](Flux3Checkpoint(checkpoint[1]), Path(out), precision), _peak_rss_mb()
     return EXPORTS[label](Checkpoint(*checkpoint), Path(out), precision, loras, **options), _peak_rss_mb()
 
 
@@ -282,6 +288,11 @@ def convert(
     check_precision(precision)
     if quantization is not None and not isinstance(quantization, QuantizationConfig):
         raise TypeError("quantization must be a QuantizationConfig or None")
+    if is_flux3(checkpoint):
+        from .flux3_convert import convert_flux3
+
+        options = dict(static_shapes=static_shapes, refs=refs, loras=loras, transformer=transformer, cache=cache)
+        return convert_flux3(checkpoint, out, force, name, variant, log, precision, quantization, **options)
     ckpt = Checkpoint(checkpoint, transformer)
     check_variant(ckpt, variant)
     check_loras(ckpt.transformer_config, loras)

@@ -14,5 +14,5 @@ pub mod stamp;
 pub mod support;
 
 pub use component::Component;
-pub use manifest::{Manifest, MANIFEST_FILE};
+pub use manifest::{Manifest, ModelFamily, MANIFEST_FILE};
 pub use stamp::{default_cache_dir, Verification};

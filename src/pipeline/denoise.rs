@@ -127,7 +127,9 @@ impl Pipeline {
             .transpose()?;
         // [h*w + N, 4]: output tokens then reference tokens (KV bundles: [h*w, 4] and [N, 4])
         let latent_ids = prepare_latent_ids(lat_h, lat_w);
-        let (img_ids, ref_ids) = if self.manifest.model.kv_cache {
+        // FLUX.3 (and KV bundles) take the references' tokens and ids apart from the output's.
+        let apart = self.manifest.model.kv_cache || self.is_flux3();
+        let (img_ids, ref_ids) = if apart {
             (latent_ids, Some(references.ids.clone()))
         } else {
             let ids = concatenate(Axis(0), &[latent_ids.view(), references.ids.view()])
@@ -211,6 +213,9 @@ impl Pipeline {
     ) -> Result<Array3<f32>> {
         let (batch, image_tokens, _) = latents.dim();
         let timestep = Array1::from_elem(batch, ctx.schedule.transformer_timestep(step)); // [B]
+        if self.is_flux3() {
+            return self.flux3_velocity(latents, timestep, step, ctx, prompt, branch, progress);
+        }
         let constants = [
             ("prompt_embeds", TensorInput::from(prompt.view())),
             ("img_ids", TensorInput::from(ctx.img_ids.view())),
@@ -271,6 +276,49 @@ impl Pipeline {
         } else {
             cache
         };
+        take_velocity(&mut out)
+    }
+
+    /// FLUX.3's transformer: the references as tokens of their own (none: `[B, 0, 128]`), the
+    /// text ids of this prompt's window (the negative prompt's may be longer), and for a flow-map
+    /// model the timestep this step jumps to (the next one, 0 after the last), as
+    /// `Flux3DistilledLoopDenoiser` passes them.
+    #[allow(clippy::too_many_arguments)]
+    fn flux3_velocity(
+        &mut self,
+        latents: &Array3<f32>,
+        timestep: Array1<f32>,
+        step: usize,
+        ctx: &DenoiseContext,
+        prompt: &Array3<f32>,
+        branch: u64,
+        progress: &mut Option<&mut ProgressFn<'_>>,
+    ) -> Result<Array3<f32>> {
+        let txt_ids = prepare_text_ids(prompt.dim().1);
+        let no_ids = Array2::<i64>::zeros((0, 4));
+        let cond_ids = ctx.ref_ids.as_ref().unwrap_or(&no_ids);
+        let constants = [
+            ("prompt_embeds", TensorInput::from(prompt.view())),
+            ("img_ids", TensorInput::from(ctx.img_ids.view())),
+            ("txt_ids", TensorInput::from(txt_ids.view())),
+            ("cond_latents", TensorInput::from(ctx.ref_tokens.view())),
+            ("cond_ids", TensorInput::from(cond_ids.view())),
+        ];
+        let next = if step + 1 < ctx.schedule.num_steps() {
+            ctx.schedule.transformer_timestep(step + 1)
+        } else {
+            0.0
+        };
+        let target = Array1::from_elem(timestep.len(), next);
+        let mut feeds = vec![
+            ("latents", TensorInput::from(latents.view())),
+            ("timestep", TensorInput::from(timestep.view())),
+        ];
+        if self.manifest.transformer.flow_map {
+            feeds.push(("target_timestep", TensorInput::from(target.view())));
+        }
+        let graph = self.graph(Component::Transformer, ctx.bucket, progress)?;
+        let mut out = graph.run_with_constants(4 * ctx.id + branch, &constants, &feeds)?;
         take_velocity(&mut out)
     }
 
@@ -336,7 +384,7 @@ impl Pipeline {
             }
             Ok(latents)
         });
-        if ctx.ref_ids.is_some() {
+        if ctx.ref_ids.is_some() && self.manifest.model.kv_cache {
             // The references' K/V are this context's only: the host copy and the bound one go.
             self.kv_cache = None;
             if let Some(graph) = self.graphs.loaded(Component::Transformer) {

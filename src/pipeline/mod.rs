@@ -252,6 +252,11 @@ impl Pipeline {
         &self.manifest
     }
 
+    /// A FLUX.3 Image Klein bundle (`model.family`).
+    pub(crate) fn is_flux3(&self) -> bool {
+        self.manifest.model.family == crate::bundle::ModelFamily::Flux3
+    }
+
     pub fn bundle_dir(&self) -> &Path {
         &self.dir
     }

@@ -37,8 +37,10 @@ pub struct PromptCache {
     dir: PathBuf,
     /// What the embeddings depend on in the bundle (the device comes with each lookup).
     bundle_key: String,
-    /// `[1, max_sequence_length, embed_dim]` of this bundle.
+    /// `[1, max_sequence_length, embed_dim]` of this bundle (FLUX.3: the length is any window of
+    /// `tokenizer`).
     shape: [usize; 3],
+    tokenizer: crate::stages::tokenize::TokenizerSpec,
     /// Most bytes the directory's entries (of every bundle) may take.
     max_bytes: u64,
 }
@@ -83,6 +85,7 @@ impl PromptCache {
             dir,
             bundle_key: sha256_hex(material.as_bytes()),
             shape,
+            tokenizer: manifest.tokenizer.clone(),
             max_bytes: max_mib.saturating_mul(1024 * 1024),
         }
     }
@@ -151,7 +154,9 @@ impl PromptCache {
         let view = tensors
             .tensor(TENSOR)
             .map_err(|_| format!("has no `{TENSOR}` tensor"))?;
-        if view.dtype() != Dtype::F32 || view.shape() != self.shape {
+        let [_, _, width] = self.shape;
+        let fits = matches!(view.shape(), &[1, l, d] if self.tokenizer.is_window(l) && d == width);
+        if view.dtype() != Dtype::F32 || !fits {
             return Err(format!(
                 "holds {:?} {:?}, this bundle's embeddings are F32 {:?}",
                 view.dtype(),
@@ -167,8 +172,7 @@ impl PromptCache {
         if values.iter().any(|v| !v.is_finite()) {
             return Err("holds non-finite values".to_string());
         }
-        let [b, l, d] = self.shape;
-        Array3::from_shape_vec((b, l, d), values).map_err(|e| e.to_string())
+        Array3::from_shape_vec((1, view.shape()[1], width), values).map_err(|e| e.to_string())
     }
 
     /// Stores `embeds` for `prompt` encoded with `numerics` (atomically: a reader never sees a

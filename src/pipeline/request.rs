@@ -368,15 +368,15 @@ impl Plan {
             check_finite("initial_latents", "initial latents", latents.iter())?;
         }
         if let Some(given) = &request.prompt_embeds {
-            let want = (
-                1,
-                manifest.tokenizer.max_sequence_length,
-                manifest.text_encoder.embed_dim,
-            );
-            if given.embeds.dim() != want {
+            let (rows, length, width) = given.embeds.dim();
+            let tokenizer = &manifest.tokenizer;
+            if rows != 1 || !tokenizer.is_window(length) || width != manifest.text_encoder.embed_dim
+            {
                 return Err(KleinError::request(format!(
-                    "prompt embeddings have shape {:?}, expected {want:?} (from Pipeline::encode_prompt of this bundle)",
-                    given.embeds.dim()
+                    "prompt embeddings have shape {:?}, expected (1, {}, {}) (from Pipeline::encode_prompt of this bundle)",
+                    given.embeds.dim(),
+                    tokenizer.windows(),
+                    manifest.text_encoder.embed_dim
                 )));
             }
             check_finite("prompt_embeds", "prompt embeddings", given.embeds.iter())?;

@@ -13,7 +13,8 @@
 //! 3. Keep the first `max_sequence_length` ids: a long prompt loses the template suffix, exactly as
 //!    the reference does (truncation side is right).
 //! 4. Pad to exactly `max_sequence_length` with `pad_token_id` on `padding_side`; the attention mask
-//!    is 1 for real tokens, 0 for padding.
+//!    is 1 for real tokens, 0 for padding. FLUX.3 (`pad_multiple`, `Flux3TextEncoderStep`): pad to
+//!    the kept length rounded up to a multiple of 80 instead, at most `max_sequence_length`.
 
 use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
@@ -43,6 +44,44 @@ pub struct TokenizerSpec {
     pub max_sequence_length: usize,
     /// Whether the tokenizer's post-processor adds its special tokens (false for klein).
     pub add_special_tokens: bool,
+    /// FLUX.3: the window is the prompt's length rounded up to a multiple of this (80), at most
+    /// `max_sequence_length`, not `max_sequence_length` itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pad_multiple: Option<usize>,
+}
+
+impl TokenizerSpec {
+    /// The window of a prompt of `tokens` tokens (after truncation): `max_sequence_length`, or
+    /// with `pad_multiple` the length rounded up to it, at most `max_sequence_length`.
+    pub fn window(&self, tokens: usize) -> usize {
+        match self.pad_multiple {
+            Some(m) if m > 0 => tokens.div_ceil(m).saturating_mul(m).min(self.max_sequence_length),
+            _ => self.max_sequence_length,
+        }
+    }
+
+    /// Whether prompt embeddings of `length` tokens are a window of this tokenizer.
+    pub fn is_window(&self, length: usize) -> bool {
+        match self.pad_multiple {
+            Some(m) if m > 0 => {
+                length > 0
+                    && length <= self.max_sequence_length
+                    && (length % m == 0 || length == self.max_sequence_length)
+            }
+            _ => length == self.max_sequence_length,
+        }
+    }
+
+    /// The windows [`TokenizerSpec::is_window`] accepts, in words.
+    pub fn windows(&self) -> String {
+        match self.pad_multiple {
+            Some(m) if m > 0 => format!(
+                "a multiple of {m} up to {}",
+                self.max_sequence_length
+            ),
+            _ => self.max_sequence_length.to_string(),
+        }
+    }
 }
 
 /// `tokenizer.padding_side`.
@@ -55,7 +94,7 @@ pub enum PaddingSide {
     Right,
 }
 
-/// Token ids of one prompt, exactly `max_sequence_length` long.
+/// Token ids of one prompt, exactly its window long ([`TokenizerSpec::window`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Encoded {
     /// `[max_sequence_length]` token ids, padding included.
@@ -135,7 +174,7 @@ impl PromptTokenizer {
         let ids = encoding.get_ids();
         let truncated = ids.len() > max_len;
         let kept = &ids[..ids.len().min(max_len)];
-        let pad_len = max_len - kept.len();
+        let pad_len = spec.window(kept.len()) - kept.len();
         let pad_id = i64::from(spec.pad_token_id);
 
         let tokens = kept.iter().map(|&id| i64::from(id));

@@ -91,6 +91,10 @@ pub struct ModelInfo {
     pub name: String,
     /// Which published model (or a tiny test model) this is.
     pub variant: ModelVariant,
+    /// The model family: FLUX.2-klein (the default, absent in older manifests) or FLUX.3 Image
+    /// Klein. The pipeline follows it.
+    #[serde(default, skip_serializing_if = "ModelFamily::is_flux2")]
+    pub family: ModelFamily,
     /// Step-distilled (4 steps, no guidance) rather than a base checkpoint.
     pub is_distilled: bool,
     /// Default number of denoising steps (4 distilled, 50 base).
@@ -112,6 +116,32 @@ pub struct ModelInfo {
     /// --transformer`): a fine-tune on the base checkpoint's architecture.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transformer_file: Option<SourceFile>,
+}
+
+/// `model.family`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ModelFamily {
+    /// FLUX.2-klein (`Flux2KleinPipeline`, `Flux2KleinKVPipeline`).
+    #[default]
+    #[serde(rename = "flux2")]
+    Flux2,
+    /// FLUX.3 Image Klein (`Flux3ModularPipeline`, `Flux3DistilledModularPipeline`).
+    #[serde(rename = "flux3")]
+    Flux3,
+}
+
+impl ModelFamily {
+    fn is_flux2(&self) -> bool {
+        *self == ModelFamily::Flux2
+    }
+
+    /// The family's name as users know it.
+    pub fn label(self) -> &'static str {
+        match self {
+            ModelFamily::Flux2 => "FLUX.2-klein",
+            ModelFamily::Flux3 => "FLUX.3 Image Klein",
+        }
+    }
 }
 
 /// A file a bundle was exported from: its name and sha256.
@@ -182,6 +212,10 @@ pub struct TransformerSpec {
     pub rope_theta: f64,
     /// Whether the model takes a guidance embedding (false for klein).
     pub guidance_embeds: bool,
+    /// FLUX.3: a flow-map (step-distilled) transformer, which also takes the timestep each step
+    /// jumps to (`target_timestep`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub flow_map: bool,
 }
 
 /// `vae`: AutoencoderKLFlux2 numbers.
