@@ -171,6 +171,13 @@ def _ranges(args):
 
 
 def _tiny(args):
+    if args.preset.startswith("flux3"):
+        from .flux3_tiny import build_flux3
+
+        if args.kv:
+            raise CheckpointError("--kv is a FLUX.2-klein variant; FLUX.3 presets are step-distilled or --base")
+        print(build_flux3(args.out, seed=args.seed, preset=args.preset, distilled=not args.base))
+        return 0
     from .tiny import build_tiny
 
     print(build_tiny(args.out, seed=args.seed, preset=args.preset, distilled=not args.base, kv=args.kv))
@@ -421,11 +428,13 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--preset",
         default="tiny",
-        choices=["tiny", "wide", "4b", "9b-wide", "9b"],
+        choices=["tiny", "wide", "4b", "9b-wide", "9b", "flux3-tiny", "flux3-wide", "flux3"],
         help="tiny: the test model; wide: the real 4B widths with 28 Qwen3 layers and 1+2 blocks; "
         "4b: the published 4B architecture; 9b-wide: the real 9B widths (Qwen3-8B's 4096, transformer 32 x 128, "
         "joint dim 12288) with 4 Qwen3 layers, out layers 1/2/3 (recorded in model_index.json) and 1+2 blocks; "
-        "9b: the published 9B architecture (17 B parameters: about 70 GB of memory to build)",
+        "9b: the published 9B architecture (17 B parameters: about 70 GB of memory to build); "
+        "flux3-tiny, flux3-wide, flux3: FLUX.3 Image Klein's test model, its published widths with 8 Qwen3-VL "
+        "layers and 1+2 blocks, and its published architecture",
     )
     kind = t.add_mutually_exclusive_group()
     kind.add_argument(

@@ -15,9 +15,11 @@ from .errors import CheckpointError
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 #: What `Checkpoint` reads (checkpoint.py): model_index.json, every component's config and
-#: weights (sharded ones with their index), the scheduler and the tokenizer.
+#: weights (sharded ones with their index), the scheduler and the tokenizer; for FLUX.3
+#: (flux3.py), the modular pipeline's index and the processor's files in `tokenizer/`.
 ALLOW_PATTERNS = [
     "model_index.json",
+    "modular_model_index.json",
     "scheduler/*.json",
     "tokenizer/*",
     *(f"{component}/*.json" for component in ("text_encoder", "transformer", "vae")),
@@ -98,8 +100,9 @@ def fetch_bundle(text: str, revision: str | None = None, log=None) -> Path | Non
     manifest's size and sha256. None for a repository that holds a checkpoint."""
     log = log or _stderr
     at = f"{text}@{revision}" if revision else text
-    probe = download(text, revision, ["manifest.json", "model_index.json"])
-    if not (probe / "manifest.json").is_file() or (probe / "model_index.json").is_file():
+    indexes = ["model_index.json", "modular_model_index.json"]
+    probe = download(text, revision, ["manifest.json", *indexes])
+    if not (probe / "manifest.json").is_file() or any((probe / index).is_file() for index in indexes):
         return None
     try:
         files = json.loads((probe / "manifest.json").read_text())["files"]
