@@ -25,6 +25,7 @@ def load_reference(root):
         vae=ckpt.load_vae(),
     )
     pipe.klein_out_layers = ckpt.text_encoder_out_layers
+    pipe.klein_root = ckpt.root
     return pipe
 
 
