@@ -16,6 +16,18 @@ pub const MAX_SIDE: u32 = 4096;
 /// Largest number of image tokens (output + references) one transformer call may see: the output
 /// at 1 megapixel (4096 tokens) plus four 1-megapixel references.
 pub const MAX_IMAGE_TOKENS: usize = 5 * 4096;
+/// FLUX.3 Image Klein's: a single reference is kept up to a 4-megapixel canvas and the output
+/// defaults to that canvas (32,768 tokens), and up to ten references of 1 megapixel each go with
+/// a 1-megapixel output (45,056), as diffusers' FLUX.3 pipelines allow.
+pub const FLUX3_MAX_IMAGE_TOKENS: usize = 11 * 4096;
+/// FLUX.3's single-reference canvas (`reference_canvas`): at most 4 megapixels, each side 64 to
+/// 4096 pixels.
+pub const FLUX3_MAX_CANVAS_AREA: u64 = 4 * 1024 * 1024;
+pub const FLUX3_MAX_CANVAS_SIDE: u32 = 4096;
+pub const FLUX3_MIN_CANVAS_SIDE: u32 = 64;
+/// FLUX.3's text window: prompts are padded to a multiple of this many tokens
+/// (`Flux3TextEncoderStep`), up to [`MAX_SEQUENCE_LENGTH`].
+pub const FLUX3_PAD_MULTIPLE: usize = 80;
 /// Largest batch (`num_images`) in one call.
 pub const MAX_BATCH: usize = 16;
 /// Largest number of denoising steps. Base models use about 50; diffusers' scheduler is trained on

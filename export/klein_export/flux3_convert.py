@@ -237,7 +237,11 @@ def build_manifest(ckpt, facts, graphs, name, variant) -> dict:
             "sample_size": _first(vae.get("sample_size", 1024)),
         },
         "latents": {"channels": vae["latent_channels"] * patch[0] * patch[1], "pixel_multiple": spatial * patch[0]},
-        "references": dict(REFERENCES),
+        # Several references (each fitted under 1 MP and centre-cropped to the 16-pixel grid, as
+        # FLUX.2's): diffusers' FLUX.3 processor checks no side or aspect ratio; 16 px a side is
+        # what crops to one token. A single reference is kept whole on its canvas (the runtime's
+        # fill_reference, bounded in limits.rs).
+        "references": dict(REFERENCES, min_side=16, max_aspect_ratio=1024),
         "scheduler": {
             "class": "FlowMatchEulerDiscreteScheduler",
             "num_train_timesteps": 1000,

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from diffusers.utils import load_image
 from PIL import Image
 
 from klein_export.convert import convert
+from klein_export.fixtures import synthetic_image
 from klein_export.flux3 import Flux3Checkpoint
 from klein_export.flux3_convert import tokenizer_facts
 from klein_export.flux3_reference import load_reference, run_reference
@@ -94,6 +96,46 @@ def test_distilled_batch_and_default_steps_equal_diffusers(distilled, tmp_path):
         _compare(tmp_path / f"k-{i + 1}.png", want[i], f"batch image {i + 1}")
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert manifest["model"]["default_steps"] == 16
+
+
+REFERENCE_CASES = [
+    # One reference: kept whole on its padded canvas, the output cropped back to it.
+    {"id": "one-ref-reflect-padded", "refs": [(100, 70, "RGBA")], "size": None},
+    {"id": "one-ref-canvas-min-side", "refs": [(40, 30, "RGB")], "size": None},
+    {"id": "one-ref-symmetric-padded", "refs": [(16, 96, "L")], "size": None},
+    # A size given: the canvas is not cropped back.
+    {"id": "one-ref-sized", "refs": [(100, 70, "RGB")], "size": (64, 48)},
+    # Several: each centre-cropped to the grid, told apart on the l axis.
+    {"id": "two-refs", "refs": [(80, 64, "RGB"), (128, 96, "RGB")], "size": None},
+    {"id": "three-refs-sized", "refs": [(80, 64, "RGBA"), (128, 96, "RGB"), (64, 120, "L")], "size": (64, 64)},
+]
+
+
+@pytest.mark.parametrize("case", REFERENCE_CASES, ids=[c["id"] for c in REFERENCE_CASES])
+def test_references_equal_diffusers(distilled, case, tmp_path):
+    pipe, bundle = distilled
+    paths = []
+    for i, (w, h, mode) in enumerate(case["refs"]):
+        paths.append(tmp_path / f"ref{i}.png")
+        synthetic_image(w, h, mode, seed=40 + i).save(paths[-1])
+    images = [load_image(str(p)) for p in paths]
+    width, height = case["size"] or (None, None)
+    want = run_reference(pipe, "make it night", 4, width, height, steps=2, output_type="pil",
+                         images=images if len(images) > 1 else images[0])
+    extra = [arg for p in paths for arg in ("--ref", str(p))]
+    _klein(bundle, "make it night", 4, tmp_path / "k.png", case["size"], 2, extra)
+    _compare(tmp_path / "k.png", want[0], case["id"])
+
+
+def test_inpainting_is_refused_by_name(distilled, tmp_path):
+    _, bundle = distilled
+    synthetic_image(64, 64, "RGB", seed=1).save(tmp_path / "src.png")
+    cmd = [str(KLEIN), "generate", "x", "--model", str(bundle), "--image", str(tmp_path / "src.png"), "-o",
+           str(tmp_path / "k.png")]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert "FLUX.3 Image Klein bundle, which has no inpainting or img2img" in run.stderr
+    assert not (tmp_path / "k.png").exists()
 
 
 BASE_CASES = [

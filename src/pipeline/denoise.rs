@@ -104,7 +104,12 @@ impl Pipeline {
         schedule: Schedule,
     ) -> Result<DenoiseContext> {
         let image_tokens = lat_h * lat_w;
-        check_token_budget(image_tokens, references.ids.nrows(), references.count)?;
+        check_token_budget(
+            self.manifest.model.family.max_image_tokens(),
+            image_tokens,
+            references.ids.nrows(),
+            references.count,
+        )?;
         if let Some(shapes) = &self.manifest.static_shapes {
             if batch != shapes.batch || references.count != shapes.refs {
                 return Err(KleinError::request(format!(

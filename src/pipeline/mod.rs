@@ -524,6 +524,19 @@ impl Pipeline {
             ));
         }
         let vae_tiled = self.vae_tiles(width as usize, height as usize)?;
+        // FLUX.3, one reference and no size given: the padded canvas is cropped back to the
+        // reference's box, as `Flux3DecodeStep` does.
+        let crop_box = match (request.width, request.height, &request.references[..]) {
+            (None, None, [only]) if self.is_flux3() => only.crop_box,
+            _ => None,
+        };
+        let (width, height) = match crop_box {
+            Some(crop) => {
+                images = images.iter().map(|image| image.crop(crop)).collect();
+                (crop[2] - crop[0], crop[3] - crop[1])
+            }
+            None => (width, height),
+        };
         // 8. `padding_mask_crop`: the region's images pasted back into the whole source.
         let crop = request.inpaint.as_ref().and_then(|i| i.crop.as_ref());
         let (width, height) = match crop {

@@ -11,8 +11,10 @@ use super::{internal, ImageInput, Pipeline, ProgressFn, ReferenceTokens, Stage};
 use crate::bundle::Component;
 use crate::error::Result;
 use crate::runtime::give_back_freed_memory;
-use crate::stages::latents::{pack_latents, prepare_image_ids};
-use crate::stages::reference::{decode_reference_bytes, preprocess_reference, ReferenceImage};
+use crate::stages::latents::{pack_latents, prepare_flux3_image_ids, prepare_image_ids};
+use crate::stages::reference::{
+    decode_image_bytes, decode_reference_bytes, fill_reference, preprocess_reference, ReferenceImage,
+};
 
 impl Pipeline {
     /// Reads (a file) or decodes (bytes) a reference image and preprocesses it as diffusers does
@@ -30,6 +32,14 @@ impl Pipeline {
             self.manifest.latents.pixel_multiple,
             label,
         )
+    }
+
+    /// FLUX.3's single reference, kept whole on its padded canvas ([`fill_reference`]), from the
+    /// bytes of a PNG, JPEG or WebP file. [`Pipeline::prepare`] uses it when a request to a FLUX.3
+    /// bundle has one reference; with several, each is [`Pipeline::load_reference`]'s.
+    pub fn decode_single_reference(&self, bytes: &[u8], label: &Path) -> Result<ReferenceImage> {
+        let rgb = decode_image_bytes(bytes, label)?;
+        fill_reference(&rgb, self.manifest.latents.pixel_multiple, label)
     }
 
     /// Preprocesses an already decoded reference image; `label` names it in errors.
@@ -92,9 +102,13 @@ impl Pipeline {
             };
             Ok((tokens, grids))
         })?;
+        let ids = match self.is_flux3() {
+            true => prepare_flux3_image_ids(&grids),
+            false => prepare_image_ids(&grids, scale),
+        };
         Ok(ReferenceTokens {
             tokens,
-            ids: prepare_image_ids(&grids, scale),
+            ids,
             count: grids.len(),
         })
     }

@@ -6,7 +6,7 @@ use std::hash::BuildHasher;
 use ndarray::Array4;
 
 use super::prompts::PromptEmbeds;
-use crate::bundle::Manifest;
+use crate::bundle::{Manifest, ModelFamily};
 use crate::error::{KleinError, Result};
 use crate::limits::{
     MAX_BATCH, MAX_CPU_CACHE_GIB, MAX_GUIDANCE, MAX_IMAGE_TOKENS, MAX_PROMPT_BYTES, MAX_REFERENCES,
@@ -269,7 +269,7 @@ impl Request {
         // added once their sizes are read.
         if let (Some(width), Some(height)) = (self.width, self.height) {
             let tokens = (width / MIN_SIDE) as usize * (height / MIN_SIDE) as usize;
-            check_token_budget(tokens, 0, 0)?; // about `width` already
+            check_token_budget(MAX_IMAGE_TOKENS, tokens, 0, 0)?; // about `width` already
         }
         Ok(())
     }
@@ -336,6 +336,7 @@ impl Plan {
                     model.name
                 )))
             }
+            Some(_) if model.family == ModelFamily::Flux3 => return Err(no_flux3_inpaint(manifest)),
             Some(inpaint) => Some(check_inpaint(inpaint, request, steps)?),
             None => None,
         };
@@ -344,6 +345,7 @@ impl Plan {
             .map(|r| (r.width / m * (r.height / m)) as usize)
             .sum();
         check_token_budget(
+            model.family.max_image_tokens(),
             lat_h * lat_w,
             ref_tokens,
             request.conditioning_images().count(),
@@ -592,21 +594,36 @@ pub fn output_size(manifest: &Manifest, request: &Request) -> Result<(u32, u32)>
     Ok((width / multiple * multiple, height / multiple * multiple))
 }
 
-/// Output plus reference tokens must fit in one transformer call ([`MAX_IMAGE_TOKENS`]).
+/// Output plus reference tokens must fit in one transformer call: `max` tokens, the model
+/// family's ([`crate::bundle::ModelFamily::max_image_tokens`]; [`MAX_IMAGE_TOKENS`] before the
+/// bundle is known).
 pub fn check_token_budget(
+    max: usize,
     output_tokens: usize,
     reference_tokens: usize,
     references: usize,
 ) -> Result<()> {
     let total = output_tokens + reference_tokens;
-    if total > MAX_IMAGE_TOKENS {
+    if total > max {
         // About `width`: the output's size is the one number that always takes part.
         return Err(KleinError::request_about("width", format!(
             "{total} image tokens ({output_tokens} for the output + {reference_tokens} for {references} reference(s)): \
-             at most {MAX_IMAGE_TOKENS} fit; use fewer or smaller references or a smaller output"
+             at most {max} fit; use fewer or smaller references or a smaller output"
         )));
     }
     Ok(())
+}
+
+/// The error of inpainting or img2img asked of a FLUX.3 bundle.
+pub(crate) fn no_flux3_inpaint(manifest: &Manifest) -> KleinError {
+    KleinError::request_about(
+        "image",
+        format!(
+            "{} is a FLUX.3 Image Klein bundle, which has no inpainting or img2img (diffusers' FLUX.3 \
+             pipelines have none): give the image as a reference (--ref) to edit it",
+            manifest.model.name
+        ),
+    )
 }
 
 /// The error of a preview asked of a bundle without a preview map.

@@ -12,13 +12,15 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use super::inpaint::decode_mask;
-use super::request::{check_mask_crop, check_reference_count, check_token_budget};
+use super::request::{
+    check_mask_crop, check_reference_count, check_token_budget, no_flux3_inpaint,
+};
 use super::{random_seed, Inpaint, LoraSpec, Pipeline, Request};
 use crate::error::{KleinError, Result};
 use crate::stages::inpaint::{check_strength, DEFAULT_STRENGTH};
 use crate::stages::mask::{preprocess_mask, Mask};
 use crate::stages::reference::{
-    decode_image_bytes, processed_size, read_file, read_header_bytes, source_size, ReferenceImage,
+    decode_image_bytes, fill_plan, processed_size, read_file, read_header_bytes, source_size, ReferenceImage,
 };
 
 /// An image a request names: a file (read once, so a pipe works), or a file's bytes held in
@@ -308,6 +310,9 @@ impl Pipeline {
     /// which input or rule it is about.
     pub fn prepare(&self, spec: &RequestSpec) -> Result<Request, SpecError> {
         spec.check_numbers()?;
+        if self.is_flux3() && spec.source.is_some() {
+            return Err(SpecError::of(Input::Source)(no_flux3_inpaint(&self.manifest)));
+        }
         let source_bytes = read_input(Input::Source, spec.source.as_ref())?;
         let mask_bytes = read_input(Input::Mask, spec.mask.as_ref())?;
         let reference_bytes = spec
@@ -337,14 +342,17 @@ impl Pipeline {
         if let (Some(image), Some(bytes)) = (&spec.mask, &mask_bytes) {
             read_header_bytes(bytes, image.label()).map_err(SpecError::of(Input::Mask))?;
         }
+        // FLUX.3 keeps a single reference whole, on a padded canvas (fill_reference).
+        let single = self.is_flux3() && spec.references.len() == 1;
         let mut sizes = Vec::with_capacity(spec.references.len());
         for (i, (image, bytes)) in spec.references.iter().zip(&reference_bytes).enumerate() {
             let at = SpecError::of(Input::Reference(i));
             let header = read_header_bytes(bytes, image.label()).map_err(&at)?;
-            sizes.push(
-                processed_size(header.width, header.height, limits, m, image.label())
+            sizes.push(match single {
+                true => fill_plan(header.width, header.height, m).canvas,
+                false => processed_size(header.width, header.height, limits, m, image.label())
                     .map_err(at)?,
-            );
+            });
         }
         let first = source_size.or(sizes.first().copied());
         let width = spec.width.or(first.map(|s| s.0));
@@ -357,7 +365,12 @@ impl Pipeline {
             .map(|&(w, h)| (w / m * (h / m)) as usize)
             .sum();
         let count = sizes.len() + usize::from(source_size.is_some());
-        check_token_budget((width / m * (height / m)) as usize, tokens, count)?;
+        check_token_budget(
+            self.manifest.model.family.max_image_tokens(),
+            (width / m * (height / m)) as usize,
+            tokens,
+            count,
+        )?;
 
         let mut request = spec
             .numbers()
@@ -383,8 +396,11 @@ impl Pipeline {
             .zip(&reference_bytes)
             .enumerate()
             .map(|(i, (image, bytes))| {
-                self.decode_reference(bytes, image.label())
-                    .map_err(SpecError::of(Input::Reference(i)))
+                let decoded = match single {
+                    true => self.decode_single_reference(bytes, image.label()),
+                    false => self.decode_reference(bytes, image.label()),
+                };
+                decoded.map_err(SpecError::of(Input::Reference(i)))
             })
             .collect::<Result<_, _>>()?;
         Ok(request)

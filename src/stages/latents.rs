@@ -52,6 +52,23 @@ pub fn prepare_image_ids(grids: &[(usize, usize)], scale: i64) -> Array2<i64> {
     ids
 }
 
+/// FLUX.3's reference ids (`Flux3PrepareImageCondLatentsStep`): image i (0-based) over its own
+/// grid at rows `(0, y, x, -(1 + i))`, concatenated (the transformer graph scales y and x by the
+/// recipe's 0.5).
+pub fn prepare_flux3_image_ids(grids: &[(usize, usize)]) -> Array2<i64> {
+    let total: usize = grids.iter().map(|&(h, w)| h * w).sum();
+    let mut ids = Array2::zeros((total, ID_AXES));
+    let mut start = 0;
+    for (i, &(h, w)) in grids.iter().enumerate() {
+        let mut rows = grid_ids(0, h, w);
+        rows.column_mut(3).fill(-(1 + i as i64));
+        ids.slice_mut(ndarray::s![start..start + h * w, ..])
+            .assign(&rows);
+        start += h * w;
+    }
+    ids
+}
+
 /// `[h*w, 4]` rows `(t, y, x, 0)`, token `y*w + x`.
 fn grid_ids(t: i64, h: usize, w: usize) -> Array2<i64> {
     Array2::from_shape_fn((h * w, ID_AXES), |(token, axis)| match axis {

@@ -18,6 +18,23 @@ pub struct RgbImage {
     pub pixels: Vec<u8>,
 }
 
+impl RgbImage {
+    /// The `[left, top, right, bottom]` box of this image (inside it).
+    pub fn crop(&self, [left, top, right, bottom]: [u32; 4]) -> RgbImage {
+        let (width, height) = (right - left, bottom - top);
+        let mut pixels = Vec::with_capacity(width as usize * height as usize * 3);
+        for y in top..bottom {
+            let row = (y * self.width + left) as usize * 3;
+            pixels.extend_from_slice(&self.pixels[row..row + width as usize * 3]);
+        }
+        RgbImage {
+            width,
+            height,
+            pixels,
+        }
+    }
+}
+
 /// Decoder output `[B, 3, H, W]` (about [-1, 1]) to uint8 images, as diffusers' postprocess:
 /// `(y * 0.5 + 0.5).clamp(0, 1)`, then numpy's `(x * 255).round()` (round half to even).
 pub fn to_rgb_images(decoded: ArrayView4<f32>) -> Vec<RgbImage> {

@@ -55,7 +55,10 @@ impl TokenizerSpec {
     /// with `pad_multiple` the length rounded up to it, at most `max_sequence_length`.
     pub fn window(&self, tokens: usize) -> usize {
         match self.pad_multiple {
-            Some(m) if m > 0 => tokens.div_ceil(m).saturating_mul(m).min(self.max_sequence_length),
+            Some(m) if m > 0 => tokens
+                .div_ceil(m)
+                .saturating_mul(m)
+                .min(self.max_sequence_length),
             _ => self.max_sequence_length,
         }
     }
@@ -66,7 +69,7 @@ impl TokenizerSpec {
             Some(m) if m > 0 => {
                 length > 0
                     && length <= self.max_sequence_length
-                    && (length % m == 0 || length == self.max_sequence_length)
+                    && (length.is_multiple_of(m) || length == self.max_sequence_length)
             }
             _ => length == self.max_sequence_length,
         }
@@ -75,10 +78,7 @@ impl TokenizerSpec {
     /// The windows [`TokenizerSpec::is_window`] accepts, in words.
     pub fn windows(&self) -> String {
         match self.pad_multiple {
-            Some(m) if m > 0 => format!(
-                "a multiple of {m} up to {}",
-                self.max_sequence_length
-            ),
+            Some(m) if m > 0 => format!("a multiple of {m} up to {}", self.max_sequence_length),
             _ => self.max_sequence_length.to_string(),
         }
     }

@@ -135,6 +135,14 @@ impl ModelFamily {
         *self == ModelFamily::Flux2
     }
 
+    /// Most image tokens (output and references) of one transformer call.
+    pub fn max_image_tokens(self) -> usize {
+        match self {
+            ModelFamily::Flux2 => crate::limits::MAX_IMAGE_TOKENS,
+            ModelFamily::Flux3 => crate::limits::FLUX3_MAX_IMAGE_TOKENS,
+        }
+    }
+
     /// The family's name as users know it.
     pub fn label(self) -> &'static str {
         match self {

@@ -30,6 +30,7 @@ use crate::limits::MAX_DECODE_FILE_BYTES;
 
 mod container;
 mod decode;
+mod fill;
 mod header;
 mod jpeg;
 mod libjpeg;
@@ -38,6 +39,7 @@ mod png;
 mod resize;
 mod webp;
 
+pub use fill::{fill_plan, fill_reference, FillPlan};
 pub use header::{ImageFormat, ImageHeader};
 
 /// The limits of `Flux2ImageProcessor.check_image_input` and the resize threshold of the pipeline.
@@ -73,6 +75,9 @@ pub struct ReferenceImage {
     pub height: u32,
     /// `[1, 3, height, width]`, RGB in [-1, 1].
     pub pixels: Array4<f32>,
+    /// FLUX.3's single reference ([`fill_reference`]): the image's `[left, top, right, bottom]`
+    /// box inside its padded canvas, which the output is cropped back to when no size is given.
+    pub crop_box: Option<[u32; 4]>,
 }
 
 pub(crate) fn image_error(label: &Path) -> impl Fn(String) -> KleinError + '_ {
@@ -241,6 +246,7 @@ pub fn preprocess_source(
         width: out_w,
         height: out_h,
         pixels: to_pixels(&rgb, 0, 0, out_w, out_h),
+        crop_box: None,
     })
 }
 
@@ -251,6 +257,7 @@ pub(crate) fn as_reference(rgb: &RgbImage) -> ReferenceImage {
         width,
         height,
         pixels: to_pixels(rgb, 0, 0, width, height),
+        crop_box: None,
     }
 }
 
@@ -348,6 +355,7 @@ fn preprocess_rgb(
         width: crop_w,
         height: crop_h,
         pixels: to_pixels(&rgb, left, top, crop_w, crop_h),
+        crop_box: None,
     })
 }
 
