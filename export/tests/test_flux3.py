@@ -207,3 +207,21 @@ def test_fast_paths_not_yet_available_are_refused(distilled, tmp_path):
     assert run.returncode == 2, run.stderr
     assert "--precision fp16 is not available for FLUX.3 Image Klein" in run.stderr
     assert not (tmp_path / "b").exists()
+
+
+def test_python_bindings_follow_the_family(base, tmp_path):
+    """`klein_runtime.Pipeline` on the base bundle: one reference (cropped back), guidance 2 and a
+    negative prompt, as diffusers; no option names the family."""
+    import klein_runtime
+
+    pipe, bundle = base
+    klein = klein_runtime.Pipeline(bundle)
+    assert (klein.family, klein.default_steps, klein.default_guidance) == ("flux3", 50, 3.5)
+    synthetic_image(100, 70, "RGB", seed=8).save(tmp_path / "ref.png")
+    kw = {"negative_prompt": "fog", "guidance": 2.0}
+    want = run_reference(pipe, "a boat", 6, steps=2, output_type="pil", images=load_image(str(tmp_path / "ref.png")),
+                         **kw)
+    got = klein("a boat", image=tmp_path / "ref.png", num_inference_steps=2, generator=6, negative_prompt="fog",
+                guidance_scale=2.0).images[0]
+    got.save(tmp_path / "k.png")
+    _compare(tmp_path / "k.png", want[0], "python, base, one reference")

@@ -722,6 +722,11 @@ class Pipeline:
         return self._native.variant
 
     @property
+    def family(self) -> str:
+        """``flux2`` (FLUX.2-klein) or ``flux3`` (FLUX.3 Image Klein)."""
+        return self._native.family
+
+    @property
     def is_distilled(self) -> bool:
         return self._native.is_distilled
 

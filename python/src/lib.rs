@@ -61,6 +61,7 @@ impl Drop for Generating<'_> {
 struct ModelInfo {
     name: String,
     variant: &'static str,
+    family: &'static str,
     distilled: bool,
     default_width: u32,
     default_height: u32,
@@ -322,6 +323,10 @@ impl PyPipeline {
         let info = ModelInfo {
             name: m.name.clone(),
             variant: variant_name(m.variant),
+            family: match m.family {
+                klein::bundle::ModelFamily::Flux2 => "flux2",
+                klein::bundle::ModelFamily::Flux3 => "flux3",
+            },
             distilled: m.is_distilled,
             default_width: m.default_width,
             default_height: m.default_height,
@@ -466,6 +471,12 @@ impl PyPipeline {
     #[getter]
     fn variant(&self) -> &str {
         self.model.variant
+    }
+
+    /// `flux2` (FLUX.2-klein) or `flux3` (FLUX.3 Image Klein).
+    #[getter]
+    fn family(&self) -> &str {
+        self.model.family
     }
 
     #[getter]

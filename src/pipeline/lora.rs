@@ -243,6 +243,13 @@ fn targets<'m>(
         reason: format!("bundle {}: {why}", dir.display()),
     };
     let spec = &manifest.graphs.transformer;
+    if manifest.model.family == crate::bundle::ModelFamily::Flux3 {
+        return Err(refuse(
+            "a FLUX.3 Image Klein bundle: klein applies no LoRAs to FLUX.3 yet (FLUX.2-klein LoRAs \
+             do not fit it either)"
+                .to_string(),
+        ));
+    }
     if let Some(q) = &spec.quantization {
         return Err(refuse(format!(
             "its transformer is quantized ({} bits) and klein merges LoRAs into float weights only; {export}",

@@ -13,7 +13,8 @@ use crate::error::Result;
 use crate::runtime::give_back_freed_memory;
 use crate::stages::latents::{pack_latents, prepare_flux3_image_ids, prepare_image_ids};
 use crate::stages::reference::{
-    decode_image_bytes, decode_reference_bytes, fill_reference, preprocess_reference, ReferenceImage,
+    decode_image_bytes, decode_reference_bytes, fill_reference, preprocess_reference,
+    ReferenceImage,
 };
 
 impl Pipeline {

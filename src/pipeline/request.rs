@@ -336,7 +336,9 @@ impl Plan {
                     model.name
                 )))
             }
-            Some(_) if model.family == ModelFamily::Flux3 => return Err(no_flux3_inpaint(manifest)),
+            Some(_) if model.family == ModelFamily::Flux3 => {
+                return Err(no_flux3_inpaint(manifest))
+            }
             Some(inpaint) => Some(check_inpaint(inpaint, request, steps)?),
             None => None,
         };

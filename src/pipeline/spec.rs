@@ -20,7 +20,8 @@ use crate::error::{KleinError, Result};
 use crate::stages::inpaint::{check_strength, DEFAULT_STRENGTH};
 use crate::stages::mask::{preprocess_mask, Mask};
 use crate::stages::reference::{
-    decode_image_bytes, fill_plan, processed_size, read_file, read_header_bytes, source_size, ReferenceImage,
+    decode_image_bytes, fill_plan, processed_size, read_file, read_header_bytes, source_size,
+    ReferenceImage,
 };
 
 /// An image a request names: a file (read once, so a pipe works), or a file's bytes held in
@@ -311,7 +312,9 @@ impl Pipeline {
     pub fn prepare(&self, spec: &RequestSpec) -> Result<Request, SpecError> {
         spec.check_numbers()?;
         if self.is_flux3() && spec.source.is_some() {
-            return Err(SpecError::of(Input::Source)(no_flux3_inpaint(&self.manifest)));
+            return Err(SpecError::of(Input::Source)(no_flux3_inpaint(
+                &self.manifest,
+            )));
         }
         let source_bytes = read_input(Input::Source, spec.source.as_ref())?;
         let mask_bytes = read_input(Input::Mask, spec.mask.as_ref())?;

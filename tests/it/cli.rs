@@ -727,7 +727,7 @@ fn info_prints_the_bundle_summary_and_verifies_hashes() {
     let bundle = test_cache_dir().join("bundled").display().to_string();
     let summary = [
         bundle.as_str(),
-        "klein-tiny (variant tiny, distilled)",
+        "klein-tiny (FLUX.2-klein, variant tiny, distilled)",
         "4 steps, guidance 1, 1024x1024",
         "text_encoder",
         "transformer",

@@ -16,8 +16,9 @@ pub(crate) fn info(args: InfoArgs) -> anyhow::Result<()> {
     let m = &manifest.model;
     println!("bundle:       {}", model.display());
     println!(
-        "model:        {} (variant {}, {}{})",
+        "model:        {} ({}, variant {}, {}{})",
         m.name,
+        m.family.label(),
         variant_name(m.variant),
         if m.is_distilled { "distilled" } else { "base" },
         if m.kv_cache {
@@ -48,19 +49,28 @@ pub(crate) fn info(args: InfoArgs) -> anyhow::Result<()> {
         te.hidden_size, te.hidden_layers, te.num_hidden_layers, te.layers_in_graph, te.embed_dim
     );
     let tr = &manifest.transformer;
+    let (first, joint) = match m.family {
+        klein::bundle::ModelFamily::Flux2 => ("double", "single"),
+        klein::bundle::ModelFamily::Flux3 => ("per-mode", "joint"),
+    };
     println!(
-        "transformer:  {} double + {} single blocks, {} heads x {}, joint dim {}",
+        "transformer:  {} {first} + {} {joint} blocks, {} heads x {}, joint dim {}",
         tr.num_layers,
         tr.num_single_layers,
         tr.num_attention_heads,
         tr.attention_head_dim,
         tr.joint_attention_dim
     );
+    let window = match manifest.tokenizer.pad_multiple {
+        Some(m) => format!(
+            "windows of multiples of {m} tokens up to {}",
+            manifest.tokenizer.max_sequence_length
+        ),
+        None => format!("max {} tokens", manifest.tokenizer.max_sequence_length),
+    };
     println!(
-        "tokenizer:    pad {:?} ({}), max {} tokens",
-        manifest.tokenizer.pad_token,
-        manifest.tokenizer.pad_token_id,
-        manifest.tokenizer.max_sequence_length
+        "tokenizer:    pad {:?} ({}), {window}",
+        manifest.tokenizer.pad_token, manifest.tokenizer.pad_token_id,
     );
     println!("graphs:");
     for (name, spec) in manifest.graphs.iter() {

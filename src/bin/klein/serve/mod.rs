@@ -415,6 +415,8 @@ fn model_object(state: &AppState) -> serde_json::Value {
         "created": state.started,
         "owned_by": "klein",
         "klein": {
+            // "flux2" (FLUX.2-klein) or "flux3" (FLUX.3 Image Klein).
+            "family": model.family,
             "distilled": model.is_distilled,
             // Base models take guidance and a negative prompt; distilled ones run without.
             "guidance": !model.is_distilled,
