@@ -204,3 +204,32 @@ fn a_tokenizer_parsed_on_a_thread_is_the_one_loaded_directly() {
         }
     }
 }
+
+#[test]
+fn flux3_windows_are_multiples_of_80_up_to_the_maximum() {
+    // Flux3TextEncoderStep: the window is the prompt's length rounded up to a multiple of 80,
+    // at most max_sequence_length; the padding is on the right.
+    let spec = TokenizerSpec {
+        pad_multiple: Some(80),
+        max_sequence_length: 200,
+        ..load_fixture().tokenizer_spec
+    };
+    let tokenizer = PromptTokenizer::load(&tokenizer_path(), &spec).unwrap();
+    let short = tokenizer.encode("a cat").unwrap();
+    assert_eq!(short.input_ids.len(), 80);
+    let real = short.attention_mask.iter().filter(|&&m| m == 1).count();
+    assert!(short.attention_mask[..real].iter().all(|&m| m == 1));
+    assert!(short.input_ids[real..].iter().all(|&id| id == 151643));
+    let long = tokenizer.encode(&"a cat on a mat, ".repeat(20)).unwrap();
+    assert_eq!(long.input_ids.len(), 160);
+    let longest = tokenizer.encode(&"a cat on a mat, ".repeat(60)).unwrap();
+    assert_eq!((longest.input_ids.len(), longest.truncated), (200, true));
+    assert!(longest.attention_mask.iter().all(|&m| m == 1));
+    // What prompt embeddings of this bundle may be.
+    assert!(spec.is_window(80) && spec.is_window(160) && spec.is_window(200));
+    assert!(!spec.is_window(0) && !spec.is_window(100) && !spec.is_window(240));
+    assert_eq!(spec.windows(), "a multiple of 80 up to 200");
+    // Without pad_multiple: FLUX.2's fixed length.
+    let flux2 = load_fixture().tokenizer_spec;
+    assert!(flux2.is_window(flux2.max_sequence_length) && !flux2.is_window(80));
+}

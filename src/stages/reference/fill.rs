@@ -125,7 +125,7 @@ mod tests {
         let symmetric: Vec<usize> = (-7..12).map(|i| padded_index(i, 5, false)).collect();
         assert_eq!(
             symmetric,
-            [2, 3, 4, 4, 3, 2, 1, 0, 1, 2, 3, 4, 4, 3, 2, 1, 0, 0, 1]
+            [3, 4, 4, 3, 2, 1, 0, 0, 1, 2, 3, 4, 4, 3, 2, 1, 0, 0, 1]
         );
     }
 
