@@ -203,6 +203,8 @@ def _verify(args):
     from .manifest import check_transformer_source, read_manifest
     from .verify import check_verifiable, image_cases, verify, verify_images
 
+    if args.checkpoint and not args.against and _verify_flux3(args):
+        return _verify_flux3(args, run=True)
     if not args.against:  # before the bundles are hashed
         check_transformer_source(read_manifest(args.bundle), args.bundle, args.transformer)
     for bundle in filter(None, (args.bundle, args.against)):
@@ -220,6 +222,30 @@ def _verify(args):
         for result in verify_images(args.checkpoint, args.bundle, image_cases(args.size), args.transformer):
             print(result.line(), flush=True)
             failed += not result.ok
+    print(f"{'FAILED' if failed else 'passed'}: {failed} case(s) past tolerance")
+    return 1 if failed else 0
+
+
+def _verify_flux3(args, run=False):
+    """A FLUX.3 checkpoint's bundle: per component and end to end (flux3_verify.py); with `run`
+    False, whether the checkpoint is a FLUX.3 one."""
+    from .flux3 import is_flux3
+
+    if not run:
+        return is_flux3(args.checkpoint)
+    if args.transformer:
+        raise CheckpointError("--transformer is not available for FLUX.3 Image Klein checkpoints yet")
+    from .flux3_verify import IMAGE_CASES, verify, verify_images
+    from .verify import check_verifiable
+
+    check_verifiable(args.bundle)
+    failed = 0
+    results = [] if args.images_only else verify(args.checkpoint, args.bundle)
+    cases = IMAGE_CASES if args.size is None else ({**IMAGE_CASES[0], "width": args.size, "height": args.size},)
+    images = [] if args.no_images else verify_images(args.checkpoint, args.bundle, cases)
+    for result in (*results, *images):
+        print(result.line(), flush=True)
+        failed += not result.ok
     print(f"{'FAILED' if failed else 'passed'}: {failed} case(s) past tolerance")
     return 1 if failed else 0
 

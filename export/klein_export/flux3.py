@@ -109,7 +109,9 @@ class Flux3Checkpoint:
             check_config_values(path, config, values)
         flow_map = self.transformer_config.get("flow_map", False)
         if not isinstance(flow_map, bool):
-            raise CheckpointError(f"{self.root / 'transformer' / 'config.json'}: flow_map is {flow_map!r}; true or false")
+            raise CheckpointError(
+                f"{self.root / 'transformer' / 'config.json'}: flow_map is {flow_map!r}; true or false"
+            )
         self.is_distilled = flow_map
         for component in ("text_encoder", "transformer", "vae"):
             weights = weight_files(self.root / component)
@@ -133,8 +135,13 @@ class Flux3Checkpoint:
         text encoder's depth and the transformer's `joint_attention_dim`."""
         layers = self.index.get(OUT_LAYERS_KEY, list(DEFAULT_OUT_LAYERS))
         if not (isinstance(layers, list) and layers and all(type(k) is int for k in layers)):
-            raise CheckpointError(f"{self.index_path}: {OUT_LAYERS_KEY} must be a list of layer numbers, not {layers!r}")
-        depth, hidden = self.text_encoder_config.get("num_hidden_layers", 0), self.text_encoder_config.get("hidden_size")
+            raise CheckpointError(
+                f"{self.index_path}: {OUT_LAYERS_KEY} must be a list of layer numbers, not {layers!r}"
+            )
+        depth, hidden = (
+            self.text_encoder_config.get("num_hidden_layers", 0),
+            self.text_encoder_config.get("hidden_size"),
+        )
         bad = [k for k in layers if not 1 <= k <= depth]
         if bad:
             raise CheckpointError(

@@ -265,8 +265,22 @@ def _refuse(what, given):
         )
 
 
-def convert_flux3(checkpoint, out, force, name, variant, log, precision, quantization, *, static_shapes=None, refs=0,
-                  loras=(), transformer=None, cache=None):
+def convert_flux3(
+    checkpoint,
+    out,
+    force,
+    name,
+    variant,
+    log,
+    precision,
+    quantization,
+    *,
+    static_shapes=None,
+    refs=0,
+    loras=(),
+    transformer=None,
+    cache=None,
+):
     """Export every component of the FLUX.3 checkpoint `checkpoint` into the bundle directory `out`."""
     _refuse(f"--precision {precision}", precision != "fp32")
     _refuse("--quantize", quantization is not None)

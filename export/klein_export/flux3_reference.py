@@ -29,18 +29,41 @@ def load_reference(root):
     return pipe
 
 
-def run_reference(pipe, prompt, seed, width=None, height=None, steps=None, guidance=None, negative_prompt=None,
-                  images=None, output_type="np", num_images=1):
+def run_reference(
+    pipe,
+    prompt,
+    seed,
+    width=None,
+    height=None,
+    steps=None,
+    guidance=None,
+    negative_prompt=None,
+    images=None,
+    output_type="np",
+    num_images=1,
+):
     """One generation: float images `[B, H, W, 3]` in [0, 1] (`output_type="np"`) or PIL images."""
     from diffusers.guiders import ClassifierFreeGuidance
 
-    kwargs = dict(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed), output_type=output_type,
-                  num_images_per_prompt=num_images, text_encoder_out_layers=pipe.klein_out_layers)
-    for key, value in (("width", width), ("height", height), ("num_inference_steps", steps),
-                       ("negative_prompt", negative_prompt), ("image", images)):
+    kwargs = dict(
+        prompt=prompt,
+        generator=torch.Generator("cpu").manual_seed(seed),
+        output_type=output_type,
+        num_images_per_prompt=num_images,
+        text_encoder_out_layers=pipe.klein_out_layers,
+    )
+    for key, value in (
+        ("width", width),
+        ("height", height),
+        ("num_inference_steps", steps),
+        ("negative_prompt", negative_prompt),
+        ("image", images),
+    ):
         if value is not None:
             kwargs[key] = value
     if not pipe.transformer.config.flow_map:
-        pipe.update_components(guider=ClassifierFreeGuidance(guidance_scale=BASE_GUIDANCE if guidance is None else guidance))
+        pipe.update_components(
+            guider=ClassifierFreeGuidance(guidance_scale=BASE_GUIDANCE if guidance is None else guidance)
+        )
     with torch.no_grad():
         return pipe(**kwargs, output="images")

@@ -36,7 +36,12 @@ TINY_TEXT = dict(
     max_position_embeddings=16384,
     rms_norm_eps=1e-6,
     # mrope sections of a head of 8 (3 x 4 frequencies); the text path gives all three the same ids.
-    rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 5000000.0,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    },
     tie_word_embeddings=True,
 )
 TINY_VISION = dict(
@@ -69,7 +74,12 @@ FULL_TEXT = dict(
     num_key_value_heads=8,
     head_dim=128,
     max_position_embeddings=262144,
-    rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 5000000.0,
+        "mrope_section": [24, 20, 20],
+        "mrope_interleaved": True,
+    },
 )
 FULL_VISION = dict(
     depth=24,
@@ -80,9 +90,16 @@ FULL_VISION = dict(
     num_position_embeddings=2304,
     deepstack_visual_indexes=[5, 11, 17],
 )
-FULL_TRANSFORMER = dict(TINY_TRANSFORMER, num_layers=5, num_single_layers=28, attention_head_dim=128,
-                        num_attention_heads=24, joint_attention_dim=20480, axes_dims_rope=(32, 32, 32, 32),
-                        rope_theta=10000)
+FULL_TRANSFORMER = dict(
+    TINY_TRANSFORMER,
+    num_layers=5,
+    num_single_layers=28,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=20480,
+    axes_dims_rope=(32, 32, 32, 32),
+    rope_theta=10000,
+)
 
 
 @dataclass(frozen=True)
@@ -144,7 +161,9 @@ def build_flux3(out_dir, seed=0, preset="flux3-tiny", distilled=True, transforme
             model.save_pretrained(tmp / component)
 
         text = {**spec.text, **(text_overrides or {})}
-        config = Qwen3VLConfig(text_config=text, vision_config=spec.vision, tie_word_embeddings=text["tie_word_embeddings"])
+        config = Qwen3VLConfig(
+            text_config=text, vision_config=spec.vision, tie_word_embeddings=text["tie_word_embeddings"]
+        )
         config.architectures = ["Qwen3VLForConditionalGeneration"]
         te = Qwen3VLForConditionalGeneration(config).eval()
         _init_(te, g, {"q_norm": 2.0, "k_norm": 2.0})
@@ -191,8 +210,12 @@ def _index(distilled: bool) -> dict:
         "_diffusers_version": diffusers.__version__,
     }
     for name, (library, cls) in classes.items():
-        spec = {"pretrained_model_name_or_path": None, "revision": None, "subfolder": name,
-                "type_hint": [library, cls], "variant": None}
+        spec = {
+            "pretrained_model_name_or_path": None,
+            "revision": None,
+            "subfolder": name,
+            "type_hint": [library, cls],
+            "variant": None,
+        }
         index[name] = [library, cls, spec]
     return index
-

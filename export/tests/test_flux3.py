@@ -33,16 +33,18 @@ UNSEEN = {"num_layers": 2, "num_single_layers": 1, "num_attention_heads": 3}
 
 
 def _bundle(root, seed, distilled, text_overrides):
-    ckpt = build_flux3(root / "ckpt", seed=seed, distilled=distilled, transformer_overrides=UNSEEN,
-                       text_overrides=text_overrides)
+    ckpt = build_flux3(
+        root / "ckpt", seed=seed, distilled=distilled, transformer_overrides=UNSEEN, text_overrides=text_overrides
+    )
     bundle = convert(ckpt, root / "bundle", log=lambda _: None)
     return load_reference(ckpt), bundle
 
 
 @pytest.fixture(scope="module")
 def distilled(tmp_path_factory):
-    return _bundle(tmp_path_factory.mktemp("flux3-distilled"), 31, True, {"num_hidden_layers": 33,
-                                                                           "intermediate_size": 40})
+    return _bundle(
+        tmp_path_factory.mktemp("flux3-distilled"), 31, True, {"num_hidden_layers": 33, "intermediate_size": 40}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +122,16 @@ def test_references_equal_diffusers(distilled, case, tmp_path):
         synthetic_image(w, h, mode, seed=40 + i).save(paths[-1])
     images = [load_image(str(p)) for p in paths]
     width, height = case["size"] or (None, None)
-    want = run_reference(pipe, "make it night", 4, width, height, steps=2, output_type="pil",
-                         images=images if len(images) > 1 else images[0])
+    want = run_reference(
+        pipe,
+        "make it night",
+        4,
+        width,
+        height,
+        steps=2,
+        output_type="pil",
+        images=images if len(images) > 1 else images[0],
+    )
     extra = [arg for p in paths for arg in ("--ref", str(p))]
     _klein(bundle, "make it night", 4, tmp_path / "k.png", case["size"], 2, extra)
     _compare(tmp_path / "k.png", want[0], case["id"])
@@ -130,8 +140,17 @@ def test_references_equal_diffusers(distilled, case, tmp_path):
 def test_inpainting_is_refused_by_name(distilled, tmp_path):
     _, bundle = distilled
     synthetic_image(64, 64, "RGB", seed=1).save(tmp_path / "src.png")
-    cmd = [str(KLEIN), "generate", "x", "--model", str(bundle), "--image", str(tmp_path / "src.png"), "-o",
-           str(tmp_path / "k.png")]
+    cmd = [
+        str(KLEIN),
+        "generate",
+        "x",
+        "--model",
+        str(bundle),
+        "--image",
+        str(tmp_path / "src.png"),
+        "-o",
+        str(tmp_path / "k.png"),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr
     assert "FLUX.3 Image Klein bundle, which has no inpainting or img2img" in run.stderr
@@ -155,7 +174,9 @@ BASE_CASES = [
 def test_base_equals_diffusers(base, case, tmp_path):
     pipe, bundle = base
     kw = case["kw"]
-    want = run_reference(pipe, case["prompt"], case["seed"], *case["size"], steps=case["steps"], output_type="pil", **kw)
+    want = run_reference(
+        pipe, case["prompt"], case["seed"], *case["size"], steps=case["steps"], output_type="pil", **kw
+    )
     extra = []
     if "negative_prompt" in kw:
         extra += ["--negative-prompt", kw["negative_prompt"]]
@@ -200,9 +221,19 @@ def test_older_tokenizer_layout_gives_the_same_recipe(distilled, tmp_path):
 def test_fast_paths_not_yet_available_are_refused(distilled, tmp_path):
     pipe, _ = distilled
     run = subprocess.run(
-        ["klein-export", "convert", "--checkpoint", str(pipe.klein_root), "--out", str(tmp_path / "b"),
-         "--precision", "fp16"],
-        capture_output=True, text=True, timeout=120,
+        [
+            "klein-export",
+            "convert",
+            "--checkpoint",
+            str(pipe.klein_root),
+            "--out",
+            str(tmp_path / "b"),
+            "--precision",
+            "fp16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert run.returncode == 2, run.stderr
     assert "--precision fp16 is not available for FLUX.3 Image Klein" in run.stderr
@@ -219,9 +250,33 @@ def test_python_bindings_follow_the_family(base, tmp_path):
     assert (klein.family, klein.default_steps, klein.default_guidance) == ("flux3", 50, 3.5)
     synthetic_image(100, 70, "RGB", seed=8).save(tmp_path / "ref.png")
     kw = {"negative_prompt": "fog", "guidance": 2.0}
-    want = run_reference(pipe, "a boat", 6, steps=2, output_type="pil", images=load_image(str(tmp_path / "ref.png")),
-                         **kw)
-    got = klein("a boat", image=tmp_path / "ref.png", num_inference_steps=2, generator=6, negative_prompt="fog",
-                guidance_scale=2.0).images[0]
+    want = run_reference(
+        pipe, "a boat", 6, steps=2, output_type="pil", images=load_image(str(tmp_path / "ref.png")), **kw
+    )
+    got = klein(
+        "a boat",
+        image=tmp_path / "ref.png",
+        num_inference_steps=2,
+        generator=6,
+        negative_prompt="fog",
+        guidance_scale=2.0,
+    ).images[0]
     got.save(tmp_path / "k.png")
     _compare(tmp_path / "k.png", want[0], "python, base, one reference")
+
+
+def test_verify_checks_each_graph_and_the_image(distilled):
+    """`klein-export verify` on a FLUX.3 bundle: every graph against torch (no references, one, two;
+    windows 80 and 160), and the bundle's image, run by ONNX Runtime, against diffusers."""
+    pipe, bundle = distilled
+    run = subprocess.run(
+        ["klein-export", "verify", "--checkpoint", str(pipe.klein_root), "--bundle", str(bundle), "--size", "64"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert sum(line.startswith(("text_encoder", "transformer", "vae_")) for line in lines) == 11, run.stdout
+    assert any(line.startswith("image") and "16 steps" in line and line.endswith("ok") for line in lines)
+    assert lines[-1] == "passed: 0 case(s) past tolerance"
