@@ -1,11 +1,10 @@
 """FLUX.3 Image Klein: the klein CLI against diffusers' FLUX.3 modular pipelines.
 
-Two tiny random-weight checkpoints built with the real classes (flux3_tiny.py), with widths and
-depths no other test uses: a step-distilled one (flow map, 33 Qwen3-VL layers, so that stacked layer
-32 is a raw layer output) and a base one (32 layers: layer 32 is the final-normed output). Each is
-converted with our own tool, then klein's PNG must equal `Flux3DistilledModularPipeline` /
-`Flux3ModularPipeline` (without the prompt upsampler) for the same seed within the tolerance of the
-FLUX.2 end-to-end tests (test_runtime_e2e.py): at most 1 level anywhere, in at most 1% of pixels.
+A tiny random-weight step-distilled checkpoint built with the real classes (flux3_tiny.py), with
+widths and depths no other test uses (33 Qwen3-VL layers, so that stacked layer 32 is a raw layer
+output), converted with our own tool; klein's PNG must equal `Flux3DistilledModularPipeline` (without
+the prompt upsampler) for the same seed within flux3_helpers' tolerance. The base checkpoint's tests
+are in test_flux3_base.py (a file of their own: the two run in parallel).
 """
 
 import json
@@ -13,65 +12,24 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import numpy as np
 import pytest
 from diffusers.utils import load_image
-from PIL import Image
+from flux3_helpers import KLEIN, check_manifest, compare_png, flux3_bundle, klein_cli
 
-from klein_export.convert import convert
 from klein_export.fixtures import synthetic_image
 from klein_export.flux3 import Flux3Checkpoint
 from klein_export.flux3_convert import tokenizer_facts
-from klein_export.flux3_reference import load_reference, run_reference
-from klein_export.flux3_tiny import build_flux3
+from klein_export.flux3_reference import run_reference
 
-REPO = Path(__file__).resolve().parents[2]
-KLEIN = REPO / "target" / "release" / "klein"
 # About 100 tokens once templated: a window of 160, not 80.
 LONG = "a watercolour of a lighthouse on a cliff at dawn, " * 9
-UNSEEN = {"num_layers": 2, "num_single_layers": 1, "num_attention_heads": 3}
-
-
-def _bundle(root, seed, distilled, text_overrides):
-    ckpt = build_flux3(
-        root / "ckpt", seed=seed, distilled=distilled, transformer_overrides=UNSEEN, text_overrides=text_overrides
-    )
-    bundle = convert(ckpt, root / "bundle", log=lambda _: None)
-    return load_reference(ckpt), bundle
 
 
 @pytest.fixture(scope="module")
 def distilled(tmp_path_factory):
-    return _bundle(
+    return flux3_bundle(
         tmp_path_factory.mktemp("flux3-distilled"), 31, True, {"num_hidden_layers": 33, "intermediate_size": 40}
     )
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return _bundle(tmp_path_factory.mktemp("flux3-base"), 32, False, {"intermediate_size": 24})
-
-
-def _klein(bundle, prompt, seed, out, size=None, steps=None, extra=()):
-    assert KLEIN.is_file(), f"{KLEIN} is missing: build it with `cargo build --release` (scripts/test.sh does)"
-    cmd = [str(KLEIN), "generate", prompt, "--model", str(bundle), "--seed", str(seed), "-o", str(out), "--quiet"]
-    if size:
-        cmd += ["--width", str(size[0]), "--height", str(size[1])]
-    if steps:
-        cmd += ["--steps", str(steps)]
-    run = subprocess.run(cmd + list(extra), capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    return run
-
-
-def _compare(got_path, want, label):
-    got = np.array(Image.open(got_path).convert("RGB"))
-    want = np.array(want)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    diff = np.abs(got.astype(int) - want.astype(int))
-    pixels = float((diff > 0).any(axis=-1).mean())
-    print(f"{label}: {got.shape[1]}x{got.shape[0]}, max diff {diff.max()}, {100 * pixels:.3f}% of pixels differ")
-    assert diff.max() <= 1 and pixels <= 0.01, (diff.max(), pixels)
 
 
 DISTILLED_CASES = [
@@ -85,17 +43,17 @@ DISTILLED_CASES = [
 def test_distilled_equals_diffusers(distilled, case, tmp_path):
     pipe, bundle = distilled
     want = run_reference(pipe, case["prompt"], case["seed"], *case["size"], steps=case["steps"], output_type="pil")
-    _klein(bundle, case["prompt"], case["seed"], tmp_path / "k.png", case["size"], case["steps"])
-    _compare(tmp_path / "k.png", want[0], case["id"])
+    klein_cli(bundle, case["prompt"], case["seed"], tmp_path / "k.png", case["size"], case["steps"])
+    compare_png(tmp_path / "k.png", want[0], case["id"])
 
 
 def test_distilled_batch_and_default_steps_equal_diffusers(distilled, tmp_path):
     """Two images of one prompt from one seed (num_images_per_prompt), at the default 16 steps."""
     pipe, bundle = distilled
     want = run_reference(pipe, "two foxes", 77, 32, 48, output_type="pil", num_images=2)
-    _klein(bundle, "two foxes", 77, tmp_path / "k.png", (32, 48), extra=["--num-images", "2"])
+    klein_cli(bundle, "two foxes", 77, tmp_path / "k.png", (32, 48), extra=["--num-images", "2"])
     for i in (0, 1):
-        _compare(tmp_path / f"k-{i + 1}.png", want[i], f"batch image {i + 1}")
+        compare_png(tmp_path / f"k-{i + 1}.png", want[i], f"batch image {i + 1}")
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert manifest["model"]["default_steps"] == 16
 
@@ -133,8 +91,8 @@ def test_references_equal_diffusers(distilled, case, tmp_path):
         images=images if len(images) > 1 else images[0],
     )
     extra = [arg for p in paths for arg in ("--ref", str(p))]
-    _klein(bundle, "make it night", 4, tmp_path / "k.png", case["size"], 2, extra)
-    _compare(tmp_path / "k.png", want[0], case["id"])
+    klein_cli(bundle, "make it night", 4, tmp_path / "k.png", case["size"], 2, extra)
+    compare_png(tmp_path / "k.png", want[0], case["id"])
 
 
 def test_inpainting_is_refused_by_name(distilled, tmp_path):
@@ -157,46 +115,8 @@ def test_inpainting_is_refused_by_name(distilled, tmp_path):
     assert not (tmp_path / "k.png").exists()
 
 
-BASE_CASES = [
-    {"id": "default-guidance-3.5", "prompt": "a red fox", "seed": 1, "size": (96, 64), "steps": 3, "kw": {}},
-    {
-        "id": "negative-prompt-longer-window",
-        "prompt": "a red fox in the snow",
-        "seed": 2,
-        "size": (64, 64),
-        "steps": 2,
-        "kw": {"negative_prompt": ", ".join(["blurry"] * 60), "guidance": 2.5},
-    },
-]
-
-
-@pytest.mark.parametrize("case", BASE_CASES, ids=[c["id"] for c in BASE_CASES])
-def test_base_equals_diffusers(base, case, tmp_path):
-    pipe, bundle = base
-    kw = case["kw"]
-    want = run_reference(
-        pipe, case["prompt"], case["seed"], *case["size"], steps=case["steps"], output_type="pil", **kw
-    )
-    extra = []
-    if "negative_prompt" in kw:
-        extra += ["--negative-prompt", kw["negative_prompt"]]
-    if "guidance" in kw:
-        extra += ["--guidance", str(kw["guidance"])]
-    _klein(bundle, case["prompt"], case["seed"], tmp_path / "k.png", case["size"], case["steps"], extra)
-    _compare(tmp_path / "k.png", want[0], case["id"])
-
-
-def test_manifest_names_the_family_and_the_recipe(distilled, base):
-    for (_, bundle), steps, guidance, flow_map in ((distilled, 16, 1.0, True), (base, 50, 3.5, False)):
-        manifest = json.loads((bundle / "manifest.json").read_text())
-        assert manifest["model"]["family"] == "flux3"
-        assert (manifest["model"]["default_steps"], manifest["model"]["default_guidance"]) == (steps, guidance)
-        assert manifest["model"]["default_width"] == manifest["model"]["default_height"] == 1024
-        assert manifest["transformer"]["flow_map"] is flow_map
-        assert manifest["scheduler"]["shift"] == 6.93 and manifest["scheduler"]["use_dynamic_shifting"] is False
-        assert manifest["tokenizer"]["pad_multiple"] == 80 and manifest["tokenizer"]["max_sequence_length"] == 8192
-        inputs = [t["name"] for t in manifest["graphs"]["transformer"]["inputs"]]
-        assert ("target_timestep" in inputs) is flow_map and "cond_latents" in inputs
+def test_manifest_names_the_family_and_the_recipe(distilled):
+    check_manifest(distilled[1], 16, 1.0, True)
 
 
 def test_older_tokenizer_layout_gives_the_same_recipe(distilled, tmp_path):
@@ -238,31 +158,6 @@ def test_fast_paths_not_yet_available_are_refused(distilled, tmp_path):
     assert run.returncode == 2, run.stderr
     assert "--precision fp16 is not available for FLUX.3 Image Klein" in run.stderr
     assert not (tmp_path / "b").exists()
-
-
-def test_python_bindings_follow_the_family(base, tmp_path):
-    """`klein_runtime.Pipeline` on the base bundle: one reference (cropped back), guidance 2 and a
-    negative prompt, as diffusers; no option names the family."""
-    import klein_runtime
-
-    pipe, bundle = base
-    klein = klein_runtime.Pipeline(bundle)
-    assert (klein.family, klein.default_steps, klein.default_guidance) == ("flux3", 50, 3.5)
-    synthetic_image(100, 70, "RGB", seed=8).save(tmp_path / "ref.png")
-    kw = {"negative_prompt": "fog", "guidance": 2.0}
-    want = run_reference(
-        pipe, "a boat", 6, steps=2, output_type="pil", images=load_image(str(tmp_path / "ref.png")), **kw
-    )
-    got = klein(
-        "a boat",
-        image=tmp_path / "ref.png",
-        num_inference_steps=2,
-        generator=6,
-        negative_prompt="fog",
-        guidance_scale=2.0,
-    ).images[0]
-    got.save(tmp_path / "k.png")
-    _compare(tmp_path / "k.png", want[0], "python, base, one reference")
 
 
 def test_verify_checks_each_graph_and_the_image(distilled):

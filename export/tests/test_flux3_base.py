@@ -1,0 +1,74 @@
+"""FLUX.3 Image Klein's base checkpoint (50 steps, classifier-free guidance 3.5): the klein CLI and
+the Python bindings against diffusers' `Flux3ModularPipeline`. A tiny random-weight checkpoint with 32
+Qwen3-VL layers (stacked layer 32 is the final-normed output), widths no other test uses.
+"""
+
+import pytest
+from diffusers.utils import load_image
+from flux3_helpers import check_manifest, compare_png, flux3_bundle, klein_cli
+
+from klein_export.fixtures import synthetic_image
+from klein_export.flux3_reference import run_reference
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return flux3_bundle(tmp_path_factory.mktemp("flux3-base"), 32, False, {"intermediate_size": 24})
+
+
+BASE_CASES = [
+    {"id": "default-guidance-3.5", "prompt": "a red fox", "seed": 1, "size": (96, 64), "steps": 3, "kw": {}},
+    {
+        "id": "negative-prompt-longer-window",
+        "prompt": "a red fox in the snow",
+        "seed": 2,
+        "size": (64, 64),
+        "steps": 2,
+        "kw": {"negative_prompt": ", ".join(["blurry"] * 60), "guidance": 2.5},
+    },
+]
+
+
+@pytest.mark.parametrize("case", BASE_CASES, ids=[c["id"] for c in BASE_CASES])
+def test_base_equals_diffusers(base, case, tmp_path):
+    pipe, bundle = base
+    kw = case["kw"]
+    want = run_reference(
+        pipe, case["prompt"], case["seed"], *case["size"], steps=case["steps"], output_type="pil", **kw
+    )
+    extra = []
+    if "negative_prompt" in kw:
+        extra += ["--negative-prompt", kw["negative_prompt"]]
+    if "guidance" in kw:
+        extra += ["--guidance", str(kw["guidance"])]
+    klein_cli(bundle, case["prompt"], case["seed"], tmp_path / "k.png", case["size"], case["steps"], extra)
+    compare_png(tmp_path / "k.png", want[0], case["id"])
+
+
+def test_manifest_names_the_family_and_the_recipe(base):
+    check_manifest(base[1], 50, 3.5, False)
+
+
+def test_python_bindings_follow_the_family(base, tmp_path):
+    """`klein_runtime.Pipeline` on the base bundle: one reference (cropped back), guidance 2 and a
+    negative prompt, as diffusers; no option names the family."""
+    import klein_runtime
+
+    pipe, bundle = base
+    klein = klein_runtime.Pipeline(bundle)
+    assert (klein.family, klein.default_steps, klein.default_guidance) == ("flux3", 50, 3.5)
+    synthetic_image(100, 70, "RGB", seed=8).save(tmp_path / "ref.png")
+    kw = {"negative_prompt": "fog", "guidance": 2.0}
+    want = run_reference(
+        pipe, "a boat", 6, steps=2, output_type="pil", images=load_image(str(tmp_path / "ref.png")), **kw
+    )
+    got = klein(
+        "a boat",
+        image=tmp_path / "ref.png",
+        num_inference_steps=2,
+        generator=6,
+        negative_prompt="fog",
+        guidance_scale=2.0,
+    ).images[0]
+    got.save(tmp_path / "k.png")
+    compare_png(tmp_path / "k.png", want[0], "python, base, one reference")
