@@ -32,7 +32,7 @@ from .kv_cache import KvTransformer, kv_layers
 from .lora_map import lora_targets
 from .lora_merge import check_loras, merge_loras
 from .manifest import build_manifest, bundle_files, source_file, write_manifest
-from .onnx_export import export_graph
+from .onnx_export import export_graph, timestep_frequencies_as_torch
 from .ort_fusions import fuse_for_ort, fuse_transformer, fuse_vae
 from .precision import check_precision, to_float16
 from .preview import fit_preview
@@ -178,12 +178,18 @@ def _export_transformer(ckpt, out, precision, loras, fused=True):
         shapes.update({"ref_latents": {0: b, 1: r}, "ref_ids": {0: r}, "cached_kv": {2: b, 3: k}})
     else:
         io = contract.transformer_io(cfg.in_channels, cfg.joint_attention_dim, n_axes)
+    channels = cfg.timestep_guidance_channels
+
+    def rewrite(model):
+        fusions = fuse_transformer(model) if fused else {}
+        return fusions | timestep_frequencies_as_torch(model, channels)
+
     if fused:
         with fused_attention(half=precision == "fp16"), fused_rotary():
             translations = {**ATTENTION, **ROTARY}
-            path, fusions = export_graph(module, args, shapes, io, out, precision, translations, fuse_transformer)
+            path, fusions = export_graph(module, args, shapes, io, out, precision, translations, rewrite)
     else:
-        path, fusions = export_graph(module, args, shapes, io, out, precision)
+        path, fusions = export_graph(module, args, shapes, io, out, precision, fuse=rewrite)
     return [GraphEntry(io, precision, scheme, lora_targets(model, path), fusions or None)]
 
 

@@ -41,7 +41,7 @@ from .flux3 import (
 )
 from .flux3_wrappers import Flux3TextEncoder, Flux3Transformer
 from .manifest import EMPIRICAL_MU, MIN_ONNXRUNTIME_VERSION, REFERENCES, _first, _versions, bundle_files, write_manifest
-from .onnx_export import export_graph
+from .onnx_export import export_graph, timestep_frequencies_as_torch
 from .preview import fit_preview
 
 _SENTINEL = "\ue000klein-prompt\ue000"
@@ -100,30 +100,6 @@ def _export_transformer(ckpt, out, precision):
 
     export_graph(module, args, shapes, io, out, precision, fuse=rewrite)
     return [GraphEntry(io, precision)]
-
-
-def timestep_frequencies_as_torch(model, channels) -> dict:
-    """The sinusoidal timestep embedding's frequencies `exp(-ln(10000) * i / half)` as torch computes
-    them. The exporter folds that constant with numpy, whose float32 `exp` differs from torch's in the
-    last bit of 55 of the 128 values; times a timestep of up to 1000, that moved the embedding's
-    phases by up to 1e-4 and the transformer's output by 10x torch's own float32 error."""
-    import math
-
-    import numpy as np
-    import onnx_ir as ir
-
-    half = channels // 2
-    exponent = -math.log(10000) * torch.arange(0, half, dtype=torch.float32) / half
-    folded, wanted = np.exp(exponent.numpy()), torch.exp(exponent).numpy()
-    replaced = 0
-    for name, value in list(model.graph.initializers.items()):
-        array = value.const_value.numpy() if value.const_value is not None else None
-        if array is None or array.dtype != np.float32 or array.size != half:
-            continue
-        if np.array_equal(array.reshape(-1), folded):
-            value.const_value = ir.Tensor(wanted.reshape(array.shape), name=name)
-            replaced += 1
-    return {"timestep_frequencies": replaced}
 
 
 def reshapes_allow_zero(model) -> dict:
