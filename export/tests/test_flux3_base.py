@@ -72,3 +72,63 @@ def test_python_bindings_follow_the_family(base, tmp_path):
     ).images[0]
     got.save(tmp_path / "k.png")
     compare_png(tmp_path / "k.png", want[0], "python, base, one reference")
+
+
+def test_server_follows_the_family(base, tmp_path):
+    """`klein serve` on the base bundle: the model object says FLUX.3 with guidance, and
+    `/v1/klein/generate` with one reference and a negative prompt gives diffusers' image."""
+    import base64
+    import io
+    import re
+    import signal
+    import subprocess
+    import threading
+
+    import httpx2 as httpx
+    from flux3_helpers import KLEIN
+    from PIL import Image
+
+    pipe, bundle = base
+    synthetic_image(90, 60, "RGB", seed=9).save(tmp_path / "ref.png")
+    server = subprocess.Popen(
+        [str(KLEIN), "serve", "--model", str(bundle), "--port", "0"], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        url = None
+        for line in server.stderr:
+            match = re.search(r"listening on (http://[\d.]+:\d+)", line)
+            if match:
+                url = match.group(1)
+                break
+        assert url, "klein serve did not start"
+        # Its log is read on, so that the pipe never fills.
+        threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()
+        model = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["klein"]
+        assert (model["family"], model["guidance"], model["default_steps"]) == ("flux3", True, 50)
+        body = {
+            "prompt": "a harbour",
+            "seed": 12,
+            "steps": 2,
+            "guidance": 3.0,
+            "negative_prompt": "people",
+            "refs": [{"name": "ref.png", "data": base64.b64encode((tmp_path / "ref.png").read_bytes()).decode()}],
+        }
+        answer = httpx.post(f"{url}/v1/klein/generate", json=body, timeout=300)
+        assert answer.status_code == 200, answer.text
+        answer = answer.json()
+        assert (answer["width"], answer["height"]) == (90, 60)  # the canvas cropped back
+        Image.open(io.BytesIO(base64.b64decode(answer["images"][0]))).save(tmp_path / "k.png")
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+    want = run_reference(
+        pipe,
+        "a harbour",
+        12,
+        steps=2,
+        guidance=3.0,
+        negative_prompt="people",
+        output_type="pil",
+        images=load_image(str(tmp_path / "ref.png")),
+    )
+    compare_png(tmp_path / "k.png", want[0], "server, base, one reference")
