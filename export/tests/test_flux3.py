@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from diffusers.utils import load_image
 from flux3_helpers import KLEIN, check_manifest, compare_png, flux3_bundle, klein_cli
+from PIL import Image
 
 from klein_export.fixtures import synthetic_image
 from klein_export.flux3 import Flux3Checkpoint
@@ -175,3 +176,18 @@ def test_verify_checks_each_graph_and_the_image(distilled):
     assert sum(line.startswith(("text_encoder", "transformer", "vae_")) for line in lines) == 11, run.stdout
     assert any(line.startswith("image") and "16 steps" in line and line.endswith("ok") for line in lines)
     assert lines[-1] == "passed: 0 case(s) past tolerance"
+
+
+def test_prompt_cache_and_previews(distilled, tmp_path):
+    """The prompt cache keeps FLUX.3's variable windows (a hit gives the same bytes), and step
+    previews come from the bundle's preview map."""
+    _, bundle = distilled
+    cache = tmp_path / "cache"
+    extra = ["--prompt-cache", str(cache), "--preview", str(tmp_path / "preview.png"), "--preview-every", "1"]
+    klein_cli(bundle, LONG, 3, tmp_path / "a.png", (48, 48), 2, extra)
+    assert len(list(cache.rglob("*.safetensors"))) == 1
+    assert Image.open(tmp_path / "preview.png").size == (6, 6)
+    run = klein_cli(bundle, LONG, 3, tmp_path / "b.png", (48, 48), 2, ["--prompt-cache", str(cache), "--timings"])
+    assert (tmp_path / "a.png").read_bytes() == (tmp_path / "b.png").read_bytes()
+    # The second run took the embeddings from the cache: the text encoder never loaded.
+    assert "transformer: runs on cpu" in run.stderr and "text_encoder: runs on" not in run.stderr, run.stderr
