@@ -56,9 +56,7 @@ def _worker(args):
 
 def _run(cmd, env=None):
     start = time.perf_counter()
-    process = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     _, status, usage = os.wait4(process.pid, 0)
     wall = time.perf_counter() - start
     out, err = process.stdout.read(), process.stderr.read()
@@ -69,9 +67,7 @@ def _run(cmd, env=None):
 
 def _klein_generate_seconds(stderr):
     """The sum of klein's stage times (`--timings` lines `name: 1.234 s`)."""
-    return sum(
-        float(m) for m in re.findall(r"^\s*[a-zA-Z ]+:\s+([\d.]+) s$", stderr, re.MULTILINE)
-    )
+    return sum(float(m) for m in re.findall(r"^\s*[a-zA-Z ]+:\s+([\d.]+) s$", stderr, re.MULTILINE))
 
 
 def main():
@@ -89,12 +85,7 @@ def main():
     args = p.parse_args()
     if args.worker:
         return _worker(args)
-    steps = (
-        args.steps
-        or json.loads((Path(args.bundle) / "manifest.json").read_text())["model"][
-            "default_steps"
-        ]
-    )
+    steps = args.steps or json.loads((Path(args.bundle) / "manifest.json").read_text())["model"]["default_steps"]
     work = Path(tempfile.mkdtemp(prefix="flux3-compare-"))
     runs = {"klein": [], "diffusers": []}
     for rep in range(args.reps):
@@ -150,22 +141,15 @@ def main():
         ]
         wall, rss, stdout, _ = _run(cmd)
         generate = json.loads(stdout.strip().splitlines()[-1])["generate"]
-        runs["diffusers"].append(
-            {"wall": wall, "rss": rss, "generate": generate, "image": out}
-        )
+        runs["diffusers"].append({"wall": wall, "rss": rss, "generate": generate, "image": out})
     med = {
-        side: {
-            k: statistics.median(r[k] for r in rs) for k in ("wall", "rss", "generate")
-        }
-        for side, rs in runs.items()
+        side: {k: statistics.median(r[k] for r in rs) for k in ("wall", "rss", "generate")} for side, rs in runs.items()
     }
     a = np.asarray(Image.open(runs["klein"][0]["image"]).convert("RGB"), np.float64)
     b = np.asarray(Image.open(runs["diffusers"][0]["image"]).convert("RGB"), np.float64)
     mse = np.mean((a - b) ** 2)
     psnr = float("inf") if mse == 0 else 10 * np.log10(255**2 / mse)
-    print(
-        f"{args.size}x{args.size}, {steps} steps, {args.threads} threads, medians of {args.reps} (work dir {work})"
-    )
+    print(f"{args.size}x{args.size}, {steps} steps, {args.threads} threads, medians of {args.reps} (work dir {work})")
     print(f"{'':10s} {'wall s':>8s} {'generate s':>11s} {'peak RSS MB':>12s}")
     for side in ("klein", "diffusers"):
         m = med[side]
