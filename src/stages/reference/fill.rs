@@ -142,7 +142,7 @@ mod tests {
         // A 12-megapixel photo: scaled under 4 MP, canvas included.
         let plan = fill_plan(4032, 3024, 16);
         assert!(u64::from(plan.canvas.0) * u64::from(plan.canvas.1) <= FLUX3_MAX_CANVAS_AREA);
-        assert!(plan.canvas.0 % 16 == 0 && plan.canvas.1 % 16 == 0);
+        assert!(plan.canvas.0.is_multiple_of(16) && plan.canvas.1.is_multiple_of(16));
         // A long side over 4096 is brought to it.
         assert!(fill_plan(10000, 100, 16).resized.0 <= 4096);
     }
