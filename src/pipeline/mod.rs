@@ -336,9 +336,21 @@ impl Pipeline {
     pub fn output_size(&self, request: &Request) -> Result<(u32, u32)> {
         // Every check `generate` makes before its work: a size given is one it would make.
         let plan = Plan::new(&self.manifest, request)?;
+        if let Some([left, top, right, bottom]) = self.crop_back(request) {
+            return Ok((right - left, bottom - top));
+        }
         match request.inpaint.as_ref().and_then(|i| i.crop.as_ref()) {
             Some(crop) => Ok(crop.size()),
             None => Ok((plan.width, plan.height)),
+        }
+    }
+
+    /// FLUX.3, one reference and no size given: the box of the padded canvas the output is
+    /// cropped back to, as `Flux3DecodeStep` does.
+    fn crop_back(&self, request: &Request) -> Option<[u32; 4]> {
+        match (request.width, request.height, &request.references[..]) {
+            (None, None, [only]) if self.is_flux3() => only.crop_box,
+            _ => None,
         }
     }
 
@@ -524,13 +536,7 @@ impl Pipeline {
             ));
         }
         let vae_tiled = self.vae_tiles(width as usize, height as usize)?;
-        // FLUX.3, one reference and no size given: the padded canvas is cropped back to the
-        // reference's box, as `Flux3DecodeStep` does.
-        let crop_box = match (request.width, request.height, &request.references[..]) {
-            (None, None, [only]) if self.is_flux3() => only.crop_box,
-            _ => None,
-        };
-        let (width, height) = match crop_box {
+        let (width, height) = match self.crop_back(request) {
             Some(crop) => {
                 images = images.iter().map(|image| image.crop(crop)).collect();
                 (crop[2] - crop[0], crop[3] - crop[1])
