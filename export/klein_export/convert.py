@@ -182,7 +182,8 @@ def _export_transformer(ckpt, out, precision, loras, fused=True):
 
     def rewrite(model):
         fusions = fuse_transformer(model) if fused else {}
-        return fusions | timestep_frequencies_as_torch(model, channels)
+        timestep_frequencies_as_torch(model, channels)
+        return fusions
 
     if fused:
         with fused_attention(half=precision == "fp16"), fused_rotary():

@@ -96,7 +96,8 @@ def _export_transformer(ckpt, out, precision):
     channels = cfg.timestep_channels
 
     def rewrite(program):
-        return reshapes_allow_zero(program) | timestep_frequencies_as_torch(program, channels)
+        timestep_frequencies_as_torch(program, channels)
+        return reshapes_allow_zero(program)
 
     export_graph(module, args, shapes, io, out, precision, fuse=rewrite)
     return [GraphEntry(io, precision)]

@@ -140,9 +140,18 @@ def processor(chat_template=None):
     )
 
 
-def build_flux3(out_dir, seed=0, preset="flux3-tiny", distilled=True, transformer_overrides=None, text_overrides=None):
+def build_flux3(
+    out_dir,
+    seed=0,
+    preset="flux3-tiny",
+    distilled=True,
+    transformer_overrides=None,
+    text_overrides=None,
+    out_layers=None,
+):
     """Write a random-weight FLUX.3 checkpoint of `preset` to `out_dir` (which must not exist):
-    step-distilled (`flow_map`) or base."""
+    step-distilled (`flow_map`) or base. `out_layers`: the stacked text encoder layers, recorded in
+    the index when not the pipeline's default (default: the preset's)."""
     from diffusers import AutoencoderKLFlux2, Flux3Transformer2DModel
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
@@ -186,8 +195,9 @@ def build_flux3(out_dir, seed=0, preset="flux3-tiny", distilled=True, transforme
 
         processor().save_pretrained(tmp / "tokenizer")
         index = _index(distilled)
-        if spec.out_layers is not None and tuple(spec.out_layers) != DEFAULT_OUT_LAYERS:
-            index[OUT_LAYERS_KEY] = list(spec.out_layers)
+        out_layers = spec.out_layers if out_layers is None else tuple(out_layers)
+        if out_layers is not None and tuple(out_layers) != DEFAULT_OUT_LAYERS:
+            index[OUT_LAYERS_KEY] = list(out_layers)
         (tmp / "modular_model_index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     return out_dir
 

@@ -131,4 +131,7 @@ def timestep_frequencies_as_torch(model, channels) -> dict:
         if np.array_equal(array.reshape(-1), folded):
             value.const_value = ir.Tensor(wanted.reshape(array.shape), name=name)
             replaced += 1
+    if not replaced:
+        # The exporter folds the constant otherwise now: the fix would silently stop applying.
+        raise RuntimeError("no folded timestep-frequency constant found in the transformer graph")
     return {"timestep_frequencies": replaced}

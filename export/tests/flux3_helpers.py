@@ -18,9 +18,14 @@ KLEIN = REPO / "target" / "release" / "klein"
 UNSEEN = {"num_layers": 2, "num_single_layers": 1, "num_attention_heads": 3}
 
 
-def flux3_bundle(root, seed, distilled, text_overrides):
+def flux3_bundle(root, seed, distilled, text_overrides, out_layers=None):
     ckpt = build_flux3(
-        root / "ckpt", seed=seed, distilled=distilled, transformer_overrides=UNSEEN, text_overrides=text_overrides
+        root / "ckpt",
+        seed=seed,
+        distilled=distilled,
+        transformer_overrides=UNSEEN,
+        text_overrides=text_overrides,
+        out_layers=out_layers,
     )
     bundle = convert(ckpt, root / "bundle", log=lambda _: None)
     return load_reference(ckpt), bundle

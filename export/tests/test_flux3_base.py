@@ -1,6 +1,7 @@
 """FLUX.3 Image Klein's base checkpoint (50 steps, classifier-free guidance 3.5): the klein CLI and
-the Python bindings against diffusers' `Flux3ModularPipeline`. A tiny random-weight checkpoint with 32
-Qwen3-VL layers (stacked layer 32 is the final-normed output), widths no other test uses.
+the Python bindings against diffusers' `Flux3ModularPipeline`. A tiny random-weight checkpoint with 8
+Qwen3-VL layers, all stacked (`text_encoder_out_layers` in its index; the last is the final-normed
+output), widths no other test uses.
 """
 
 import pytest
@@ -13,7 +14,9 @@ from klein_export.flux3_reference import run_reference
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    return flux3_bundle(tmp_path_factory.mktemp("flux3-base"), 32, False, {"intermediate_size": 24})
+    # 8 Qwen3-VL layers, all stacked (recorded in the index): the last is the final-normed output.
+    text = {"intermediate_size": 24, "num_hidden_layers": 8}
+    return flux3_bundle(tmp_path_factory.mktemp("flux3-base"), 32, False, text, out_layers=range(1, 9))
 
 
 BASE_CASES = [

@@ -85,3 +85,20 @@ def test_two_exports_are_the_same_bytes(tmp_path):
         files.append((out / "rotate.onnx").read_bytes())
     assert files[0] == files[1]
     assert not onnx.load_from_string(files[0]).graph.metadata_props
+
+
+def test_transformer_carries_torchs_timestep_frequencies(tiny_bundle):
+    """The folded `exp(-ln(10000) i / 128)` of the timestep embedding is torch's float32 result, not
+    numpy's, which differs in the last bit of 55 of the 128 values (onnx_export.timestep_frequencies_as_torch)."""
+    import math
+
+    import numpy as np
+
+    exponent = -math.log(10000) * torch.arange(0, 128, dtype=torch.float32) / 128
+    torch_values, numpy_values = torch.exp(exponent).numpy(), np.exp(exponent.numpy())
+    assert (torch_values != numpy_values).sum() > 0  # else this test proves nothing
+    model = onnx.load(str(tiny_bundle / "transformer.onnx"), load_external_data=False)
+    arrays = [onnx.numpy_helper.to_array(t).reshape(-1) for t in model.graph.initializer]
+    arrays = [a for a in arrays if a.dtype == np.float32 and a.size == 128]
+    assert any(np.array_equal(a, torch_values) for a in arrays)
+    assert not any(np.array_equal(a, numpy_values) for a in arrays)
