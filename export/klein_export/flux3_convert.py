@@ -40,11 +40,18 @@ from .flux3 import (
     Flux3Checkpoint,
 )
 from .flux3_wrappers import Flux3TextEncoder, Flux3Transformer
-from .manifest import EMPIRICAL_MU, MIN_ONNXRUNTIME_VERSION, REFERENCES, _first, _versions, bundle_files, write_manifest
+from .manifest import (
+    EMPIRICAL_MU,
+    MIN_ONNXRUNTIME_VERSION,
+    REFERENCES,
+    _versions,
+    bundle_files,
+    vae_sections,
+    write_manifest,
+)
 from .onnx_export import export_graph, timestep_frequencies_as_torch
 from .preview import fit_preview
-
-_SENTINEL = "\ue000klein-prompt\ue000"
+from .tokenizer_facts import split_template
 
 
 def _export_text_encoder(ckpt, out, precision):
@@ -138,15 +145,7 @@ def tokenizer_facts(processor) -> dict:
             [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
         )
 
-    try:
-        text = render(_SENTINEL)
-    except ValueError as e:
-        raise CheckpointError(f"the processor's chat template cannot be used: {e}") from None
-    if text.count(_SENTINEL) != 1:
-        raise CheckpointError("the chat template does not contain the prompt exactly once")
-    prefix, suffix = text.split(_SENTINEL)
-    if render("other prompt") != prefix + "other prompt" + suffix:
-        raise CheckpointError("the chat template is not a fixed prefix + prompt + suffix; klein cannot reproduce it")
+    prefix, suffix = split_template(render)
     tokenizer = processor.tokenizer
     if tokenizer.pad_token_id is None:
         raise CheckpointError("the tokenizer has no pad token")
@@ -166,8 +165,6 @@ def tokenizer_facts(processor) -> dict:
 def build_manifest(ckpt, facts, graphs, name, variant) -> dict:
     te, tr, vae = ckpt.text_encoder_config, ckpt.transformer_config, ckpt.vae_config
     layers = ckpt.text_encoder_out_layers
-    spatial = 2 ** (len(vae["block_out_channels"]) - 1)
-    patch = vae.get("patch_size", [2, 2])
     distilled = ckpt.is_distilled
     transformer = {
         key: tr.get(key, default)
@@ -205,15 +202,7 @@ def build_manifest(ckpt, facts, graphs, name, variant) -> dict:
             "embed_dim": te["hidden_size"] * len(layers),
         },
         "transformer": transformer,
-        "vae": {
-            "latent_channels": vae["latent_channels"],
-            "patch_size": patch[0],
-            "spatial_factor": spatial,
-            "batch_norm_eps": vae["batch_norm_eps"],
-            "block_out_channels": vae["block_out_channels"],
-            "sample_size": _first(vae.get("sample_size", 1024)),
-        },
-        "latents": {"channels": vae["latent_channels"] * patch[0] * patch[1], "pixel_multiple": spatial * patch[0]},
+        **vae_sections(vae),
         # Several references (each fitted under 1 MP and centre-cropped to the 16-pixel grid, as
         # FLUX.2's): diffusers' FLUX.3 processor checks no side or aspect ratio; 16 px a side is
         # what crops to one token. A single reference is kept whole on its canvas (the runtime's

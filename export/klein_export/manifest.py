@@ -63,8 +63,6 @@ def architecture(ckpt) -> dict:
     te, tr, vae = ckpt.text_encoder_config, ckpt.transformer_config, ckpt.vae_config
     hidden = te["hidden_size"]
     layers = ckpt.text_encoder_out_layers
-    spatial = 2 ** (len(vae["block_out_channels"]) - 1)
-    patch = vae.get("patch_size", [2, 2])
     return {
         "text_encoder": {
             "hidden_size": hidden,
@@ -87,6 +85,16 @@ def architecture(ckpt) -> dict:
                 "guidance_embeds",
             )
         },
+        **vae_sections(vae),
+    }
+
+
+def vae_sections(vae: dict) -> dict:
+    """The manifest's `vae` and `latents` sections from the VAE's config.json (AutoencoderKLFlux2,
+    FLUX.2's and FLUX.3's)."""
+    spatial = 2 ** (len(vae["block_out_channels"]) - 1)
+    patch = vae.get("patch_size", [2, 2])
+    return {
         "vae": {
             "latent_channels": vae["latent_channels"],
             "patch_size": patch[0],

@@ -18,16 +18,7 @@ def tokenizer_facts(tokenizer) -> dict:
             [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True, enable_thinking=False
         )
 
-    try:
-        text = render(_SENTINEL)
-    except ValueError as e:  # no template, or one that cannot render
-        raise CheckpointError(f"the tokenizer's chat template cannot be used: {e}") from None
-    if text.count(_SENTINEL) != 1:
-        raise CheckpointError("the chat template does not contain the prompt exactly once")
-    prefix, suffix = text.split(_SENTINEL)
-    # The template must be a plain wrapper: another prompt renders with the same prefix and suffix.
-    if render("other prompt") != prefix + "other prompt" + suffix:
-        raise CheckpointError("the chat template is not a fixed prefix + prompt + suffix; klein cannot reproduce it")
+    prefix, suffix = split_template(render)
     if tokenizer.pad_token_id is None:
         raise CheckpointError("the tokenizer has no pad token")
     return {
@@ -40,3 +31,19 @@ def tokenizer_facts(tokenizer) -> dict:
         "max_sequence_length": MAX_SEQUENCE_LENGTH,
         "add_special_tokens": False,
     }
+
+
+def split_template(render) -> tuple:
+    """`render(content)`'s text for one user message, as the prefix and suffix around the prompt;
+    CheckpointError unless the template is such a plain wrapper."""
+    try:
+        text = render(_SENTINEL)
+    except ValueError as e:  # no template, or one that cannot render
+        raise CheckpointError(f"the tokenizer's chat template cannot be used: {e}") from None
+    if text.count(_SENTINEL) != 1:
+        raise CheckpointError("the chat template does not contain the prompt exactly once")
+    prefix, suffix = text.split(_SENTINEL)
+    # The template must be a plain wrapper: another prompt renders with the same prefix and suffix.
+    if render("other prompt") != prefix + "other prompt" + suffix:
+        raise CheckpointError("the chat template is not a fixed prefix + prompt + suffix; klein cannot reproduce it")
+    return prefix, suffix
