@@ -67,9 +67,11 @@ def component_key(ckpt, label: str, precision: str, loras, fused: bool) -> str:
     if label == "transformer":
         options["loras"] = [lora.to_json() for lora in loras]
     digest.update(json.dumps(options, sort_keys=True).encode())
-    files = [ckpt.root / "model_index.json"]
+    # FLUX.3 checkpoints (flux3.Flux3Checkpoint) may have modular_model_index.json instead, and no
+    # single transformer file.
+    files = [getattr(ckpt, "index_path", ckpt.root / "model_index.json")]
     for folder in FOLDERS[label]:
-        if label == "transformer" and ckpt.transformer_file is not None:
+        if label == "transformer" and getattr(ckpt, "transformer_file", None) is not None:
             files += [ckpt.root / folder / "config.json", Path(ckpt.transformer_file)]
             continue
         files += sorted(p for p in (ckpt.root / folder).rglob("*") if p.is_file())

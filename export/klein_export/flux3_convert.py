@@ -9,9 +9,12 @@ follows the family. What differs, all from diffusers' FLUX.3 blocks:
 - the scheduler has the constant shift 6.93 and no dynamic shifting;
 - 16 steps without guidance (distilled) or 50 with guidance 3.5 (base), 1024x1024 by default.
 
-Exported as plain ONNX operators in float32: the FLUX.2 fast paths (fused attention and rotary, fp16,
-quantization, static shapes, LoRA merging, the export cache) are not applied to FLUX.3 yet, and
-asking for one is an error that says so.
+The FLUX.2 graph rewrites apply: the text encoder's fused norms and attention (ort_fusions.fuse_for_ort),
+the transformer's fused attention and rotary embeddings, its fused RMSNorms and its per-image
+projections with the weight first (ort_fusions.fuse_transformer); `--precision fp16` with the
+modulation kept in float32 (precision.KEEP_FLOAT32["flux3_transformer"]); `--quantize`, once every
+graph is exported (quantize.py); the export cache. Not yet for FLUX.3: static shapes, LoRA merging
+and `--transformer`, each refused by name.
 """
 
 import shutil
@@ -25,7 +28,7 @@ from . import FORMAT_VERSION, contract
 from .atomic import atomic_directory, check_output
 from .cache_key import stamp_bundle
 from .contract import GraphEntry
-from .convert import _export_isolated, _export_vae
+from .convert import _export_cached, _export_isolated, _export_vae, _peak_rss_mb, _scheme_json, _to_precision
 from .errors import BundleExistsError, CheckpointError
 from .flux3 import (
     BASE_GUIDANCE,
@@ -40,6 +43,10 @@ from .flux3 import (
     Flux3Checkpoint,
 )
 from .flux3_wrappers import Flux3TextEncoder, Flux3Transformer
+from .fused_attention import TRANSLATIONS as ATTENTION
+from .fused_attention import fused_attention
+from .fused_rotary import TRANSLATIONS as ROTARY
+from .fused_rotary import fused_rotary
 from .manifest import (
     EMPIRICAL_MU,
     MIN_ONNXRUNTIME_VERSION,
@@ -50,7 +57,9 @@ from .manifest import (
     write_manifest,
 )
 from .onnx_export import export_graph, timestep_frequencies_as_torch
+from .ort_fusions import fuse_for_ort, fuse_transformer
 from .preview import fit_preview
+from .quantize import quantize_bundle
 from .tokenizer_facts import split_template
 
 
@@ -59,6 +68,7 @@ def _export_text_encoder(ckpt, out, precision):
     depth = ckpt.text_encoder_config["num_hidden_layers"]
     vl = ckpt.load_text_encoder(num_layers=max(layers))
     module = Flux3TextEncoder(vl, layers, depth).eval()
+    scheme = _scheme_json(_to_precision(module, "text_encoder", precision))
     hidden = ckpt.text_encoder_config["hidden_size"]
     io = contract.text_encoder_io(hidden * len(layers))
     ids = torch.randint(0, ckpt.text_encoder_config["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
@@ -66,14 +76,15 @@ def _export_text_encoder(ckpt, out, precision):
     mask[1, 7:] = 0
     batch, seq = Dim("batch"), Dim("seq")
     shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
-    export_graph(module, (ids, mask), shapes, io, out, precision)
-    return [GraphEntry(io, precision)]
+    _, fusions = export_graph(module, (ids, mask), shapes, io, out, precision, fuse=fuse_for_ort)
+    return [GraphEntry(io, precision, scheme, fusions=fusions or None)]
 
 
 def _export_transformer(ckpt, out, precision):
     model = ckpt.load_transformer()
     cfg = model.config
     module = Flux3Transformer(model, IMAGE_ROPE_SCALE).eval()
+    scheme = _scheme_json(_to_precision(module, "flux3_transformer", precision), half_attention=True)
     n_axes = len(cfg.axes_dims_rope)
     g = torch.Generator().manual_seed(0)
     tokens, seq, refs = 20, 10, 6  # none of size 0 or 1 (specialised); 0 references work at run time
@@ -103,11 +114,14 @@ def _export_transformer(ckpt, out, precision):
     channels = cfg.timestep_channels
 
     def rewrite(program):
+        fusions = fuse_transformer(program)
         timestep_frequencies_as_torch(program, channels)
-        return reshapes_allow_zero(program)
+        return {**fusions, **reshapes_allow_zero(program)}
 
-    export_graph(module, args, shapes, io, out, precision, fuse=rewrite)
-    return [GraphEntry(io, precision)]
+    with fused_attention(half=precision == "fp16", family=FAMILY), fused_rotary(family=FAMILY):
+        translations = {**ATTENTION, **ROTARY}
+        _, fusions = export_graph(module, args, shapes, io, out, precision, translations, rewrite)
+    return [GraphEntry(io, precision, scheme, fusions=fusions or None)]
 
 
 def reshapes_allow_zero(model) -> dict:
@@ -227,7 +241,7 @@ def _refuse(what, given):
     if given:
         raise CheckpointError(
             f"{what} is not available for FLUX.3 Image Klein checkpoints yet: convert without it "
-            "(klein exports FLUX.3 in float32, with plain ONNX operators)"
+            "(klein exports FLUX.3 with dynamic shapes, in fp32 or fp16, quantized or not)"
         )
 
 
@@ -248,12 +262,9 @@ def convert_flux3(
     cache=None,
 ):
     """Export every component of the FLUX.3 checkpoint `checkpoint` into the bundle directory `out`."""
-    _refuse(f"--precision {precision}", precision != "fp32")
-    _refuse("--quantize", quantization is not None)
     _refuse("--static-shapes", static_shapes is not None or refs)
     _refuse("--lora", loras)
     _refuse("--transformer", transformer is not None)
-    _refuse("--cache", cache is not None)
     ckpt = Flux3Checkpoint(checkpoint)
     ckpt.check_weights()
     out = Path(out)
@@ -265,9 +276,16 @@ def convert_flux3(
         for number, label in enumerate(EXPORTS, 1):
             log(f"[{number}/{len(EXPORTS)}] exporting {label} ({precision})...")
             start = time.perf_counter()
-            entries, peak = _export_isolated(label, ckpt.arguments, tmp, precision, (), True)
+            if cache is None:
+                entries, peak = _export_isolated(label, ckpt.arguments, tmp, precision, (), True)
+            else:
+                entries, peak = _export_cached(Path(cache), ckpt, label, tmp, precision, (), True, log)
             graphs.update((entry.io.component, entry) for entry in entries)
-            log(f"exported {label} ({precision}) in {time.perf_counter() - start:.1f} s (peak RSS {peak:.0f} MB)")
+            seconds = time.perf_counter() - start
+            if peak is None:
+                log(f"took {label} ({precision}) from the export cache {cache} in {seconds:.1f} s")
+            else:
+                log(f"exported {label} ({precision}) in {seconds:.1f} s (peak RSS {peak:.0f} MB)")
         kind = "step-distilled" if ckpt.is_distilled else "base"
         steps = DISTILLED_STEPS if ckpt.is_distilled else BASE_STEPS
         log(f"a FLUX.3 Image Klein {kind} model ({ckpt.root}): {steps} steps by default")
@@ -278,4 +296,8 @@ def convert_flux3(
         stamp_bundle(tmp)
         manifest["files"] = bundle_files(tmp)
         write_manifest(manifest, tmp)
+        if quantization is not None:  # after every torch module is freed; one graph in memory at a time
+            start = time.perf_counter()
+            quantize_bundle(tmp, quantization, log=log)
+            log(f"quantized in {time.perf_counter() - start:.1f} s (peak RSS {_peak_rss_mb():.0f} MB)")
     return out

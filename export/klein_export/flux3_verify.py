@@ -3,33 +3,24 @@ at several shapes (verify.py's `_Checker` and tolerances), and the bundle's imag
 from Python as the runtime runs it, against diffusers' FLUX.3 modular pipeline (flux3_reference.py).
 """
 
-from pathlib import Path
-
 import numpy as np
 import torch
 
 from .flux3 import IMAGE_ROPE_SCALE, Flux3Checkpoint
 from .flux3_convert import tokenizer_facts
+from .flux3_ort_pipeline import _window_feeds, bundle_latents
 from .flux3_reference import load_reference, run_reference
 from .flux3_wrappers import Flux3TextEncoder, Flux3Transformer
 from .manifest import read_manifest
-from .ort_pipeline import latent_ids, run_graph, session, text_ids
-from .tolerances import image_bar, psnr
-from .verify import ImageResult, _Checker, verify_vae
+from .ort_pipeline import latent_ids, run_graph, text_ids
+from .quantize import emulate_quantization
+from .tolerances import FLUX3_DYNAMIC_EMULATED_DB, image_bar, is_dynamic, is_static, psnr
+from .verify import ImageResult, _Checker, _key_rows, verify_vae
 
 IMAGE_CASES = (
     {"prompt": "a raccoon astronaut on the moon", "seed": 0, "width": 64, "height": 64},
     {"prompt": "a red fox in the snow, watercolor", "seed": 7, "width": 80, "height": 48},
 )
-
-
-def _window_feeds(processor, facts, prompt):
-    text = facts["prompt_prefix"] + prompt + facts["prompt_suffix"]
-    ids = processor.tokenizer(text, truncation=True, max_length=facts["max_sequence_length"])["input_ids"]
-    multiple = facts["pad_multiple"]
-    window = min(-(-len(ids) // multiple) * multiple, facts["max_sequence_length"])
-    enc = processor.tokenizer(text, padding="max_length", truncation=True, max_length=window, return_tensors="pt")
-    return enc["input_ids"], enc["attention_mask"]
 
 
 def verify_text_encoder(ckpt, bundle):
@@ -53,23 +44,12 @@ def _cond_ids(grids):
 
 
 class _EagerTransformer(Flux3Transformer):
-    """The exported wrapper, run by torch: with no reference tokens diffusers' own text-to-image call
+    """The exported wrapper, run by torch: with no reference tokens, without the reference path
     (torch cannot reshape the empty reference tensors the graph takes)."""
 
     def forward(self, latents, prompt_embeds, timestep, img_ids, txt_ids, cond_latents, cond_ids, target_timestep=None):
-        if cond_latents.shape[1]:
-            return super().forward(
-                latents, prompt_embeds, timestep, img_ids, txt_ids, cond_latents, cond_ids, target_timestep
-            )
-        return self.transformer(
-            hidden_states=latents,
-            encoder_hidden_states=prompt_embeds,
-            timestep=timestep,
-            img_ids=img_ids.to(torch.float32) * self.scale,
-            txt_ids=txt_ids.to(torch.float32),
-            target_timestep=target_timestep,
-            return_dict=False,
-        )[0]
+        args = (latents, prompt_embeds, timestep, img_ids, txt_ids, cond_latents, cond_ids, target_timestep)
+        return self.velocity(*args, with_cond=cond_latents.shape[1] > 0)
 
 
 def verify_transformer(ckpt, bundle):
@@ -77,7 +57,9 @@ def verify_transformer(ckpt, bundle):
     cfg = model.config
     checker = _Checker(bundle, "transformer", _EagerTransformer(model, IMAGE_ROPE_SCALE).eval())
     g = torch.Generator().manual_seed(1)
-    for b, (h, w), seq, grids in ((1, (4, 4), 80, []), (2, (3, 5), 160, [(2, 3)]), (1, (2, 2), 80, [(3, 2), (2, 2)])):
+    # A case with references first: a quantized graph's emulation (verify._Checker) is built on the
+    # first case's call, which must reach every linear.
+    for b, (h, w), seq, grids in ((2, (3, 5), 160, [(2, 3)]), (1, (4, 4), 80, []), (1, (2, 2), 80, [(3, 2), (2, 2)])):
         refs = sum(gh * gw for gh, gw in grids)
         args = [
             torch.randn(b, h * w, cfg.in_channels, generator=g),
@@ -104,71 +86,71 @@ def verify(checkpoint, bundle):
 
 
 def bundle_image(bundle, prompt, seed, width, height, steps):
-    """The bundle's text-to-image result `[H, W, 3]` in [0, 255] (not rounded), its graphs run by ONNX Runtime with the
-    runtime's recipe: the window, the noise of torch's generator, the shifted schedule, and the
-    flow map's target timestep."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    from transformers import PreTrainedTokenizerFast
-
-    manifest = read_manifest(bundle)
-    graphs, facts = manifest["graphs"], manifest["tokenizer"]
-
-    class _Processor:
-        tokenizer = PreTrainedTokenizerFast(
-            tokenizer_file=str(Path(bundle) / facts["file"]), pad_token=facts["pad_token"], padding_side="right"
-        )
-
-    def encode(text):
-        ids, mask = _window_feeds(_Processor, facts, text)
-        return run_graph(bundle, graphs["text_encoder"], {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
-
-    embeds = encode(prompt)
-    # A base model runs classifier-free guidance with the empty negative prompt (diffusers' default).
-    guidance = manifest["model"]["default_guidance"]
-    negative = encode("") if not manifest["model"]["is_distilled"] and guidance > 1 else None
-    m = manifest["latents"]["pixel_multiple"]
-    h, w = height // m, width // m
-    noise = torch.randn(1, manifest["latents"]["channels"], h, w, generator=torch.Generator("cpu").manual_seed(seed))
-    latents = noise.flatten(2).transpose(1, 2).numpy()
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=manifest["scheduler"]["shift"])
-    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps))
-    timesteps = scheduler.timesteps
-    flow_map = manifest["transformer"].get("flow_map", False)
-    transformer = session(bundle, graphs["transformer"])
-
-    def velocity(text, i, t):
-        feeds = {
-            "latents": latents,
-            "prompt_embeds": text,
-            "timestep": np.array([t / 1000], dtype=np.float32),
-            "img_ids": latent_ids(h, w).numpy(),
-            "txt_ids": text_ids(text.shape[1]).numpy(),
-            "cond_latents": np.zeros((1, 0, latents.shape[2]), np.float32),
-            "cond_ids": np.zeros((0, 4), np.int64),
-        }
-        if flow_map:
-            nxt = timesteps[i + 1] / 1000 if i + 1 < len(timesteps) else torch.tensor(0.0)
-            feeds["target_timestep"] = np.array([nxt], dtype=np.float32)
-        return transformer.run(None, feeds)[0]
-
-    for i, t in enumerate(timesteps):
-        v = velocity(embeds, i, t)
-        if negative is not None:
-            uncond = velocity(negative, i, t)
-            v = uncond + np.float32(guidance) * (v - uncond)
-        latents = scheduler.step(torch.from_numpy(v), t, torch.from_numpy(latents), return_dict=False)[0].numpy()
-    grid = latents.reshape(1, h, w, -1).transpose(0, 3, 1, 2)
-    image = run_graph(bundle, graphs["vae_decoder"], {"latents": np.ascontiguousarray(grid)})
+    """The bundle's text-to-image result `[H, W, 3]` in [0, 255] (not rounded): flux3_ort_pipeline's
+    latents, decoded by the bundle's VAE decoder."""
+    latents = bundle_latents(bundle, prompt, seed, width, height, steps)
+    image = run_graph(bundle, read_manifest(bundle)["graphs"]["vae_decoder"], {"latents": latents})
     return np.clip(image[0].transpose(1, 2, 0) * 0.5 + 0.5, 0, 1) * 255
 
 
+def _dequantize(pipe, graphs):
+    """Gives `pipe`'s text encoder and transformer the dequantized weights of their quantized float32
+    graphs (verify._dequantize_pipeline for FLUX.3): the wrappers share the pipeline's modules, so
+    their weights change in place, and only the linears the graph quantized change (the per-image
+    modulations, computed on `[B, D]` in the wrapper, stay float as in the graph)."""
+    g = torch.Generator().manual_seed(0)
+    layers = pipe.klein_out_layers
+    text_encoder = Flux3TextEncoder(pipe.text_encoder, layers, pipe.text_encoder.config.text_config.num_hidden_layers)
+    ids = torch.randint(0, pipe.text_encoder.config.text_config.vocab_size, (1, 8), generator=g)
+    cfg = pipe.transformer.config
+    grids = [(1, 2)]  # one reference: the call reaches every linear
+    transformer_args = (
+        torch.randn(1, 4, cfg.in_channels, generator=g),
+        torch.randn(1, 3, cfg.joint_attention_dim, generator=g),
+        torch.tensor([0.5]),
+        latent_ids(2, 2),
+        text_ids(3),
+        torch.randn(1, 2, cfg.cond_in_channels, generator=g),
+        _cond_ids(grids),
+        *((torch.tensor([0.25]),) if cfg.flow_map else ()),
+    )
+    examples = {
+        "text_encoder": (text_encoder, (ids, torch.ones_like(ids))),
+        "transformer": (_EagerTransformer(pipe.transformer, IMAGE_ROPE_SCALE), transformer_args),
+    }
+    for component, (module, args) in examples.items():
+        spec = graphs[component]
+        if spec.get("quantization") and spec["precision"] == "fp32" and not is_static(spec["quantization"]):
+            emulate_quantization(module, spec["quantization"], args, _key_rows(spec))
+
+
 def verify_images(checkpoint, bundle, cases=IMAGE_CASES):
+    """One ImageResult per case: the bundle's image against diffusers fp32 and, for a bundle with
+    quantized float32 graphs (and no static decoder), against diffusers with the same dequantized
+    weights, as verify.verify_images."""
     manifest = read_manifest(bundle)
-    steps = manifest["model"]["default_steps"]
-    threshold, label = image_bar(manifest["graphs"])
+    graphs, steps = manifest["graphs"], manifest["model"]["default_steps"]
+    threshold, label = image_bar(graphs)
     pipe = load_reference(checkpoint)
-    for case in cases:
-        want = run_reference(pipe, case["prompt"], case["seed"], case["width"], case["height"], steps=steps)[0] * 255
+
+    def images(pipe):
+        return [
+            run_reference(pipe, c["prompt"], c["seed"], c["width"], c["height"], steps=steps)[0] * 255 for c in cases
+        ]
+
+    references, emulated = images(pipe), [None] * len(cases)
+    quantized = [s.get("quantization") for s in graphs.values() if s["precision"] == "fp32"]
+    if any(quantized) and not any(is_static(q) for q in quantized):
+        _dequantize(pipe, graphs)
+        emulated = images(pipe)
+    del pipe
+    dynamic = any(is_dynamic(s.get("quantization")) for s in graphs.values())
+    for case, want, dequantized in zip(cases, references, emulated, strict=True):
         got = bundle_image(bundle, case["prompt"], case["seed"], case["width"], case["height"], steps)
         name = f"{case['width']}x{case['height']} seed {case['seed']}, {steps} steps"
-        yield ImageResult(name, label, psnr(got, want), threshold)
+        result = ImageResult(
+            name, label, psnr(got, want), threshold, dynamic=dynamic, dynamic_margin=FLUX3_DYNAMIC_EMULATED_DB
+        )
+        if dequantized is not None:
+            result.emulated_psnr, result.scheme_psnr = psnr(got, dequantized), psnr(dequantized, want)
+        yield result

@@ -18,6 +18,7 @@ diffusers computes), which `TRANSLATIONS` writes as MultiHeadAttention.
 """
 
 import contextlib
+import importlib
 
 import onnx
 import onnxscript
@@ -92,15 +93,14 @@ OPSETS = {"com.microsoft": 1}
 
 
 @contextlib.contextmanager
-def fused_attention(half: bool = False):
-    """Routes the Flux2 transformer's unmasked attention (diffusers' `dispatch_attention_fn`)
-    through `klein::attention`. `half` (fp16 bundles): query, key and value are cast to float16
-    and the output back, so that the graph's MultiHeadAttention runs in float16, the form ONNX
-    Runtime's CUDA provider runs as flash attention (its float32 kernel is the slower
-    memory-efficient one)."""
-    from diffusers.models.transformers import transformer_flux2
-
-    original = transformer_flux2.dispatch_attention_fn
+def fused_attention(half: bool = False, family: str = "flux2"):
+    """Routes the `family` transformer's unmasked attention (diffusers' `dispatch_attention_fn` in
+    `transformer_flux2` or `transformer_flux3`) through `klein::attention`. `half` (fp16 bundles):
+    query, key and value are cast to float16 and the output back, so that the graph's
+    MultiHeadAttention runs in float16, the form ONNX Runtime's CUDA provider runs as flash attention
+    (its float32 kernel is the slower memory-efficient one)."""
+    module = importlib.import_module(f"diffusers.models.transformers.transformer_{family}")
+    original = module.dispatch_attention_fn
 
     def dispatch(query, key, value, attn_mask=None, **kwargs):
         if attn_mask is not None:
@@ -110,8 +110,8 @@ def fused_attention(half: bool = False):
         q, k, v = (t.to(torch.float16) for t in (query, key, value))
         return torch.ops.klein.attention(q, k, v, query.shape[2]).to(query.dtype)
 
-    transformer_flux2.dispatch_attention_fn = dispatch
+    module.dispatch_attention_fn = dispatch
     try:
         yield
     finally:
-        transformer_flux2.dispatch_attention_fn = original
+        module.dispatch_attention_fn = original

@@ -14,6 +14,7 @@ form is diffusers' own function, so the traced model computes what diffusers com
 """
 
 import contextlib
+import importlib
 
 import onnx
 import torch
@@ -90,20 +91,20 @@ TRANSLATIONS = {torch.ops.klein.rotary.default: _rotary_onnx}
 
 
 @contextlib.contextmanager
-def fused_rotary():
-    """Routes the Flux2 transformer's rotary embeddings (diffusers' `apply_rotary_emb` with real
+def fused_rotary(family: str = "flux2"):
+    """Routes the `family` transformer's (`transformer_flux2`'s or `transformer_flux3`'s) rotary
+    embeddings (diffusers' `apply_rotary_emb` with real
     cos and sin, pairs adjacent, sequence in dimension 1) through `klein::rotary`."""
-    from diffusers.models.transformers import transformer_flux2
-
-    original = transformer_flux2.apply_rotary_emb
+    module = importlib.import_module(f"diffusers.models.transformers.transformer_{family}")
+    original = module.apply_rotary_emb
 
     def apply(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2):
         if use_real and use_real_unbind_dim == -1 and sequence_dim == 1 and isinstance(freqs_cis, tuple):
             return torch.ops.klein.rotary(x, *freqs_cis)
         return original(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
 
-    transformer_flux2.apply_rotary_emb = apply
+    module.apply_rotary_emb = apply
     try:
         yield
     finally:
-        transformer_flux2.apply_rotary_emb = original
+        module.apply_rotary_emb = original

@@ -116,6 +116,10 @@ def bundle_latents(bundle, prompt, seed, width, height, steps=None) -> np.ndarra
     from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 
     manifest = read_manifest(bundle)
+    if manifest["model"].get("family") == "flux3":
+        from .flux3_ort_pipeline import bundle_latents as flux3_latents
+
+        return flux3_latents(bundle, prompt, seed, width, height, steps)
     graphs = manifest["graphs"]
     steps = steps or manifest["model"]["default_steps"]
 

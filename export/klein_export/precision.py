@@ -47,6 +47,13 @@ KEEP_FLOAT32 = {
         "single_stream_modulation": "modulation: shift/scale/gate of every single block",
         "norm_out": "final AdaLayerNorm modulation (scale/shift of the output)",
     },
+    "flux3_transformer": {
+        "timestep_embedder": "timestep embedder: sin/cos of t*1000 feeds every modulation",
+        "target_timestep_embedder": "target-timestep embedder (flow map): added to every modulation",
+        "early_stream_modulations": "modulation: shift/scale/gate of the per-mode blocks",
+        "single_stream_modulations": "modulation: shift/scale/gate of the joint blocks",
+        "norm_out": "final AdaLayerNorm modulation (scale/shift of the output)",
+    },
     "text_encoder": {},
     "vae": {},
 }
@@ -109,9 +116,9 @@ def _keep_reason(name: str, keep: dict):
 def to_float16(module: nn.Module, component: str) -> PrecisionScheme:
     """Converts `module` in place: every HALF_TYPES submodule not kept float32 becomes a Float16Island.
 
-    `component` is "text_encoder", "transformer" or "vae" (the VAE's encoder and decoder share one
-    module, converted once). Modules already inside an island are left alone, so a second call on the
-    same module converts nothing more.
+    `component` is "text_encoder", "transformer" (FLUX.2's), "flux3_transformer" or "vae" (the VAE's
+    encoder and decoder share one module, converted once). Modules already inside an island are left
+    alone, so a second call on the same module converts nothing more.
     """
     keep = KEEP_FLOAT32[component]
     scheme = PrecisionScheme("fp16")

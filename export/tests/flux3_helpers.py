@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+from conftest import EXPORT_CACHE
 from PIL import Image
 
 from klein_export.convert import convert
@@ -27,7 +28,7 @@ def flux3_bundle(root, seed, distilled, text_overrides, out_layers=None):
         text_overrides=text_overrides,
         out_layers=out_layers,
     )
-    bundle = convert(ckpt, root / "bundle", log=lambda _: None)
+    bundle = convert(ckpt, root / "bundle", log=lambda _: None, cache=EXPORT_CACHE)
     return load_reference(ckpt), bundle
 
 

@@ -149,15 +149,15 @@ def test_fast_paths_not_yet_available_are_refused(distilled, tmp_path):
             str(pipe.klein_root),
             "--out",
             str(tmp_path / "b"),
-            "--precision",
-            "fp16",
+            "--static-shapes",
+            "64x64",
         ],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert run.returncode == 2, run.stderr
-    assert "--precision fp16 is not available for FLUX.3 Image Klein" in run.stderr
+    assert "--static-shapes is not available for FLUX.3 Image Klein" in run.stderr
     assert not (tmp_path / "b").exists()
 
 
