@@ -11,8 +11,10 @@ Usage (repository root, in the export venv; klein built with `cargo build --rele
 
     klein-export tiny --preset flux3-wide --out /tmp/flux3-wide
     klein-export convert --checkpoint /tmp/flux3-wide --out /tmp/flux3-wide-bundle
+    klein-export quantize --bundle /tmp/flux3-wide-bundle --out /tmp/flux3-wide-dd --quantize int8 --method dynamic
+    klein-export quantize --bundle /tmp/flux3-wide-dd --out /tmp/flux3-wide-dds --quantize int8 --method static
     python benches/flux3_compare.py --checkpoint /tmp/flux3-wide --bundle /tmp/flux3-wide-bundle \\
-        --size 512 --reps 3 --threads 2
+        --extra-bundle dds=/tmp/flux3-wide-dds --size 512 --reps 3 --threads 2
 """
 
 import argparse
@@ -70,10 +72,33 @@ def _klein_generate_seconds(stderr):
     return sum(float(m) for m in re.findall(r"^\s*[a-zA-Z ]+:\s+([\d.]+) s$", stderr, re.MULTILINE))
 
 
+def _host():
+    """The CPU's model name and the instruction sets that matter here."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    wanted = ("fma", "avx2", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile")
+    return f"{name}: {' '.join(f for f in wanted if f in flags) or 'none of ' + ' '.join(wanted)}"
+
+
+def _psnr(a_path, b_path):
+    a = np.asarray(Image.open(a_path).convert("RGB"), np.float64)
+    b = np.asarray(Image.open(b_path).convert("RGB"), np.float64)
+    mse = np.mean((a - b) ** 2)
+    return float("inf") if mse == 0 else 10 * np.log10(255**2 / mse)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True)
-    p.add_argument("--bundle")
+    p.add_argument("--bundle", required=True, help="klein's fp32 bundle of the checkpoint")
+    p.add_argument(
+        "--extra-bundle",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="another bundle of the same checkpoint (fp16, quantized), run the same way; repeatable",
+    )
     p.add_argument("--size", type=int, default=512)
     p.add_argument("--steps", type=int)
     p.add_argument("--seed", type=int, default=42)
@@ -85,80 +110,43 @@ def main():
     args = p.parse_args()
     if args.worker:
         return _worker(args)
+    bundles = {"klein fp32": args.bundle}
+    for spec in args.extra_bundle:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not Path(path, "manifest.json").is_file():
+            p.error(f"--extra-bundle {spec!r}: expected NAME=DIR, DIR a klein bundle")
+        bundles[f"klein {name}"] = path
     steps = args.steps or json.loads((Path(args.bundle) / "manifest.json").read_text())["model"]["default_steps"]
     work = Path(tempfile.mkdtemp(prefix="flux3-compare-"))
-    runs = {"klein": [], "diffusers": []}
+    runs = {side: [] for side in (*bundles, "diffusers")}
     for rep in range(args.reps):
-        out = work / f"klein-{rep}.png"
-        cmd = [
-            args.klein,
-            "generate",
-            PROMPT,
-            "--model",
-            args.bundle,
-            "--seed",
-            str(args.seed),
-            "--steps",
-            str(steps),
-        ]
-        cmd += [
-            "--width",
-            str(args.size),
-            "--height",
-            str(args.size),
-            "--threads",
-            str(args.threads),
-            "--timings",
-        ]
-        wall, rss, _, err = _run(cmd + ["-o", str(out), "--no-verify-hashes"])
-        runs["klein"].append(
-            {
-                "wall": wall,
-                "rss": rss,
-                "generate": _klein_generate_seconds(err),
-                "image": out,
-            }
-        )
+        for side, bundle in bundles.items():
+            out = work / f"{side.replace(' ', '-')}-{rep}.png"
+            cmd = [args.klein, "generate", PROMPT, "--model", bundle, "--seed", str(args.seed), "--steps", str(steps)]
+            cmd += ["--width", str(args.size), "--height", str(args.size), "--threads", str(args.threads)]
+            wall, rss, _, err = _run(cmd + ["--timings", "-o", str(out), "--no-verify-hashes"])
+            runs[side].append({"wall": wall, "rss": rss, "generate": _klein_generate_seconds(err), "image": out})
         out = work / f"diffusers-{rep}.png"
-        cmd = [
-            sys.executable,
-            __file__,
-            "--worker",
-            "--checkpoint",
-            args.checkpoint,
-            "--size",
-            str(args.size),
-        ]
-        cmd += [
-            "--steps",
-            str(steps),
-            "--seed",
-            str(args.seed),
-            "--threads",
-            str(args.threads),
-            "--out",
-            str(out),
-        ]
+        cmd = [sys.executable, __file__, "--worker", "--checkpoint", args.checkpoint, "--size", str(args.size)]
+        cmd += ["--steps", str(steps), "--seed", str(args.seed), "--threads", str(args.threads), "--out", str(out)]
         wall, rss, stdout, _ = _run(cmd)
         generate = json.loads(stdout.strip().splitlines()[-1])["generate"]
         runs["diffusers"].append({"wall": wall, "rss": rss, "generate": generate, "image": out})
     med = {
         side: {k: statistics.median(r[k] for r in rs) for k in ("wall", "rss", "generate")} for side, rs in runs.items()
     }
-    a = np.asarray(Image.open(runs["klein"][0]["image"]).convert("RGB"), np.float64)
-    b = np.asarray(Image.open(runs["diffusers"][0]["image"]).convert("RGB"), np.float64)
-    mse = np.mean((a - b) ** 2)
-    psnr = float("inf") if mse == 0 else 10 * np.log10(255**2 / mse)
+    reference = runs["diffusers"][0]["image"]
+    print(f"host: {_host()}")
     print(f"{args.size}x{args.size}, {steps} steps, {args.threads} threads, medians of {args.reps} (work dir {work})")
-    print(f"{'':10s} {'wall s':>8s} {'generate s':>11s} {'peak RSS MB':>12s}")
-    for side in ("klein", "diffusers"):
+    columns = [("wall s", 8), ("generate s", 11), ("peak RSS MB", 12)]
+    columns += [("wall vs diffusers", 18), ("image vs diffusers", 19)]
+    print(f"{'':16s} " + " ".join(f"{name:>{width}s}" for name, width in columns))
+    d = med["diffusers"]
+    for side in runs:
         m = med[side]
-        print(f"{side:10s} {m['wall']:8.1f} {m['generate']:11.1f} {m['rss']:12.0f}")
-    k, d = med["klein"], med["diffusers"]
-    print(
-        f"diffusers / klein: wall {d['wall'] / k['wall']:.2f}x, generate {d['generate'] / k['generate']:.2f}x, "
-        f"memory {d['rss'] / k['rss']:.2f}x; klein vs diffusers image {psnr:.1f} dB"
-    )
+        ratio = f"{d['wall'] / m['wall']:.2f}x" if side != "diffusers" else ""
+        image = f"{_psnr(runs[side][0]['image'], reference):.1f} dB" if side != "diffusers" else ""
+        print(f"{side:16s} {m['wall']:8.1f} {m['generate']:11.1f} {m['rss']:12.0f} {ratio:>18s} {image:>19s}")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ The FLUX.2 graph rewrites apply: the text encoder's fused norms and attention (o
 the transformer's fused attention and rotary embeddings, its fused RMSNorms and its per-image
 projections with the weight first (ort_fusions.fuse_transformer); `--precision fp16` with the
 modulation kept in float32 (precision.KEEP_FLOAT32["flux3_transformer"]); `--quantize`, once every
-graph is exported (quantize.py); the export cache. Not yet for FLUX.3: static shapes, LoRA merging
-and `--transformer`, each refused by name.
+graph is exported (quantize.py); the export cache; the transformer's LoRA map (`lora_targets`), so
+that the runtime merges FLUX.3 LoRAs at load time. Not yet for FLUX.3: static shapes, LoRA merging
+at export and `--transformer`, each refused by name.
 """
 
 import shutil
@@ -47,6 +48,7 @@ from .fused_attention import TRANSLATIONS as ATTENTION
 from .fused_attention import fused_attention
 from .fused_rotary import TRANSLATIONS as ROTARY
 from .fused_rotary import fused_rotary
+from .lora_map import lora_targets
 from .manifest import (
     EMPIRICAL_MU,
     MIN_ONNXRUNTIME_VERSION,
@@ -120,8 +122,8 @@ def _export_transformer(ckpt, out, precision):
 
     with fused_attention(half=precision == "fp16", family=FAMILY), fused_rotary(family=FAMILY):
         translations = {**ATTENTION, **ROTARY}
-        _, fusions = export_graph(module, args, shapes, io, out, precision, translations, rewrite)
-    return [GraphEntry(io, precision, scheme, fusions=fusions or None)]
+        path, fusions = export_graph(module, args, shapes, io, out, precision, translations, rewrite)
+    return [GraphEntry(io, precision, scheme, lora_targets(model, path), fusions or None)]
 
 
 def reshapes_allow_zero(model) -> dict:

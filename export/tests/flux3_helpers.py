@@ -32,6 +32,15 @@ def flux3_bundle(root, seed, distilled, text_overrides, out_layers=None):
     return load_reference(ckpt), bundle
 
 
+def small_distilled(root):
+    """A step-distilled checkpoint with 7 Qwen3-VL layers, layers 2, 4 and 6 stacked (recorded in its
+    index; the last is a raw layer output), UNSEEN's transformer with joint attention width 3 x 16.
+    The same bytes for every caller: their converts share the export cache."""
+    overrides = {**UNSEEN, "joint_attention_dim": 3 * 16}
+    text = {"num_hidden_layers": 7, "intermediate_size": 28}
+    return build_flux3(root, seed=33, transformer_overrides=overrides, text_overrides=text, out_layers=(2, 4, 6))
+
+
 def klein_cli(bundle, prompt, seed, out, size=None, steps=None, extra=()):
     assert KLEIN.is_file(), f"{KLEIN} is missing: build it with `cargo build --release` (scripts/test.sh does)"
     cmd = [str(KLEIN), "generate", prompt, "--model", str(bundle), "--seed", str(seed), "-o", str(out), "--quiet"]

@@ -83,8 +83,9 @@ def _fused_shape(shapes, modules):
     return out, shapes[modules[0]][1]
 
 
-def write_peft(transformer, path, rank=4, alpha=8, std=0.1, seed=0):
-    """A LoRA on every linear layer, made and saved by diffusers/PEFT (metadata: r, lora_alpha)."""
+def write_peft(transformer, path, rank=4, alpha=8, std=0.1, seed=0, pipeline=None):
+    """A LoRA on every linear layer, made and saved by diffusers/PEFT (metadata: r, lora_alpha), with
+    `pipeline`'s `save_lora_weights` (default Flux2KleinPipeline's)."""
     from diffusers import Flux2KleinPipeline
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
@@ -101,7 +102,7 @@ def write_peft(transformer, path, rank=4, alpha=8, std=0.1, seed=0):
     state = get_peft_model_state_dict(transformer, adapter_name="made")
     metadata = transformer.peft_config["made"].to_dict()
     transformer.delete_adapters("made")
-    Flux2KleinPipeline.save_lora_weights(
+    (pipeline or Flux2KleinPipeline).save_lora_weights(
         str(path.parent),
         transformer_lora_layers=state,
         weight_name=path.name,

@@ -2,9 +2,8 @@
 torch, and the image against diffusers' `Flux3DistilledModularPipeline`, in fp32 and with the same
 dequantized weights; the klein CLI against the same graphs run from Python.
 
-A tiny step-distilled checkpoint with 7 Qwen3-VL layers, layers 2, 4 and 6 stacked (recorded in its
-index; the last is a raw layer output), the transformer widths of flux3_helpers.UNSEEN, joint
-attention width 3 x 16. Tolerances
+A tiny step-distilled checkpoint (flux3_helpers.small_distilled: 7 Qwen3-VL layers, 2, 4 and 6
+stacked; the transformer widths of UNSEEN). Tolerances
 are klein_export.tolerances' (stated and justified there): per component the scheme's, against torch
 fp32 and, for quantized float32 graphs, against torch with the dequantized weights; per image
 PSNR_THRESHOLD against diffusers fp32, EMULATED_PSNR against diffusers with the dequantized weights
@@ -17,14 +16,13 @@ import json
 import numpy as np
 import pytest
 from conftest import EXPORT_CACHE
-from flux3_helpers import UNSEEN, klein_cli
+from flux3_helpers import klein_cli, small_distilled
 from PIL import Image
 from torch import nn
 
 from klein_export.convert import convert
 from klein_export.flux3 import Flux3Checkpoint
 from klein_export.flux3_ort_pipeline import bundle_latents
-from klein_export.flux3_tiny import build_flux3
 from klein_export.flux3_verify import IMAGE_CASES, bundle_image, verify, verify_images
 from klein_export.quantize import DYNAMIC, STATIC, QuantizationConfig, quantize_copy
 from klein_export.tolerances import EMULATED_PSNR, PSNR_THRESHOLD
@@ -44,11 +42,7 @@ PER_IMAGE = (
 def flux3(tmp_path_factory):
     """{name: bundle}, and the checkpoint, made once for the module."""
     root = tmp_path_factory.mktemp("flux3-quantized")
-    text = {"num_hidden_layers": 7, "intermediate_size": 28}
-    overrides = {**UNSEEN, "joint_attention_dim": 3 * 16}
-    ckpt = build_flux3(
-        root / "ckpt", seed=33, transformer_overrides=overrides, text_overrides=text, out_layers=(2, 4, 6)
-    )
+    ckpt = small_distilled(root / "ckpt")
 
     def make(name, **kw):
         return convert(ckpt, root / name, log=lambda _: None, cache=EXPORT_CACHE, **kw)

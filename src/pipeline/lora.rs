@@ -14,7 +14,7 @@ use crate::bundle::support::DYNAMIC;
 use crate::bundle::Manifest;
 use crate::error::{KleinError, Result};
 use crate::limits::{MAX_LORAS, MAX_LORA_SCALE};
-use crate::stages::lora::{first_names, read_lora, LoraFile, LoraFormat};
+use crate::stages::lora::{first_names, read_lora, LoraFamily, LoraFile, LoraFormat};
 
 /// A LoRA file and the scale it is applied with (`delta * scale`; negative or above 1 allowed).
 #[derive(Debug, Clone, PartialEq)]
@@ -147,7 +147,7 @@ impl LoraSet {
         let mut adapters = Vec::with_capacity(specs.len());
         for spec in specs {
             let targets = targets(manifest, dir, spec.path())?;
-            let file = read_lora(spec.path())?;
+            let file = read_lora(spec.path(), lora_family(manifest))?;
             check_fit(&file, targets)?;
             check_range(&file, spec.scale, targets)?;
             adapters.push((spec.clone(), file));
@@ -227,6 +227,14 @@ impl LoraSet {
     }
 }
 
+/// The model family LoRA files are read for.
+fn lora_family(manifest: &Manifest) -> LoraFamily {
+    match manifest.model.family {
+        crate::bundle::ModelFamily::Flux2 => LoraFamily::Flux2,
+        crate::bundle::ModelFamily::Flux3 => LoraFamily::Flux3,
+    }
+}
+
 /// The bundle's LoRA map, or why LoRAs cannot be merged into it at load time.
 fn targets<'m>(
     manifest: &'m Manifest,
@@ -243,13 +251,6 @@ fn targets<'m>(
         reason: format!("bundle {}: {why}", dir.display()),
     };
     let spec = &manifest.graphs.transformer;
-    if manifest.model.family == crate::bundle::ModelFamily::Flux3 {
-        return Err(refuse(
-            "a FLUX.3 Image Klein bundle: klein applies no LoRAs to FLUX.3 yet (FLUX.2-klein LoRAs \
-             do not fit it either)"
-                .to_string(),
-        ));
-    }
     if let Some(q) = &spec.quantization {
         return Err(refuse(format!(
             "its transformer is quantized ({} bits) and klein merges LoRAs into float weights only; {export}",

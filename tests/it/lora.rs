@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use klein::bundle::Manifest;
 use klein::pipeline::{LoraSpec, Progress, Request, Stage};
-use klein::stages::lora::{read_lora, DIFFUSERS_LORA_FILE};
+use klein::stages::lora::{read_lora, LoraFamily, DIFFUSERS_LORA_FILE};
 use klein::KleinError;
 use safetensors::tensor::{Dtype, TensorView};
 
@@ -217,7 +217,9 @@ fn a_lora_directory_gives_its_file() {
 
     // A scale mistyped after a directory is named as such, as after a file.
     let mistyped = PathBuf::from(format!("{}:O.8", saved.display()));
-    let error = read_lora(&mistyped).unwrap_err().to_string();
+    let error = read_lora(&mistyped, LoraFamily::Flux2)
+        .unwrap_err()
+        .to_string();
     assert!(
         error.contains("is a LoRA directory: \"O.8\" is not a scale; give DIR:SCALE"),
         "{error}"

@@ -10,7 +10,9 @@ use std::fmt;
 use ndarray::{s, Array2};
 
 use super::config::AdapterConfig;
-use super::{Factors, Store, Update};
+use super::{Factors, LoraFamily, Store, Update};
+
+mod flux3;
 
 /// The layout a LoRA file was written in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -182,6 +184,8 @@ const LOKR_SUFFIXES: &[&str] = &[
 struct Keys<'s, 'a> {
     store: &'s Store<'a>,
     left: BTreeMap<String, String>,
+    /// The model named when keys are left over.
+    model: &'static str,
 }
 
 impl<'s, 'a> Keys<'s, 'a> {
@@ -191,7 +195,11 @@ impl<'s, 'a> Keys<'s, 'a> {
             .into_iter()
             .map(|k| (rename(k), k.to_string()))
             .collect();
-        Keys { store, left }
+        Keys {
+            store,
+            left,
+            model: "FLUX.2-klein",
+        }
     }
 
     /// Removes `key` and reads it as a matrix.
@@ -234,15 +242,17 @@ impl<'s, 'a> Keys<'s, 'a> {
         if !text.is_empty() {
             return Err(format!(
                 "{} text-encoder keys ({}): klein applies LoRAs to the transformer only, as diffusers' \
-                 Flux2 loader does (it ignores these keys); use a LoRA without text-encoder weights",
+                 {} loader does (it ignores these keys); use a LoRA without text-encoder weights",
                 text.len(),
-                first_names(&text)
+                first_names(&text),
+                self.model
             ));
         }
         Err(format!(
-            "{} keys match no layer of a FLUX.2-klein transformer in the {format} layout ({}): a LoRA for \
+            "{} keys match no layer of a {} transformer in the {format} layout ({}): a LoRA for \
              another model (FLUX.1, another family) or a layout klein does not read",
             originals.len(),
+            self.model,
             first_names(&originals)
         ))
     }
@@ -257,10 +267,11 @@ pub(crate) fn first_names(names: &[&str]) -> String {
     text
 }
 
-/// The format of the file in `store` and its updates.
+/// The format of the file in `store` and its updates, read for a bundle of `family`.
 pub(super) fn convert(
     store: &Store<'_>,
     config: Option<&AdapterConfig>,
+    family: LoraFamily,
 ) -> Result<(LoraFormat, Vec<Update>), Fail> {
     let names = store.names();
     let dora: Vec<&str> = names
@@ -273,6 +284,15 @@ pub(super) fn convert(
             "a DoRA adapter ({}): klein applies LoRA and LoKr only (diffusers drops the DoRA magnitudes \
              and applies the rest, which is another adapter)",
             first_names(&dora)
+        ));
+    }
+    if family == LoraFamily::Flux3 {
+        return flux3::convert(store, config);
+    }
+    if let Some(key) = names.iter().find(|k| flux3::is_flux3_key(k)) {
+        return Err(format!(
+            "a FLUX.3 Image Klein LoRA (`{key}`): this bundle is FLUX.2-klein, whose layers are others; \
+             use a LoRA trained for FLUX.2-klein, or run this one on a FLUX.3 Image Klein bundle"
         ));
     }
     // lora_state_dict: kohya first, then PEFT's prefix, then LoKr, then BFL.
@@ -636,7 +656,7 @@ mod tests {
         let store = Store {
             tensors: SafeTensors::deserialize(bytes).unwrap(),
         };
-        convert(&store, None)
+        convert(&store, None, LoraFamily::Flux2)
     }
 
     #[test]

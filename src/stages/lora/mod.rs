@@ -1,5 +1,6 @@
 //! LoRA files, read as diffusers 0.42.1's `Flux2LoraLoaderMixin.lora_state_dict` reads them, for
-//! the transformer (diffusers' Flux2 loader has no text-encoder LoRA):
+//! the transformer (diffusers' Flux2 loader has no text-encoder LoRA); for FLUX.3 Image Klein as
+//! `Flux3LoraLoaderMixin.lora_state_dict` does (diffusers/PEFT and BFL names only, `keys/flux3.rs`):
 //! - PEFT / diffusers: `transformer.<module>.lora_A.weight` and `lora_B`, optional adapter metadata
 //!   (`lora_adapter_metadata`: rank, alpha, rank and alpha patterns, rsLoRA); PEFT's own
 //!   `base_model.model.` prefix;
@@ -30,6 +31,16 @@ mod keys;
 
 pub(crate) use keys::first_names;
 pub use keys::LoraFormat;
+
+/// The model a LoRA is read for: diffusers' loaders differ (`Flux2LoraLoaderMixin`,
+/// `Flux3LoraLoaderMixin`), and so do the layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoraFamily {
+    /// FLUX.2-klein.
+    Flux2,
+    /// FLUX.3 Image Klein.
+    Flux3,
+}
 
 /// A LoRA file, converted to diffusers' module names.
 #[derive(Debug, Clone)]
@@ -224,9 +235,9 @@ pub fn lora_in_directory(dir: &Path) -> Result<PathBuf> {
     }
 }
 
-/// Reads and converts the LoRA file at `path`; a directory gives its LoRA file
-/// ([`lora_in_directory`]).
-pub fn read_lora(path: &Path) -> Result<LoraFile> {
+/// Reads and converts the LoRA file at `path` for a bundle of `family`; a directory gives its LoRA
+/// file ([`lora_in_directory`]).
+pub fn read_lora(path: &Path, family: LoraFamily) -> Result<LoraFile> {
     let in_directory;
     let path = if path.is_dir() {
         in_directory = lora_in_directory(path)?;
@@ -276,7 +287,7 @@ pub fn read_lora(path: &Path) -> Result<LoraFile> {
         None => None,
     };
     let store = Store { tensors };
-    let (format, updates) = keys::convert(&store, adapter_config.as_ref()).map_err(fail)?;
+    let (format, updates) = keys::convert(&store, adapter_config.as_ref(), family).map_err(fail)?;
     if updates.is_empty() {
         return Err(fail("the file holds no LoRA weights".into()));
     }
