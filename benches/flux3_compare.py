@@ -91,7 +91,7 @@ def _psnr(a_path, b_path):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True)
-    p.add_argument("--bundle", required=True, help="klein's fp32 bundle of the checkpoint")
+    p.add_argument("--bundle", help="klein's fp32 bundle of the checkpoint (required)")
     p.add_argument(
         "--extra-bundle",
         action="append",
@@ -110,6 +110,8 @@ def main():
     args = p.parse_args()
     if args.worker:
         return _worker(args)
+    if args.bundle is None:
+        p.error("--bundle is required")
     bundles = {"klein fp32": args.bundle}
     for spec in args.extra_bundle:
         name, sep, path = spec.partition("=")
