@@ -1,18 +1,9 @@
-import os
-from pathlib import Path
-
 import pytest
+from export_cache_dir import EXPORT_CACHE
 
 from klein_export.convert import convert
 from klein_export.quantize import DYNAMIC, STATIC, QuantizationConfig, quantize_copy
 from klein_export.tiny import build_tiny
-
-# The export cache (convert's `cache`, export_cache.py) the fixtures' converts share: across the two
-# test processes, and across scripts/test.sh's runs (it empties it first). Tests of the export itself
-# convert without it.
-EXPORT_CACHE = Path(
-    os.environ.get("KLEIN_TEST_EXPORT_CACHE", Path(__file__).resolve().parents[2] / "target" / "test-export-cache")
-)
 
 
 @pytest.fixture(scope="session")

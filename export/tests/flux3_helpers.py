@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
-from conftest import EXPORT_CACHE
+from export_cache_dir import EXPORT_CACHE
 from PIL import Image
 
 from klein_export.convert import convert

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 import requests
-from conftest import EXPORT_CACHE
+from export_cache_dir import EXPORT_CACHE
 from flux3_helpers import KLEIN, REPO, klein_cli, small_distilled
 from PIL import Image
 

@@ -55,8 +55,8 @@ def write_flux3_bfl(shapes, path, rank=4, std=0.1, seed=1):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from conftest import EXPORT_CACHE
     from diffusers.modular_pipelines import Flux3ModularPipeline
+    from export_cache_dir import EXPORT_CACHE
 
     root = tmp_path_factory.mktemp("flux3-lora")
     ckpt = small_distilled(root / "ckpt")

@@ -15,7 +15,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import EXPORT_CACHE
+from export_cache_dir import EXPORT_CACHE
 from flux3_helpers import klein_cli, small_distilled
 from PIL import Image
 from torch import nn
