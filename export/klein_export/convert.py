@@ -86,6 +86,27 @@ def _export_isolated(label, checkpoint, out, precision, loras, fused=True):
 RESOURCE_TRACKER_QUIET = "ignore::UserWarning:multiprocessing.resource_tracker"
 
 
+def export_components(labels, ckpt, out, precision, loras, fused, cache, log) -> dict:
+    """Exports each of `labels` of the checkpoint `ckpt` (FLUX.2's Checkpoint or Flux3Checkpoint)
+    into `out`, each in its own process or from the export `cache`, saying what it did; returns
+    {component: GraphEntry}."""
+    graphs = {}
+    for number, label in enumerate(labels, 1):
+        log(f"[{number}/{len(labels)}] exporting {label} ({precision})...")
+        start = time.perf_counter()
+        if cache is None:
+            entries, child_peak_mb = _export_isolated(label, ckpt.arguments, out, precision, tuple(loras), fused)
+        else:
+            entries, child_peak_mb = _export_cached(Path(cache), ckpt, label, out, precision, loras, fused, log)
+        graphs.update((entry.io.component, entry) for entry in entries)
+        seconds = time.perf_counter() - start
+        if child_peak_mb is None:
+            log(f"took {label} ({precision}) from the export cache {cache} in {seconds:.1f} s")
+        else:
+            log(f"exported {label} ({precision}) in {seconds:.1f} s (peak RSS {child_peak_mb:.0f} MB)")
+    return graphs
+
+
 def _export_cached(cache, ckpt, label, out, precision, loras, fused, log):
     """`_export_isolated` through the export cache: its entry when it has one (peak None), else the
     export, then kept there."""
@@ -328,21 +349,7 @@ def convert(
         facts = tokenizer_facts(tokenizer)
         shutil.copyfile(ckpt.root / "tokenizer" / "tokenizer.json", tmp / "tokenizer.json")
         del tokenizer
-        graphs = {}
-        for number, label in enumerate(EXPORTS, 1):
-            log(f"[{number}/{len(EXPORTS)}] exporting {label} ({precision})...")
-            start = time.perf_counter()
-            fused = buckets is None
-            if cache is None:
-                entries, child_peak_mb = _export_isolated(label, ckpt.arguments, tmp, precision, tuple(loras), fused)
-            else:
-                entries, child_peak_mb = _export_cached(Path(cache), ckpt, label, tmp, precision, loras, fused, log)
-            graphs.update((entry.io.component, entry) for entry in entries)
-            seconds = time.perf_counter() - start
-            if child_peak_mb is None:
-                log(f"took {label} ({precision}) from the export cache {cache} in {seconds:.1f} s")
-            else:
-                log(f"exported {label} ({precision}) in {seconds:.1f} s (peak RSS {child_peak_mb:.0f} MB)")
+        graphs = export_components(EXPORTS, ckpt, tmp, precision, loras, buckets is None, cache, log)
         kind = "KV" if ckpt.is_kv else "distilled" if ckpt.is_distilled else "base"
         log(f"a {kind} model (model_index.json of {ckpt.root}): {4 if ckpt.is_distilled else 50} steps by default")
         manifest = build_manifest(ckpt, facts, graphs, name or out.name, variant)

@@ -29,7 +29,7 @@ from . import FORMAT_VERSION, contract
 from .atomic import atomic_directory, check_output
 from .cache_key import stamp_bundle
 from .contract import GraphEntry
-from .convert import _export_cached, _export_isolated, _export_vae, _peak_rss_mb, _scheme_json, _to_precision
+from .convert import _export_vae, _peak_rss_mb, _scheme_json, _to_precision, export_components
 from .errors import BundleExistsError, CheckpointError
 from .flux3 import (
     BASE_GUIDANCE,
@@ -274,20 +274,7 @@ def convert_flux3(
     with atomic_directory(out) as tmp:
         facts = tokenizer_facts(ckpt.load_processor())
         shutil.copyfile(ckpt.root / "tokenizer" / "tokenizer.json", tmp / "tokenizer.json")
-        graphs = {}
-        for number, label in enumerate(EXPORTS, 1):
-            log(f"[{number}/{len(EXPORTS)}] exporting {label} ({precision})...")
-            start = time.perf_counter()
-            if cache is None:
-                entries, peak = _export_isolated(label, ckpt.arguments, tmp, precision, (), True)
-            else:
-                entries, peak = _export_cached(Path(cache), ckpt, label, tmp, precision, (), True, log)
-            graphs.update((entry.io.component, entry) for entry in entries)
-            seconds = time.perf_counter() - start
-            if peak is None:
-                log(f"took {label} ({precision}) from the export cache {cache} in {seconds:.1f} s")
-            else:
-                log(f"exported {label} ({precision}) in {seconds:.1f} s (peak RSS {peak:.0f} MB)")
+        graphs = export_components(EXPORTS, ckpt, tmp, precision, (), True, cache, log)
         kind = "step-distilled" if ckpt.is_distilled else "base"
         steps = DISTILLED_STEPS if ckpt.is_distilled else BASE_STEPS
         log(f"a FLUX.3 Image Klein {kind} model ({ckpt.root}): {steps} steps by default")
