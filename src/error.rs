@@ -61,6 +61,9 @@ pub enum KleinError {
     /// The device the user asked for (an ONNX Runtime execution provider) cannot be used.
     #[error("device {device}: {message}")]
     Device { device: String, message: String },
+    /// A model named by its Hugging Face Hub id that could not be fetched or is no klein bundle.
+    #[error("{repo}: {reason}")]
+    Hub { repo: String, reason: String },
 }
 
 impl KleinError {
@@ -103,6 +106,7 @@ impl KleinError {
                 Some("prompt_cache")
             }
             KleinError::RuntimeLibrary(_) => Some("ort_library"),
+            KleinError::Hub { .. } => Some("model"),
             _ => None,
         }
     }

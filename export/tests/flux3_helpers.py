@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 from export_cache_dir import EXPORT_CACHE
+from klein_binary import KLEIN
 from PIL import Image
 
 from klein_export.convert import convert
@@ -14,7 +15,6 @@ from klein_export.flux3_reference import load_reference
 from klein_export.flux3_tiny import build_flux3
 
 REPO = Path(__file__).resolve().parents[2]
-KLEIN = REPO / "target" / "release" / "klein"
 # Widths and depths no other test uses.
 UNSEEN = {"num_layers": 2, "num_single_layers": 1, "num_attention_heads": 3}
 

@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 import torch
 from diffusers import Flux2KleinPipeline
+from klein_binary import KLEIN
 from PIL import Image
 
 from klein_export.checkpoint import Checkpoint
 from klein_export.manifest import build_manifest, read_manifest, write_manifest
 
 REPO = Path(__file__).resolve().parents[2]
-KLEIN = REPO / "target" / "release" / "klein"
 NEGATIVE = "blurry, low quality, a dog"
 
 

@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from klein_binary import KLEIN
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -74,8 +75,15 @@ class FakeHub(BaseHTTPRequestHandler):
             return self._send(200, json.dumps(entries).encode(), [("Content-Type", "application/json")])
         if not api and kind == "resolve" and (folder / file).is_file():
             data = (folder / file).read_bytes()
-            etag = hashlib.sha256(data).hexdigest()
-            return self._send(200, data, [("X-Repo-Commit", COMMIT), ("ETag", f'"{etag}"')])
+            headers = [("X-Repo-Commit", COMMIT), ("ETag", f'"{hashlib.sha256(data).hexdigest()}"')]
+            wanted = self.headers.get("Range", "").removeprefix("bytes=")
+            if not wanted:
+                return self._send(200, data, headers)
+            # A byte range (hf-hub asks `bytes=0-0` for a file's size, then downloads by ranges).
+            start, _, end = wanted.partition("-")
+            start, end = int(start), min(int(end) if end else len(data) - 1, len(data) - 1)
+            headers.append(("Content-Range", f"bytes {start}-{end}/{len(data)}"))
+            return self._send(206, data[start : end + 1], headers)
         return self._error(404, "EntryNotFound", f"{file} not found")
 
 
@@ -163,9 +171,6 @@ def test_gated_missing_and_uncached_repositories_say_what_to_do(hub, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-KLEIN = Path(__file__).resolve().parents[2] / "target" / "release" / "klein"
-
-
 def test_pull_installs_a_model_every_front_end_takes_by_name(hub, tmp_path, export_cache):
     """`klein-export pull ORG/NAME` downloads and converts into the models folder; then the CLI and
     the Python bindings take its name, and the CLI its Hub id, as the bundle's directory."""
@@ -230,3 +235,76 @@ def test_pull_of_a_bundle_repository_checks_every_file_against_its_manifest(hub,
     assert bad.returncode == 2, bad.stderr
     assert "vae_decoder.onnx does not match the manifest" in bad.stderr and "nothing was installed" in bad.stderr
     assert not (models / "tampered").exists()
+
+
+def test_the_runtime_fetches_a_bundle_repository_by_id_and_checks_it(hub, tiny_bundle, tmp_path):
+    """`--model ORG/NAME` of a bundle repository not installed: the runtime itself (hf-hub) fetches
+    it into the Hugging Face cache, checks every file against the manifest, installs it, and gives
+    the bundle's own pixels; then the installed copy and the cache serve without the Hub."""
+    url, _ = hub
+    models = tmp_path / "models"
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hf-cache"), "HF_ENDPOINT": url}
+    env["KLEIN_MODELS_DIR"] = str(models)
+    env.pop("HF_TOKEN", None)
+    env.pop("HF_HUB_OFFLINE", None)
+
+    def generate(model, out, **extra):
+        args = [str(KLEIN), "generate", "--model", model, "-q", "-o", str(out), "--width", "32", "--height", "32"]
+        run_env = {**env, **extra}
+        return subprocess.run([*args, "--seed", "5", "x"], capture_output=True, text=True, env=run_env, timeout=300)
+
+    want = generate(str(tiny_bundle), tmp_path / "want.png")
+    assert want.returncode == 0, want.stderr
+    fetched = generate("org/klein-tiny-bundle", tmp_path / "hub.png")
+    assert fetched.returncode == 0, fetched.stderr
+    assert "fetching org/klein-tiny-bundle from the Hugging Face Hub" in fetched.stderr, fetched.stderr
+    assert (tmp_path / "hub.png").read_bytes() == (tmp_path / "want.png").read_bytes()
+    installed = models / "klein-tiny-bundle"
+    assert {p.name: p.read_bytes() for p in installed.iterdir()} == {
+        p.name: p.read_bytes() for p in Path(tiny_bundle).iterdir()
+    }
+    assert not any(p.is_symlink() for p in installed.iterdir())
+    # Installed: no Hub needed (an endpoint where nothing listens).
+    again = generate("org/klein-tiny-bundle", tmp_path / "again.png", HF_ENDPOINT="http://127.0.0.1:9")
+    assert again.returncode == 0 and "fetching" not in again.stderr, again.stderr
+    # HF_HUB_OFFLINE: from the cache that first download filled, into another models folder...
+    offline = generate(
+        "org/klein-tiny-bundle", tmp_path / "offline.png", HF_HUB_OFFLINE="1", KLEIN_MODELS_DIR=str(tmp_path / "m2")
+    )
+    assert offline.returncode == 0, offline.stderr
+    assert (tmp_path / "offline.png").read_bytes() == (tmp_path / "want.png").read_bytes()
+    # ...and with an empty cache, an error that says what to do.
+    empty = generate(
+        "org/klein-tiny-bundle",
+        tmp_path / "x.png",
+        HF_HUB_OFFLINE="1",
+        HF_HUB_CACHE=str(tmp_path / "empty"),
+        KLEIN_MODELS_DIR=str(tmp_path / "m3"),
+    )
+    assert empty.returncode == 2 and "HF_HUB_OFFLINE is set" in empty.stderr, empty.stderr
+    # Refusals, each with exit 2 and nothing installed or written.
+    refusals = {
+        "org/tampered": ["vae_decoder.onnx does not match the manifest", "nothing was installed"],
+        "org/gated": ["a gated repository", "accept its terms on https://huggingface.co/org/gated", "HF_TOKEN"],
+        "org/klein-tiny": ["holds a diffusers checkpoint", "`klein-export pull org/klein-tiny`"],
+        "org/nothing": ["no such model repository on the Hub"],
+    }
+    for model, needles in refusals.items():
+        out = tmp_path / "refused.png"
+        refused = generate(model, out)
+        assert refused.returncode == 2, (model, refused.stderr)
+        for needle in needles:
+            assert needle in refused.stderr, (model, refused.stderr)
+        assert "panicked" not in refused.stderr and not out.exists(), refused.stderr
+    assert sorted(p.name for p in models.iterdir()) == ["klein-tiny-bundle"]
+    # The Python bindings fetch the same way (their own models folder, the cache already filled).
+    code = "import klein_runtime as k; p = k.Pipeline(model='org/klein-tiny-bundle'); print(p.bundle_dir)"
+    bindings = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "KLEIN_MODELS_DIR": str(tmp_path / "m4")},
+    )
+    assert bindings.returncode == 0, bindings.stderr
+    assert bindings.stdout.strip() == str(tmp_path / "m4" / "klein-tiny-bundle"), bindings.stdout

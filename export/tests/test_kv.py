@@ -18,6 +18,7 @@ import pytest
 import torch
 from diffusers import Flux2KleinKVPipeline, Flux2KleinPipeline
 from diffusers.utils import load_image
+from klein_binary import KLEIN
 from PIL import Image
 
 from klein_export.convert import convert
@@ -27,7 +28,6 @@ from klein_export.tiny import build_tiny
 from klein_export.verify import verify
 
 REPO = Path(__file__).resolve().parents[2]
-KLEIN = REPO / "target" / "release" / "klein"
 
 CASES = [
     {"id": "no-reference", "prompt": "a lighthouse at dusk", "seed": 3, "size": (80, 64), "refs": [], "images": 1},

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import Flux2KleinPipeline
+from klein_binary import KLEIN
 from lora_files import (
     linear_shapes,
     write_bfl,
@@ -37,7 +38,6 @@ from klein_export.convert import convert
 from klein_export.lora_merge import LoraSpec
 
 REPO = Path(__file__).resolve().parents[2]
-KLEIN = REPO / "target" / "release" / "klein"
 PROMPT, SEED, SIZE, STEPS = "a lighthouse at dusk", 11, 64, 3
 
 

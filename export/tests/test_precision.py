@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from klein_binary import KLEIN
 from onnx import TensorProto
 from PIL import Image
 
@@ -50,7 +51,6 @@ from klein_export.quantize import (
 from klein_export.tolerances import PSNR_THRESHOLD
 from klein_export.verify import IMAGE_CASES, verify, verify_images
 
-KLEIN = Path(__file__).resolve().parents[2] / "target" / "release" / "klein"
 QUANTIZED = ("text_encoder", "transformer")
 # Matrix products of the tiny checkpoint that hold a constant weight and are exported as MatMul:
 # Qwen3 27 layers x (q, k, v, o, gate, up, down); the MM-DiT's 2 double blocks x 12 + 2 single x 2 +

@@ -18,6 +18,7 @@ import pytest
 import torch
 from diffusers import Flux2KleinPipeline
 from diffusers.utils import load_image
+from klein_binary import KLEIN
 from PIL import Image
 
 from klein_export.convert import convert
@@ -25,7 +26,6 @@ from klein_export.fixtures import synthetic_image
 from klein_export.tiny import build_tiny
 
 REPO = Path(__file__).resolve().parents[2]
-KLEIN = REPO / "target" / "release" / "klein"
 
 CASES = [
     {

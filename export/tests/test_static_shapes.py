@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from klein_binary import KLEIN
 from PIL import Image
 from safetensors.numpy import load_file, save_file
 
@@ -28,7 +29,6 @@ from klein_export.cli import main
 from klein_export.convert import convert
 
 REPO = Path(__file__).resolve().parents[2]
-KLEIN = REPO / "target" / "release" / "klein"
 BUCKETS = [(64, 64), (96, 64)]  # references must be 64 px or more a side
 
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 from diffusers import Flux2KleinPipeline
 from diffusers.utils import load_image
+from klein_binary import KLEIN
 from PIL import Image
 
 from klein_export.fixtures import synthetic_image
 
 REPO = Path(__file__).resolve().parents[2]
-KLEIN = REPO / "target" / "release" / "klein"
 
 
 @pytest.fixture(scope="module")

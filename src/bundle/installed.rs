@@ -1,7 +1,8 @@
 //! Installed models: bundles in klein's models folder, each named by its folder. `klein-export pull
 //! ORG/NAME` writes them there; every front end takes the name where it takes a bundle directory
 //! (`--model`, `model=`), since [`crate::pipeline::Pipeline::load`] resolves it ([`resolve`]), and
-//! `klein models` lists them ([`list_in`]).
+//! `klein models` lists them ([`list_in`]). With the `hub` feature, a Hub id of a repository that
+//! holds a klein bundle is fetched and installed here on first use ([`locate`]).
 //!
 //! The folder is `$KLEIN_MODELS_DIR`, else `$XDG_DATA_HOME/klein/models`, else
 //! `$HOME/.local/share/klein/models`, else `%LOCALAPPDATA%\klein\models`.
@@ -46,6 +47,23 @@ pub fn default_name(repo_id: &str) -> Option<String> {
 /// [`crate::bundle::Manifest::load`] to report.
 pub fn resolve(model: &Path) -> PathBuf {
     resolve_in(model, models_dir().as_deref())
+}
+
+/// [`resolve`], and with the `hub` feature, a Hub id (`ORG/NAME`) that is neither a path nor an
+/// installed model is fetched from the Hugging Face Hub and installed first, when its repository
+/// holds a klein bundle ([`super::hub::fetch`]; progress bars when stderr is a terminal).
+pub fn locate(model: &Path) -> crate::error::Result<PathBuf> {
+    let resolved = resolve(model);
+    #[cfg(feature = "hub")]
+    if !resolved.exists() {
+        if let (Some(text), Some(dir)) = (model.to_str(), models_dir()) {
+            if default_name(text).is_some() {
+                use std::io::IsTerminal;
+                return super::hub::fetch(text, None, &dir, std::io::stderr().is_terminal());
+            }
+        }
+    }
+    Ok(resolved)
 }
 
 /// [`resolve`] with the models folder `dir`.

@@ -6,6 +6,8 @@ pub mod buckets;
 pub mod bundled;
 pub mod component;
 pub mod contract;
+#[cfg(feature = "hub")]
+pub mod hub;
 pub mod installed;
 pub mod kv;
 pub mod lora_targets;

@@ -151,8 +151,9 @@ impl Pipeline {
             vae_tiling,
             vae_tile_size,
         } = options;
-        // A name or Hub id of an installed model (`klein-export pull`) is its bundle directory.
-        let dir = &crate::bundle::installed::resolve(dir);
+        // A name or Hub id of an installed model (`klein-export pull`) is its bundle directory; a
+        // Hub id of a bundle repository not yet installed is fetched (the `hub` feature).
+        let dir = &crate::bundle::installed::locate(dir)?;
         request::check_session(&session)?;
         request::check_cache_limit(
             "prompt_cache_max_mib",

@@ -326,8 +326,19 @@ fn parse_vae_tile_size(text: &str) -> Result<u32, String> {
 pub(crate) fn default_model(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     let from_env = || std::env::var_os("KLEIN_MODEL").filter(|m| !m.is_empty());
     match model.or_else(|| from_env().map(PathBuf::from)) {
-        // A name or Hub id of an installed model (`klein-export pull`) is its bundle directory.
-        Some(model) => Ok(klein::bundle::installed::resolve(&model)),
+        // A name or Hub id of an installed model (`klein-export pull`) is its bundle directory; a
+        // Hub id of a bundle repository not installed yet is fetched and installed first.
+        Some(model) => {
+            use klein::bundle::installed::{default_name, locate, models_dir, resolve};
+            let hub_id = model.to_str().filter(|text| default_name(text).is_some());
+            if let (Some(id), false, Some(dir)) = (hub_id, resolve(&model).exists(), models_dir()) {
+                eprintln!(
+                    "klein: fetching {id} from the Hugging Face Hub and installing it in {}",
+                    dir.display()
+                );
+            }
+            Ok(locate(&model)?)
+        }
         None => Ok(tiny_model_dir()?),
     }
 }
