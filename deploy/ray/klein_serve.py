@@ -132,6 +132,19 @@ class KleinDeployment:
         pipe = self.pipe
         return {"status": "ok", "model": pipe.model_name, "variant": pipe.variant, "device": pipe.device}
 
+    @app.get("/v1/models")
+    def models(self) -> dict[str, Any]:
+        """OpenAI's model list: the one model this deployment runs, as ``klein serve`` lists it."""
+        return {"object": "list", "data": [self.pipe.openai_model()]}
+
+    @app.get("/v1/models/{model_id}")
+    def model(self, model_id: str) -> JSONResponse:
+        """The one model, by its name (the OpenAI clients' ``models.retrieve``); 404 otherwise."""
+        try:
+            return JSONResponse(self.pipe.openai_model(model_id))
+        except LookupError as error:
+            return ApiError(str(error), status=404, kind="not_found_error").response()
+
     @app.post("/v1/images/generations")
     async def generations(self, request: Request) -> JSONResponse:
         return await self._answer(_generations_request(request))

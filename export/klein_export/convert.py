@@ -50,7 +50,7 @@ def _export_component(label, checkpoint, out, precision, loras, fused):
     if checkpoint[0] == FLUX3:
         from .flux3_convert import EXPORTS as FLUX3_EXPORTS
 
-        return FLUX3_EXPORTS[label](Flux3Checkpoint(checkpoint[1]), Path(out), precision), _peak_rss_mb()
+        return FLUX3_EXPORTS[label](Flux3Checkpoint(checkpoint[1]), Path(out), precision, loras), _peak_rss_mb()
     return EXPORTS[label](Checkpoint(*checkpoint), Path(out), precision, loras, **options), _peak_rss_mb()
 
 

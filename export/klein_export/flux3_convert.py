@@ -14,8 +14,8 @@ the transformer's fused attention and rotary embeddings, its fused RMSNorms and 
 projections with the weight first (ort_fusions.fuse_transformer); `--precision fp16` with the
 modulation kept in float32 (precision.KEEP_FLOAT32["flux3_transformer"]); `--quantize`, once every
 graph is exported (quantize.py); the export cache; the transformer's LoRA map (`lora_targets`), so
-that the runtime merges FLUX.3 LoRAs at load time. Not yet for FLUX.3: static shapes, LoRA merging
-at export and `--transformer`, each refused by name.
+that the runtime merges FLUX.3 LoRAs at load time; `--lora`, merged at export by diffusers' FLUX.3
+loader (lora_merge.py). Not yet for FLUX.3: static shapes and `--transformer`, each refused by name.
 """
 
 import shutil
@@ -49,6 +49,8 @@ from .fused_attention import fused_attention
 from .fused_rotary import TRANSLATIONS as ROTARY
 from .fused_rotary import fused_rotary
 from .lora_map import lora_targets
+from .lora_merge import FLUX3 as FLUX3_FAMILY
+from .lora_merge import check_loras, merge_loras
 from .manifest import (
     EMPIRICAL_MU,
     MIN_ONNXRUNTIME_VERSION,
@@ -65,7 +67,7 @@ from .quantize import quantize_bundle
 from .tokenizer_facts import split_template
 
 
-def _export_text_encoder(ckpt, out, precision):
+def _export_text_encoder(ckpt, out, precision, loras=()):
     layers = ckpt.text_encoder_out_layers
     depth = ckpt.text_encoder_config["num_hidden_layers"]
     vl = ckpt.load_text_encoder(num_layers=max(layers))
@@ -82,8 +84,8 @@ def _export_text_encoder(ckpt, out, precision):
     return [GraphEntry(io, precision, scheme, fusions=fusions or None)]
 
 
-def _export_transformer(ckpt, out, precision):
-    model = ckpt.load_transformer()
+def _export_transformer(ckpt, out, precision, loras=()):
+    model = merge_loras(ckpt.load_transformer(), loras, FLUX3_FAMILY)
     cfg = model.config
     module = Flux3Transformer(model, IMAGE_ROPE_SCALE).eval()
     scheme = _scheme_json(_to_precision(module, "flux3_transformer", precision), half_attention=True)
@@ -144,7 +146,7 @@ def reshapes_allow_zero(model) -> dict:
     return {"reshape_allowzero": count}
 
 
-def _export_vae_graphs(ckpt, out, precision):
+def _export_vae_graphs(ckpt, out, precision, loras=()):
     return _export_vae(ckpt, out, precision, (), fused=True)
 
 
@@ -265,20 +267,23 @@ def convert_flux3(
 ):
     """Export every component of the FLUX.3 checkpoint `checkpoint` into the bundle directory `out`."""
     _refuse("--static-shapes", static_shapes is not None or refs)
-    _refuse("--lora", loras)
     _refuse("--transformer", transformer is not None)
     ckpt = Flux3Checkpoint(checkpoint)
+    check_loras(ckpt.transformer_config, loras, FLUX3_FAMILY)
     ckpt.check_weights()
     out = Path(out)
-    check_output(out, force, [(ckpt.root, "the checkpoint")], error=BundleExistsError)
+    inputs = [(ckpt.root, "the checkpoint")] + [(lora.path, "the LoRA") for lora in loras]
+    check_output(out, force, inputs, error=BundleExistsError)
     with atomic_directory(out) as tmp:
         facts = tokenizer_facts(ckpt.load_processor())
         shutil.copyfile(ckpt.root / "tokenizer" / "tokenizer.json", tmp / "tokenizer.json")
-        graphs = export_components(EXPORTS, ckpt, tmp, precision, (), True, cache, log)
+        graphs = export_components(EXPORTS, ckpt, tmp, precision, loras, True, cache, log)
         kind = "step-distilled" if ckpt.is_distilled else "base"
         steps = DISTILLED_STEPS if ckpt.is_distilled else BASE_STEPS
         log(f"a FLUX.3 Image Klein {kind} model ({ckpt.root}): {steps} steps by default")
         manifest = build_manifest(ckpt, facts, graphs, name or out.name, variant)
+        if loras:
+            manifest["model"]["loras"] = [lora.to_json() for lora in loras]
         log("fitting the step-preview map on the VAE...")
         manifest["preview"] = fit_preview(ckpt.load_vae())
         log("hashing the bundle's files for the manifest...")

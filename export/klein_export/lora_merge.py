@@ -4,6 +4,7 @@ For the bundles whose weights the runtime cannot rewrite at load time (static-sh
 CoreML, int8/int4 bundles), the LoRA is merged by diffusers itself: `Flux2LoraLoaderMixin` reads the
 file in every format it knows (PEFT/diffusers, BFL/ai-toolkit, kohya, LyCORIS and BFL LoKr),
 `set_adapters` gives each its scale, and `fuse_lora` + `unload_lora` leave plain merged weights.
+FLUX.3 Image Klein's are read by `Flux3LoraLoaderMixin` (PEFT/diffusers and BFL names only).
 """
 
 import hashlib
@@ -16,6 +17,28 @@ from .errors import LoraError, first_names
 
 # LoRAs merged into one bundle at most: the runtime's bound (`MAX_LORAS`, src/limits.rs).
 MAX_LORAS = 16
+
+# The model families (manifest `model.family`), each with its diffusers loader.
+FLUX2, FLUX3 = "flux2", "flux3"
+# What diffusers' FLUX.3 loader reads (`_convert_non_diffusers_flux3_lora_to_diffusers`), as the
+# runtime says it (src/stages/lora/keys/flux3.rs).
+FLUX3_LOADER = (
+    "diffusers' FLUX.3 loader (Flux3LoraLoaderMixin) converts diffusers/PEFT and BFL LoRAs only, and so does "
+    "klein for FLUX.3"
+)
+
+
+def _family(family):
+    """(the pipeline class whose `lora_state_dict` reads the family's LoRAs, its transformer class, the
+    model's name in messages)."""
+    if family == FLUX3:
+        from diffusers import Flux3Transformer2DModel
+        from diffusers.modular_pipelines import Flux3ModularPipeline
+
+        return Flux3ModularPipeline, Flux3Transformer2DModel, "FLUX.3 Image Klein"
+    from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
+
+    return Flux2KleinPipeline, Flux2Transformer2DModel, "FLUX.2"
 
 
 @dataclass(frozen=True)
@@ -58,42 +81,44 @@ def parse_lora(text: str) -> LoraSpec:
     return LoraSpec(path, scale)
 
 
-def check_loras(transformer_config: dict, loras):
+def check_loras(transformer_config: dict, loras, family=FLUX2):
     """LoraError unless every LoRA of `loras` names layers of the transformer of `transformer_config`
-    (its config.json) with their shapes: before an export, on a weightless (meta) copy of the model,
-    so that a LoRA for another model or size is refused in seconds, not after the text encoder."""
+    (its config.json; a model of `family`) with their shapes: before an export, on a weightless (meta)
+    copy of the model, so that a LoRA for another model or size is refused in seconds, not after the
+    text encoder."""
     if not loras:
         return
     if len(loras) > MAX_LORAS:
         raise LoraError(f"{len(loras)} LoRAs: at most {MAX_LORAS} are merged at once (as the runtime applies)")
     import torch
-    from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
 
+    pipeline, transformer_class, model = _family(family)
     with torch.device("meta"):
-        transformer = Flux2Transformer2DModel.from_config(transformer_config)
+        transformer = transformer_class.from_config(transformer_config)
     for lora in loras:
-        _check_file(lora.path)
+        _check_file(lora.path, family)
         try:
-            state_dict = Flux2KleinPipeline.lora_state_dict(str(lora.path))
+            state_dict = pipeline.lora_state_dict(str(lora.path))
         except (ValueError, KeyError, RuntimeError, OSError) as e:  # OSError: not a safetensors file
-            raise LoraError(f"{lora.path}: diffusers cannot read it as a FLUX.2 LoRA: {e}") from e
+            raise LoraError(f"{lora.path}: diffusers cannot read it as a {model} LoRA: {e}") from e
         _check_complete(state_dict, lora.path)
         _check_modules(transformer, state_dict, lora.path)
         _check_shapes(transformer, state_dict, lora.path)
 
 
-def merge_loras(transformer, loras):
-    """Merges `loras` (LoraSpec list) into `transformer` (a Flux2Transformer2DModel) in place."""
+def merge_loras(transformer, loras, family=FLUX2):
+    """Merges `loras` (LoraSpec list) into `transformer` (a Flux2Transformer2DModel, or for `family`
+    FLUX3 a Flux3Transformer2DModel) in place."""
     if not loras:
         return transformer
     import torch
-    from diffusers import Flux2KleinPipeline
 
+    pipeline, _, _ = _family(family)
     names = []
     for i, lora in enumerate(loras):
         name = f"lora{i}"
         try:
-            state_dict, metadata = Flux2KleinPipeline.lora_state_dict(str(lora.path), return_lora_metadata=True)
+            state_dict, metadata = pipeline.lora_state_dict(str(lora.path), return_lora_metadata=True)
             _check_complete(state_dict, lora.path)
             _check_modules(transformer, state_dict, lora.path)
             _check_shapes(transformer, state_dict, lora.path)
@@ -125,11 +150,12 @@ TEXT_ENCODER_PREFIXES = ("text_encoder", "lora_te", "te_", "te1_", "te2_")
 METADATA_KEY = "lora_adapter_metadata"
 
 
-def _check_file(path):
+def _check_file(path, family=FLUX2):
     """What diffusers would read without a word, refused as the runtime refuses it (src/stages/lora):
     a file that is not safetensors (diffusers unpickles a `.pt`, which runs its code), text-encoder
     keys and DoRA magnitudes (diffusers drops them and merges the rest: another adapter), and
-    non-finite values (the bundle would make black images)."""
+    non-finite values (the bundle would make black images); for FLUX.3, kohya and LoKr files, which
+    its loader does not convert."""
     import json
 
     import torch
@@ -167,6 +193,12 @@ def _check_file(path):
     if bad:
         verb = "holds" if len(bad) == 1 else "hold"
         raise LoraError(f"{path}: {first_names(bad)} {verb} non-finite values (NaN or infinity)")
+    if family == FLUX3:
+        for marker, kind in ((".lora_down.weight", "a kohya LoRA"), (".lokr_", "a LoKr adapter")):
+            found = sorted(k for k in keys if marker in k)
+            if found:
+                raise LoraError(f"{path}: {kind} (`{found[0]}`): {FLUX3_LOADER}")
+        return
     _check_kohya_keys(path, keys)
 
 
@@ -284,7 +316,7 @@ def _check_shapes(transformer, state_dict, path):
         raise LoraError(
             f"{path}: {len(mismatched)} layers of this transformer do not have the shape the LoRA was made for: "
             f"{'; '.join(mismatched[:3])}{more}: a LoRA for another size of the model (this transformer's hidden "
-            f"size is {cfg.num_attention_heads * cfg.attention_head_dim}; klein 4B has 3072, klein 9B 4096)"
+            f"size is {cfg.num_attention_heads * cfg.attention_head_dim}; FLUX.2-klein 4B has 3072, 9B 4096)"
         )
 
 

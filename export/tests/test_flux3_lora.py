@@ -9,6 +9,7 @@ modulation projections included: one saved by diffusers/PEFT, one in BFL names
 (at most 1 level in at most 1% of pixels), as without a LoRA.
 """
 
+import json
 import subprocess
 
 import pytest
@@ -143,3 +144,44 @@ def test_kohya_and_lokr_files_are_refused_for_flux3(setup, tmp_path):
     lora = tmp_path / "lokr.safetensors"
     save_file({"diffusion_model.single_blocks.0.mlp_in.lokr_w1": torch.zeros(2, 2)}, str(lora))
     assert "a LoKr adapter" in _refused(bundle, lora, tmp_path)
+
+
+def test_export_time_merge_equals_diffusers(setup, tmp_path):
+    """`convert --lora` on a FLUX.3 checkpoint (for quantized bundles): diffusers' FLUX.3 loader merges
+    the stacked LoRAs before export; the bundle, run with no --lora, gives diffusers' image with them
+    (flux3_helpers' tolerance), and its manifest names them."""
+    from export_cache_dir import EXPORT_CACHE
+
+    from klein_export.lora_merge import LoraSpec
+
+    ckpt, _, loras = setup
+    adapters = [(loras[name], scale) for name, scale in CASES["stacked-negative"]]
+    specs = [LoraSpec(path, scale) for path, scale in adapters]
+    # The text encoder and VAE come from the export cache (setup's convert): only the transformer exports.
+    merged = convert(ckpt, tmp_path / "merged", log=lambda _: None, loras=specs, cache=EXPORT_CACHE)
+    listed = json.loads((merged / "manifest.json").read_text())["model"]["loras"]
+    assert [(e["file"], e["scale"]) for e in listed] == [(p.name, s) for p, s in adapters], listed
+    klein_cli(merged, PROMPT, SEED, tmp_path / "k.png", SIZE, STEPS)
+    compare_png(tmp_path / "k.png", diffusers_image(ckpt, adapters), "export-time merge")
+
+
+def test_export_time_merge_refuses_what_the_flux3_loader_cannot_read(setup, tmp_path, capsys):
+    """kohya and LoKr files, and a FLUX.2 LoRA, are refused before anything is exported (exit 2)."""
+    from klein_export.cli import main
+
+    ckpt, _, _ = setup
+    kohya = tmp_path / "kohya.safetensors"
+    base = "lora_unet_single_blocks_0_mlp_in"
+    save_file({f"{base}.lora_down.weight": torch.ones(2, 8), f"{base}.lora_up.weight": torch.ones(8, 2)}, str(kohya))
+    lokr = tmp_path / "lokr.safetensors"
+    save_file({"diffusion_model.single_blocks.0.mlp_in.lokr_w1": torch.ones(2, 2)}, str(lokr))
+    flux2 = tmp_path / "flux2.safetensors"
+    key = "transformer.transformer_blocks.0.attn.to_q"
+    save_file({f"{key}.lora_A.weight": torch.ones(2, 8), f"{key}.lora_B.weight": torch.ones(8, 2)}, str(flux2))
+    cases = ((kohya, "a kohya LoRA"), (lokr, "a LoKr adapter"), (flux2, "match no linear layer of this transformer"))
+    for lora, needle in cases:
+        out = tmp_path / f"out-{lora.stem}"
+        code = main(["convert", "--checkpoint", str(ckpt), "--out", str(out), "--lora", str(lora)])
+        err = capsys.readouterr().err
+        assert code == 2 and needle in err and str(lora) in err, err
+        assert "Traceback" not in err and "exporting" not in err and not out.exists(), err

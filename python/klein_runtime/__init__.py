@@ -699,6 +699,13 @@ class Pipeline:
         ``InvalidInputError`` whose ``param`` is the request's field. The GIL is released."""
         return json.loads(self._native.answer_openai(request))
 
+    def openai_model(self, model_id: str | None = None) -> dict[str, Any]:
+        """OpenAI's model object of this pipeline's model, as ``klein serve`` answers ``GET
+        /v1/models/{id}``: ``{"id", "object": "model", "created", "owned_by", "klein": {...}}``
+        (``created``: when the pipeline loaded; ``klein.max_pixels``: None, no cap). With
+        ``model_id``, a ``LookupError`` (the 404 message of that route) unless it is the model's."""
+        return json.loads(self._native.openai_model(model_id))
+
     def set_loras(self, loras: Sequence[LoraInput] | None) -> None:
         """Applies ``loras`` in place of the current ones (empty or None: none). Only the
         transformer reloads; a LoRA that does not fit the bundle raises and changes nothing."""

@@ -15,6 +15,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::thread::ThreadId;
 use std::time::Duration;
 
+use klein::api::models;
 use klein::limits;
 use klein::pipeline::metadata::variant_name;
 use klein::pipeline::{
@@ -83,6 +84,8 @@ struct PyPipeline {
     /// Where the graphs loaded so far run, as of the last call that held the pipeline: readable
     /// while a generation holds it (from its own callback too).
     device_used: Mutex<String>,
+    /// OpenAI's model object of the bundle (`klein::api::models`), `created` at load.
+    openai_model: serde_json::Value,
 }
 
 /// What a generation made, before it becomes Python objects.
@@ -335,6 +338,10 @@ impl PyPipeline {
         };
         let bundle_dir = pipeline.bundle_dir().to_path_buf();
         let device_used = pipeline.device_name();
+        let loaded_at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let openai_model = models::model_object(pipeline.manifest(), &m.name, loaded_at, None);
         Ok(PyPipeline {
             pipeline: Mutex::new(pipeline),
             model: info,
@@ -348,6 +355,7 @@ impl PyPipeline {
             ),
             generating_on: Mutex::new(None),
             device_used: Mutex::new(device_used),
+            openai_model,
         })
     }
 
@@ -427,6 +435,21 @@ impl PyPipeline {
             warnings: made.warnings,
             device: made.device,
         })
+    }
+
+    /// The JSON of OpenAI's model object of this pipeline's model, as `klein serve` answers
+    /// `GET /v1/models/{id}` (`created`: when the pipeline loaded; `klein.max_pixels`: null, no
+    /// cap); with `model_id`, a LookupError (the answer's 404 message) unless it is the model's.
+    #[pyo3(signature = (model_id=None))]
+    fn openai_model(&self, model_id: Option<&str>) -> PyResult<String> {
+        let object = self.openai_model.clone();
+        let object = match model_id {
+            Some(id) => {
+                models::retrieve(object, id).map_err(pyo3::exceptions::PyLookupError::new_err)?
+            }
+            None => object,
+        };
+        Ok(object.to_string())
     }
 
     /// Runs a checked OpenAI images request (`klein.OpenAiRequest`) with the GIL released; the

@@ -1,7 +1,8 @@
 //! The request fields the HTTP front ends share (`klein serve` and, through the Python
 //! bindings, the Ray Serve deployment): JSON bodies whose errors name their field, sizes,
 //! counts, output formats, and the job a request becomes ([`Job`]: the library's
-//! [`RequestSpec`] and the fields its values came in). The OpenAI images API is [`openai`].
+//! [`RequestSpec`] and the fields its values came in). The OpenAI images API is [`openai`], its
+//! model routes [`models`].
 use std::fmt;
 use std::marker::PhantomData;
 
@@ -11,6 +12,7 @@ use crate::limits::{MAX_IMAGE_TOKENS, MAX_SIDE};
 use crate::pipeline::{Generation, ImageInput, Input, Pipeline, RequestSpec, Rule, SpecError};
 use crate::stages::output::{encode_image, ImageFormat};
 
+pub mod models;
 pub mod openai;
 
 /// A finished job: the encoded images and what they were made with ([`Job::output`]).

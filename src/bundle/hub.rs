@@ -4,9 +4,9 @@
 //! `~/.cache/huggingface/hub`, the cache diffusers and `huggingface_hub` share), from `$HF_ENDPOINT`
 //! when set, with `$HF_TOKEN` or the token `hf auth login` saved; `HF_HUB_OFFLINE=1` reads the
 //! cache only. Each file the manifest lists is checked against the manifest's size and sha256
-//! before anything is installed; the bundle is then installed into the models folder
-//! ([`super::installed`]) under the repository's default name, as `klein-export pull` installs
-//! it, so that the next run needs no network. A repository that holds a diffusers checkpoint is
+//! before anything is installed; the bundle is then installed into the models folder under the
+//! repository's default name (`super::installed::locate` decides where), as `klein-export pull`
+//! installs it, so that the next run needs no network. A repository that holds a diffusers checkpoint is
 //! refused with the command that converts it (`klein-export pull`).
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -14,7 +14,6 @@ use std::path::{Path, PathBuf};
 use hf_hub::api::sync::{ApiBuilder, ApiError, ApiRepo};
 use hf_hub::{Cache, Repo, RepoType};
 
-use super::installed::default_name;
 use super::manifest::{FileEntry, MANIFEST_FILE};
 use crate::error::{KleinError, Result};
 use crate::fsutil::sha256_file;
@@ -116,20 +115,15 @@ impl Source {
 }
 
 /// Downloads the bundle of Hub repository `repo_id` (at `revision`, else `main`), checks every
-/// file against its manifest, and installs it as `models_dir/<default name>`; its path. `progress`:
-/// `hf-hub`'s progress bars on stderr, one per file downloaded.
+/// file against its manifest, and installs it as the folder `dest` (in the models folder, named as
+/// [`super::installed::default_name`] names it); its path. `progress`: `hf-hub`'s progress bars on
+/// stderr, one per file downloaded.
 pub fn fetch(
     repo_id: &str,
     revision: Option<&str>,
-    models_dir: &Path,
+    dest: &Path,
     progress: bool,
 ) -> Result<PathBuf> {
-    let name = default_name(repo_id).ok_or_else(|| {
-        hub_error(
-            repo_id,
-            "not a Hub repository id: ORG/NAME, each part letters, digits, `-`, `_` or `.`",
-        )
-    })?;
     let revision = revision.unwrap_or("main").to_string();
     let repo = Repo::with_revision(repo_id.to_string(), RepoType::Model, revision);
     let cache = cache();
@@ -213,7 +207,7 @@ pub fn fetch(
         }
         files.push((file.clone(), path));
     }
-    install(&files, &models_dir.join(name))
+    install(&files, dest)
 }
 
 /// A file name with no folder: what a bundle's manifest may list.

@@ -57,9 +57,10 @@ pub fn locate(model: &Path) -> crate::error::Result<PathBuf> {
     #[cfg(feature = "hub")]
     if !resolved.exists() {
         if let (Some(text), Some(dir)) = (model.to_str(), models_dir()) {
-            if default_name(text).is_some() {
+            if let Some(name) = default_name(text) {
                 use std::io::IsTerminal;
-                return super::hub::fetch(text, None, &dir, std::io::stderr().is_terminal());
+                let progress = std::io::stderr().is_terminal();
+                return super::hub::fetch(text, None, &dir.join(name), progress);
             }
         }
     }

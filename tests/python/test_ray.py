@@ -503,5 +503,20 @@ def test_klein_serve_and_ray_answer_the_same_bodies_alike(serve_url, klein_bin, 
                 for url in (server.url, serve_url)
             ]
             assert got[0] == got[1], (data, [f[1][0] for f in files], got)
+        # The model routes (klein::api::models): the same object, but for when each started and the
+        # server's --max-pixels (the Ray deployment has no such cap: null).
+        listed = [requests.get(f"{url}/v1/models", timeout=HTTP_TIMEOUT) for url in (server.url, serve_url)]
+        assert [r.status_code for r in listed] == [200, 200], [r.text for r in listed]
+        objects = [r.json()["data"][0] for r in listed]
+        assert objects[1]["klein"]["max_pixels"] is None and isinstance(objects[1]["created"], int)
+        for obj in objects:
+            obj.pop("created"), obj["klein"].pop("max_pixels")
+        assert objects[0] == objects[1] and objects[0]["id"] == "klein-tiny", objects
+        for name, status in (("klein-tiny", 200), ("other", 404)):
+            urls = (f"{server.url}/v1/models/{name}", f"{serve_url}/v1/models/{name}")
+            got = [_answer(requests.get(url, timeout=HTTP_TIMEOUT)) for url in urls]
+            assert [g[0] for g in got] == [status, status], got
+            if status == 404:
+                assert got[0] == got[1], got
     finally:
         assert server.stop() == 0

@@ -18,6 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use futures_util::StreamExt;
+use klein::api::models;
 use klein::pipeline::Pipeline;
 use serde::de::DeserializeOwned;
 use sha2::{Digest, Sha256};
@@ -383,7 +384,7 @@ async fn render_metrics(State(state): State<Arc<AppState>>) -> Response {
 
 /// OpenAI's model list: the one model this server runs.
 async fn list_models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
-    Json(serde_json::json!({ "object": "list", "data": [model_object(&state)] }))
+    Json(models::model_list(model_object(&state)))
 }
 
 /// `GET /v1/models/{id}` (the OpenAI clients' `models.retrieve`): the one model, by its name.
@@ -391,49 +392,20 @@ async fn retrieve_model(
     State(state): State<Arc<AppState>>,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    if id != state.model_name {
-        return Err(ApiError::new(
-            ErrorKind::NotFound,
-            format!(
-                "no model `{}`; this server has `{}`",
-                id.chars().take(64).collect::<String>(),
-                state.model_name
-            ),
-        ));
-    }
-    Ok(Json(model_object(&state)))
+    models::retrieve(model_object(&state), &id)
+        .map(Json)
+        .map_err(|message| ApiError::new(ErrorKind::NotFound, message))
 }
 
-/// OpenAI's model object (`created`: the server's start; typed clients need an integer there),
-/// with what the model and this server allow under `klein` (OpenAI clients keep unknown fields):
-/// the web page shows its controls from it.
+/// The model object of this server ([`models::model_object`]), with its `--max-pixels`.
 fn model_object(state: &AppState) -> serde_json::Value {
-    let model = &state.manifest.model;
-    serde_json::json!({
-        "id": state.model_name,
-        "object": "model",
-        "created": state.started,
-        "owned_by": "klein",
-        "klein": {
-            // "flux2" (FLUX.2-klein) or "flux3" (FLUX.3 Image Klein).
-            "family": model.family,
-            "distilled": model.is_distilled,
-            // Base models take guidance and a negative prompt; distilled ones run without.
-            "guidance": !model.is_distilled,
-            "default_steps": model.default_steps,
-            "default_guidance": model.default_guidance,
-            "default_width": model.default_width,
-            "default_height": model.default_height,
-            "pixel_multiple": state.manifest.latents.pixel_multiple,
-            "min_side": klein::limits::MIN_SIDE,
-            "max_side": klein::limits::MAX_SIDE,
-            "max_steps": klein::limits::MAX_STEPS,
-            "max_images": klein::limits::MAX_BATCH,
-            "max_references": klein::limits::MAX_REFERENCES,
-            "max_loras": klein::limits::MAX_LORAS,
-            "max_pixels": state.workers.max_pixels,
-        },
-    })
+    let max_pixels = Some(state.workers.max_pixels);
+    models::model_object(
+        &state.manifest,
+        &state.model_name,
+        state.started,
+        max_pixels,
+    )
 }
 
 /// Seconds since the Unix epoch (0 on a clock set before it).
