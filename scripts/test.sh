@@ -46,12 +46,14 @@ if ! command -v chromium >/dev/null; then
     fi
 fi
 # The Python tests: the export tool's (export/tests) and the runtime's from Python (tests/python: the
-# bindings, the server, the web page, Ray). Two processes, a test file each at a time (its module
-# fixtures built once): most of the time is exporting tiny checkpoints, single-threaded Python.
+# bindings, the server, the web page, Ray). Three processes, a test file each at a time (its module
+# fixtures built once): most of the time is exporting tiny checkpoints, single-threaded Python, and a
+# third process keeps both cores of a 2-core host busy while one waits (for a convert another
+# process holds the export cache's lock on, for a server, for Ray).
 # Their fixtures' converts share an export cache (export/tests/conftest.py), emptied here: the two
 # processes, and the int8 run below, copy the components exported once.
 rm -rf target/test-export-cache
-python -m pytest -q -n 2 --dist loadfile --durations=15 export/tests tests/python
+python -m pytest -q -n 3 --dist loadfile --durations=15 export/tests tests/python
 # The int8 checks again as on a CPU without VNNI (AVX2 only: AMD Zen 1-3, Intel before Ice Lake),
 # whatever this host has: ONNX Runtime, the Python bindings and the CLI are run from copies whose CPUID
 # answers "AVX2, no VNNI" (benches/avx2-host.sh, patched mode; the Rust side is tests/it/avx2_host.rs).
