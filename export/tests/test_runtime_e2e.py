@@ -56,6 +56,9 @@ CASES = [
 ]
 
 
+OUT_LAYERS = (2, 5, 7)
+
+
 @pytest.fixture(scope="module")
 def unseen(tmp_path_factory):
     root = tmp_path_factory.mktemp("unseen")
@@ -63,7 +66,10 @@ def unseen(tmp_path_factory):
         root / "ckpt",
         seed=1234,
         transformer_overrides={"num_layers": 3, "num_single_layers": 1, "num_attention_heads": 3},
-        qwen_overrides={"intermediate_size": 64, "num_hidden_layers": 30},
+        # 8 text-encoder layers, 2, 5 and 7 stacked (recorded in model_index.json, given to diffusers;
+        # the exporter still cuts the last): the tiny checkpoint's 28 cover the default (9, 18, 27).
+        qwen_overrides={"intermediate_size": 64, "num_hidden_layers": 8},
+        out_layers=OUT_LAYERS,
         vae_overrides={"block_out_channels": (32, 32, 64, 64), "norm_num_groups": 16},
     )
     bundle = convert(ckpt, root / "bundle", variant="tiny", log=lambda _: None)
@@ -91,6 +97,7 @@ def test_klein_cli_equals_diffusers(unseen, case, tmp_path):
             num_inference_steps=case["steps"],
             guidance_scale=1.0,
             generator=torch.Generator("cpu").manual_seed(case["seed"]),
+            text_encoder_out_layers=OUT_LAYERS,
         ).images[0]
     want = np.array(want)
 
