@@ -18,6 +18,7 @@ import pytest
 from klein_binary import KLEIN
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
+FAKE_HUB = {}  # "server": the running FakeHub server of the `hub` fixture
 
 
 class FakeHub(BaseHTTPRequestHandler):
@@ -77,6 +78,8 @@ class FakeHub(BaseHTTPRequestHandler):
             data = (folder / file).read_bytes()
             headers = [("X-Repo-Commit", COMMIT), ("ETag", f'"{hashlib.sha256(data).hexdigest()}"')]
             wanted = self.headers.get("Range", "").removeprefix("bytes=")
+            if self.command == "GET" and wanted != "0-0":  # bytes sent, not a size asked
+                self.server.sent.append(f"{repo_id}/{file}")
             if not wanted:
                 return self._send(200, data, headers)
             # A byte range (hf-hub asks `bytes=0-0` for a file's size, then downloads by ranges).
@@ -110,7 +113,9 @@ def hub(tiny_checkpoint, tiny_bundle, tmp_path_factory):
         "org/tampered": tampered,
         "org/gated": "gated",
     }
+    server.sent = []  # the files whose bytes were sent, by "repo/path"
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    FAKE_HUB["server"] = server
     yield f"http://127.0.0.1:{server.server_address[1]}", served
     server.shutdown()
 
@@ -258,6 +263,7 @@ def test_the_runtime_fetches_a_bundle_repository_by_id_and_checks_it(hub, tiny_b
     fetched = generate("org/klein-tiny-bundle", tmp_path / "hub.png")
     assert fetched.returncode == 0, fetched.stderr
     assert "fetching org/klein-tiny-bundle from the Hugging Face Hub" in fetched.stderr, fetched.stderr
+    assert "org/klein-tiny-bundle/transformer.onnx" in FAKE_HUB["server"].sent
     assert (tmp_path / "hub.png").read_bytes() == (tmp_path / "want.png").read_bytes()
     installed = models / "klein-tiny-bundle"
     assert {p.name: p.read_bytes() for p in installed.iterdir()} == {
@@ -267,6 +273,12 @@ def test_the_runtime_fetches_a_bundle_repository_by_id_and_checks_it(hub, tiny_b
     # Installed: no Hub needed (an endpoint where nothing listens).
     again = generate("org/klein-tiny-bundle", tmp_path / "again.png", HF_ENDPOINT="http://127.0.0.1:9")
     assert again.returncode == 0 and "fetching" not in again.stderr, again.stderr
+    # Online into another models folder: the Hub's commit is the cached one, so no file is sent again.
+    server = FAKE_HUB["server"]
+    sent = len(server.sent)
+    cached = generate("org/klein-tiny-bundle", tmp_path / "cached.png", KLEIN_MODELS_DIR=str(tmp_path / "m1"))
+    assert cached.returncode == 0 and "fetching" in cached.stderr, cached.stderr
+    assert server.sent[sent:] == [], server.sent[sent:]
     # HF_HUB_OFFLINE: from the cache that first download filled, into another models folder...
     offline = generate(
         "org/klein-tiny-bundle", tmp_path / "offline.png", HF_HUB_OFFLINE="1", KLEIN_MODELS_DIR=str(tmp_path / "m2")

@@ -87,29 +87,32 @@ struct ManifestFiles {
     files: BTreeMap<String, FileEntry>,
 }
 
-/// One file of the repository: from the cache, else (online) downloaded into it.
+/// One file of the repository. Online: from the cache's snapshot of the commit the Hub names now,
+/// else downloaded into it (a repository updated since the last fetch gives its new files).
+/// Offline: from the cache's snapshot of the revision.
 struct Source {
     repo_id: String,
     cache: hf_hub::CacheRepo,
-    api: Option<ApiRepo>,
+    /// The Hub client and the cache's snapshot folder of the Hub's current commit (online only).
+    api: Option<(ApiRepo, PathBuf)>,
 }
 
 impl Source {
     fn get(&self, file: &str) -> Result<PathBuf> {
-        if let Some(path) = self.cache.get(file) {
-            return Ok(path);
-        }
         match &self.api {
-            Some(api) => api
+            Some((_, snapshot)) if snapshot.join(file).is_file() => Ok(snapshot.join(file)),
+            Some((api, _)) => api
                 .download(file)
                 .map_err(|e| explain(&self.repo_id, Some(file), e)),
-            None => Err(hub_error(
-                &self.repo_id,
-                format!(
-                    "{file} is not in the Hugging Face cache, and HF_HUB_OFFLINE is set: download \
-                     it where the Hub is reachable, or pass a bundle directory"
-                ),
-            )),
+            None => self.cache.get(file).ok_or_else(|| {
+                hub_error(
+                    &self.repo_id,
+                    format!(
+                        "{file} is not in the Hugging Face cache, and HF_HUB_OFFLINE is set: \
+                         download it where the Hub is reachable, or pass a bundle directory"
+                    ),
+                )
+            }),
         }
     }
 }
@@ -164,7 +167,12 @@ pub fn fetch(
                 format!("holds no {MANIFEST_FILE}: it is not a klein bundle (nor a diffusers checkpoint)"),
             ));
         }
-        Some(api)
+        let snapshot = cache
+            .path()
+            .join(repo.folder_name())
+            .join("snapshots")
+            .join(&info.sha);
+        Some((api, snapshot))
     };
     let source = Source {
         repo_id: repo_id.to_string(),
