@@ -66,19 +66,31 @@ fn explain(repo: &str, file: Option<&str>, error: ApiError) -> KleinError {
             Some(file) => format!("the repository has no {file}"),
             None => "a file is missing from the repository".to_string(),
         },
-        Some((401 | 404, _)) => "no such model repository on the Hub (or a private one: check \
-             the id, or log in with `hf auth login` or set HF_TOKEN)"
-            .to_string(),
+        Some((401 | 404, _)) => format!(
+            "{}no such model repository on the Hub (or a private one: check the id, or log in \
+             with `hf auth login` or set HF_TOKEN)",
+            not_here(file)
+        ),
         Some((403, _)) => format!(
             "the Hub refused access (HTTP 403): accept the terms on {page}, or check HF_TOKEN"
         ),
         Some((code, _)) => format!("the Hub answered HTTP {code} ({error})"),
         None => format!(
-            "the Hub cannot be reached ({error}); set HF_HUB_OFFLINE=1 to use the Hugging Face \
-             cache only, or pass a bundle directory"
+            "{}the Hub cannot be reached ({error}); set HF_HUB_OFFLINE=1 to use the Hugging Face \
+             cache only, or pass a bundle directory",
+            not_here(file)
         ),
     };
     hub_error(repo, reason)
+}
+
+/// Where the repository itself was asked for (`file` None), the id was also a path that does not
+/// exist: a mistyped bundle directory reads as a Hub id, and the message says both.
+fn not_here(file: Option<&str>) -> &'static str {
+    match file {
+        None => "no such directory here, and ",
+        Some(_) => "",
+    }
 }
 
 /// The `files` of a bundle's manifest: all `fetch` needs before the bundle is whole.
@@ -105,10 +117,12 @@ impl Source {
                 .download(file)
                 .map_err(|e| explain(&self.repo_id, Some(file), e)),
             None => self.cache.get(file).ok_or_else(|| {
+                // The manifest is asked for first: without it, the id may be a mistyped path.
+                let here = not_here((file != MANIFEST_FILE).then_some(file));
                 hub_error(
                     &self.repo_id,
                     format!(
-                        "{file} is not in the Hugging Face cache, and HF_HUB_OFFLINE is set: \
+                        "{here}{file} is not in the Hugging Face cache, and HF_HUB_OFFLINE is set: \
                          download it where the Hub is reachable, or pass a bundle directory"
                     ),
                 )

@@ -322,12 +322,22 @@ fn parse_vae_tile_size(text: &str) -> Result<u32, String> {
 }
 
 /// The bundle to use: `--model`, else `$KLEIN_MODEL` (when not empty, as the Python module
-/// reads it), else the bundled tiny model.
+/// reads it), else the bundled tiny model. A Hub id of a bundle repository not installed yet is
+/// fetched and installed first.
 pub(crate) fn default_model(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    model_dir(model, true)
+}
+
+/// [`default_model`] without fetching anything: a Hub id not installed stays as it is.
+pub(crate) fn local_model(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    model_dir(model, false)
+}
+
+fn model_dir(model: Option<PathBuf>, fetch: bool) -> anyhow::Result<PathBuf> {
     let from_env = || std::env::var_os("KLEIN_MODEL").filter(|m| !m.is_empty());
     match model.or_else(|| from_env().map(PathBuf::from)) {
-        // A name or Hub id of an installed model (`klein-export pull`) is its bundle directory; a
-        // Hub id of a bundle repository not installed yet is fetched and installed first.
+        // A name or Hub id of an installed model (`klein-export pull`) is its bundle directory.
+        Some(model) if !fetch => Ok(klein::bundle::installed::resolve(&model)),
         Some(model) => {
             use klein::bundle::installed::{default_name, locate, models_dir, resolve};
             let hub_id = model.to_str().filter(|text| default_name(text).is_some());

@@ -17,7 +17,7 @@ use serde::Serialize;
 /// A line's inpainting inputs: source image, mask, strength and mask crop padding.
 type InpaintFiles<'a> = (Option<&'a Path>, Option<&'a Path>, Option<f64>, Option<u32>);
 
-use crate::args::{default_model, pipeline_options, GenerateArgs};
+use crate::args::{default_model, local_model, pipeline_options, GenerateArgs};
 use crate::jsonl::{parse_batch, BatchLine};
 use crate::report::Reporter;
 use crate::{is_user_error, UsageError};
@@ -376,7 +376,7 @@ fn run_batch(
     }
     if to_run.is_empty() {
         // No line loads the pipeline (all done or refused): the summary still names the model.
-        run.model = default_model(args.load.model.clone())
+        run.model = local_model(args.load.model.clone())
             .ok()
             .and_then(|bundle| klein::bundle::Manifest::load(&bundle).ok())
             .map(|manifest| manifest.model.name);

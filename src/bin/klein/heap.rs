@@ -7,7 +7,7 @@ use klein::bundle::Manifest;
 use klein::pipeline::VaeTiling;
 use klein::runtime::{retain_freed_memory, start_tunables, GLIBC_TUNABLES};
 
-use crate::args::{default_model, Command, LoadArgs};
+use crate::args::{local_model, Command, LoadArgs};
 
 /// What [`tune_heap`] left the heap with, for `--timings`.
 static SETTING: OnceLock<String> = OnceLock::new();
@@ -45,7 +45,7 @@ pub(crate) fn heap_setting() -> &'static str {
 /// in 23.6-26.8 against 27.2-28.7 s, 55.4 against 52.6-53.9 s end to end. False where the
 /// manifest cannot be read: the command then says why itself.
 fn runs_a_float_transformer(load: &LoadArgs) -> bool {
-    default_model(load.model.clone())
+    local_model(load.model.clone())
         .and_then(|model| Ok(Manifest::load(&model)?))
         .is_ok_and(|manifest| manifest.graphs.transformer.quantization.is_none())
 }
